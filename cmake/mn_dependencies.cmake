@@ -1,0 +1,43 @@
+# Finds the packages the build uses (all from Debian 12; CUDA from /usr/local/cuda).
+include(GNUInstallDirs)
+find_package(Eigen3 3.3 REQUIRED NO_MODULE)
+find_package(OpenMP REQUIRED)
+find_package(ZLIB REQUIRED)
+find_package(benchmark QUIET)
+
+# Eigen must not start its own BLAS threads beside OpenMP: we use Eigen's own GEMM, parallelised with
+# OpenMP, and never link a threaded OpenBLAS (see engine notes: the two fight over the cores).
+
+# ---- CUDA (AUTO: on when a CUDA compiler is found) ----
+set(MN_CUDA_ENABLED OFF)
+if(NOT MN_WITH_CUDA STREQUAL "OFF")
+  if(NOT CMAKE_CUDA_COMPILER AND EXISTS /usr/local/cuda/bin/nvcc)
+    set(CMAKE_CUDA_COMPILER /usr/local/cuda/bin/nvcc)
+  endif()
+  include(CheckLanguage)
+  check_language(CUDA)
+  if(CMAKE_CUDA_COMPILER)
+    if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES)
+      # H100/H200 (sm_90) machine code plus PTX for newer GPUs.
+      set(CMAKE_CUDA_ARCHITECTURES "90-real;90-virtual")
+    endif()
+    enable_language(CUDA)
+    set(CMAKE_CUDA_STANDARD 20)
+    set(CMAKE_CUDA_STANDARD_REQUIRED ON)
+    find_package(CUDAToolkit REQUIRED)
+    set(MN_CUDA_ENABLED ON)
+  elseif(MN_WITH_CUDA STREQUAL "ON")
+    message(FATAL_ERROR "MN_WITH_CUDA=ON but no CUDA compiler was found")
+  endif()
+endif()
+
+# ---- Gloo (AUTO: on when Debian's libgloo-dev is installed) ----
+set(MN_GLOO_ENABLED OFF)
+if(NOT MN_WITH_GLOO STREQUAL "OFF")
+  find_package(Gloo QUIET)
+  if(Gloo_FOUND OR TARGET gloo)
+    set(MN_GLOO_ENABLED ON)
+  elseif(MN_WITH_GLOO STREQUAL "ON")
+    message(FATAL_ERROR "MN_WITH_GLOO=ON but Gloo was not found (apt-get install libgloo-dev)")
+  endif()
+endif()

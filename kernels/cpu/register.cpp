@@ -1,0 +1,26 @@
+// Fills the CPU column of the op table; each family registers its own kernels.
+#include "kernels/kernels.h"
+
+namespace mn::kernels {
+
+void register_cpu_elementwise();  // kernels/cpu/elementwise.cpp: unary, binary, where, fill, copy, random_fill
+void register_cpu_reduce();       // kernels/cpu/reduce.cpp: reduce, arg_reduce, var
+void register_cpu_index();        // kernels/cpu/index.cpp: index_select, index_add
+void register_cpu_linalg();       // kernels/cpu/linalg.cpp: gemm
+void register_cpu_softmax();      // kernels/cpu/softmax.cpp: softmax, softmax_backward, cross_entropy_*
+void register_cpu_conv();         // kernels/cpu/conv.cpp: conv2d_*
+void register_cpu_pool();         // kernels/cpu/pool.cpp: max/avg pool2d
+void register_cpu_batch_norm();   // kernels/cpu/batch_norm.cpp
+
+void register_cpu_kernels() {
+  register_cpu_elementwise();
+  register_cpu_reduce();
+  register_cpu_index();
+  register_cpu_linalg();
+  register_cpu_softmax();
+  register_cpu_conv();
+  register_cpu_pool();
+  register_cpu_batch_norm();
+}
+
+}  // namespace mn::kernels

@@ -1,0 +1,42 @@
+#pragma once
+// The op table: one slot per device type for each kernel. Backends fill their slots in an explicit
+// registration function (static initialisers are unreliable inside static libraries); the first
+// lookup of an empty slot runs registration once and then reports a missing kernel clearly.
+#include <array>
+#include <utility>
+
+#include "core/device.h"
+#include "core/error.h"
+
+namespace mn::kernels {
+
+void ensure_registered();  // runs every backend's registration once
+
+template <class Fn>
+class Op {
+ public:
+  explicit constexpr Op(const char* name) : name_(name) {}
+  void set(DeviceType type, Fn* fn) { impl_[static_cast<int>(type)] = fn; }
+  bool has(DeviceType type) const { return impl_[static_cast<int>(type)] != nullptr; }
+  const char* name() const { return name_; }
+
+  template <class... A>
+  decltype(auto) operator()(Device device, A&&... args) const {
+    Fn* fn = impl_[static_cast<int>(device.type)];
+    if (fn == nullptr) fn = resolve(device);
+    return fn(std::forward<A>(args)...);
+  }
+
+ private:
+  Fn* resolve(Device device) const {
+    ensure_registered();
+    Fn* fn = impl_[static_cast<int>(device.type)];
+    MN_CHECK(fn != nullptr, NotImplementedError, "kernel '", name_, "' is not implemented for device ",
+             device.str(), device.is_cuda() ? " (this build has no CUDA backend)" : "");
+    return fn;
+  }
+  const char* name_;
+  std::array<Fn*, kNumDeviceTypes> impl_{};
+};
+
+}  // namespace mn::kernels

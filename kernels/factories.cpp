@@ -1,0 +1,126 @@
+// Tensor factories: allocation from the device's caching allocator, constant fills, ranges and
+// Philox random fills.
+#include <cmath>
+
+#include "kernels/kernels.h"
+
+namespace mn {
+
+Tensor empty(const Shape& shape, TensorOptions opts) {
+  for (int64_t s : shape) MN_CHECK(s >= 0, ValueError, "negative dimension in shape ", shape);
+  auto impl = std::make_shared<TensorImpl>();
+  impl->storage = std::make_shared<Storage>(static_cast<size_t>(shape.numel()) * dtype_size(opts.dtype), opts.device);
+  impl->sizes = shape;
+  impl->strides = contiguous_strides(shape);
+  impl->dtype = opts.dtype;
+  Tensor t(std::move(impl));
+  if (opts.requires_grad) t.requires_grad_(true);
+  return t;
+}
+
+Tensor make_view(const std::shared_ptr<Storage>& storage, const Shape& sizes, const Shape& strides, int64_t offset,
+                 DType dtype) {
+  auto impl = std::make_shared<TensorImpl>();
+  impl->storage = storage;
+  impl->sizes = sizes;
+  impl->strides = strides;
+  impl->offset = offset;
+  impl->dtype = dtype;
+  return Tensor(std::move(impl));
+}
+
+Tensor full(const Shape& shape, double value, TensorOptions opts) {
+  const bool rg = opts.requires_grad;
+  opts.requires_grad = false;
+  Tensor t = empty(shape, opts);
+  kernels::fill(t.device(), t, value);
+  if (rg) t.requires_grad_(true);
+  return t;
+}
+Tensor zeros(const Shape& shape, TensorOptions opts) { return full(shape, 0.0, opts); }
+Tensor ones(const Shape& shape, TensorOptions opts) { return full(shape, 1.0, opts); }
+Tensor zeros_like(const Tensor& t) { return zeros(t.sizes(), TensorOptions(t.dtype()).with_device(t.device())); }
+Tensor ones_like(const Tensor& t) { return ones(t.sizes(), TensorOptions(t.dtype()).with_device(t.device())); }
+Tensor empty_like(const Tensor& t) { return empty(t.sizes(), TensorOptions(t.dtype()).with_device(t.device())); }
+Tensor full_like(const Tensor& t, double value) {
+  return full(t.sizes(), value, TensorOptions(t.dtype()).with_device(t.device()));
+}
+Tensor scalar_tensor(double value, TensorOptions opts) { return full({}, value, opts); }
+
+Tensor arange(double start, double end, double step, TensorOptions opts) {
+  MN_CHECK(step != 0, ValueError, "arange: step must be non-zero");
+  MN_CHECK((end - start) / step >= 0 || start == end, ValueError, "arange: range [", start, ", ", end,
+           ") is empty or reversed for step ", step);
+  const int64_t n = std::max<int64_t>(0, static_cast<int64_t>(std::ceil((end - start) / step)));
+  Tensor host = empty({n}, TensorOptions(opts.dtype));
+  if (opts.dtype == DType::f32) {
+    float* p = host.data<float>();
+    for (int64_t i = 0; i < n; ++i) p[i] = static_cast<float>(start + i * step);
+  } else {
+    int64_t* p = host.data<int64_t>();
+    for (int64_t i = 0; i < n; ++i) p[i] = static_cast<int64_t>(start + i * step);
+  }
+  Tensor t = opts.device.is_cpu() ? host : host.to(opts.device);
+  if (opts.requires_grad) t.requires_grad_(true);
+  return t;
+}
+Tensor arange(int64_t end, TensorOptions opts) { return arange(0.0, static_cast<double>(end), 1.0, opts); }
+
+namespace {
+Tensor random_tensor(const Shape& shape, Distribution dist, double p1, double p2, TensorOptions opts, Generator* gen) {
+  check_distribution_params(dist, p1, p2);
+  const bool rg = opts.requires_grad;
+  opts.requires_grad = false;
+  Tensor t = empty(shape, opts);
+  Generator& g = gen ? *gen : default_generator();
+  kernels::random_fill(t.device(), t, dist, p1, p2, g.reserve(t.numel()));
+  if (rg) t.requires_grad_(true);
+  return t;
+}
+}  // namespace
+
+Tensor rand(const Shape& shape, TensorOptions opts, Generator* gen) {
+  return random_tensor(shape, Distribution::Uniform, 0.0, 1.0, opts, gen);
+}
+Tensor randn(const Shape& shape, TensorOptions opts, Generator* gen) {
+  return random_tensor(shape, Distribution::Normal, 0.0, 1.0, opts, gen);
+}
+Tensor uniform(const Shape& shape, double lo, double hi, TensorOptions opts, Generator* gen) {
+  return random_tensor(shape, Distribution::Uniform, lo, hi, opts, gen);
+}
+Tensor normal(const Shape& shape, double mean, double std, TensorOptions opts, Generator* gen) {
+  return random_tensor(shape, Distribution::Normal, mean, std, opts, gen);
+}
+Tensor bernoulli(const Shape& shape, double p, TensorOptions opts, Generator* gen) {
+  return random_tensor(shape, Distribution::Bernoulli, p, 0.0, opts, gen);
+}
+Tensor rademacher(const Shape& shape, TensorOptions opts, Generator* gen) {
+  return random_tensor(shape, Distribution::Rademacher, 0.0, 0.0, opts, gen);
+}
+
+namespace {
+template <class T>
+Tensor from_values(const std::vector<T>& values, const Shape& shape, TensorOptions opts) {
+  Shape s = shape.empty() && values.size() != 1 ? Shape{static_cast<int64_t>(values.size())} : shape;
+  if (shape.empty() && values.size() == 1) s = Shape{1};
+  MN_CHECK(s.numel() == static_cast<int64_t>(values.size()), ValueError, "from_vector: ", values.size(),
+           " values do not fill shape ", s);
+  const bool rg = opts.requires_grad;
+  Tensor host = empty(s, TensorOptions(dtype_of<T>::value));
+  std::copy(values.begin(), values.end(), host.data<T>());
+  Tensor t = host;
+  if (opts.dtype != dtype_of<T>::value) t = t.to(opts.dtype);
+  if (!opts.device.is_cpu()) t = t.to(opts.device);
+  if (rg) t.requires_grad_(true);
+  return t;
+}
+}  // namespace
+
+Tensor from_vector(const std::vector<float>& values, const Shape& shape, TensorOptions opts) {
+  return from_values(values, shape, opts);
+}
+Tensor from_vector(const std::vector<int64_t>& values, const Shape& shape, TensorOptions opts) {
+  return from_values(values, shape, opts);
+}
+
+}  // namespace mn

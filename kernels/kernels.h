@@ -1,0 +1,162 @@
+#pragma once
+// Every kernel of the engine, by family. A kernel takes tensors whose shapes the op layer has already
+// checked and broadcast (inputs of elementwise kernels are expanded views of the output's shape,
+// possibly with zero or arbitrary strides) and writes preallocated outputs. The CPU versions live in
+// kernels/cpu/<family>.cpp, the CUDA twins in kernels/cuda/<family>.cu; both must agree.
+#include <cstdint>
+
+#include "core/random.h"
+#include "core/tensor.h"
+#include "kernels/dispatch.h"
+
+namespace mn::kernels {
+
+// ---- elementwise ----
+enum class UnaryOp : uint8_t {
+  Neg, Exp, Log, Log1p, Sqrt, Rsqrt, Abs, Sign, Relu, Gelu, Tanh, Sigmoid, Softplus, Square,
+  Reciprocal, Sin, Cos, Erf,
+  PowScalar,   // x ^ alpha
+  Clamp,       // min(max(x, alpha), beta)
+  AddScalar,   // x + alpha
+  MulScalar,   // x * alpha
+  RDivScalar,  // alpha / x
+  RSubScalar,  // alpha - x
+};
+// out may alias in (in-place). Dtype of in and out are equal (f32), except Neg/Abs/Sign/AddScalar/
+// MulScalar/Clamp which also take i64.
+using UnaryFn = void(UnaryOp op, const Tensor& in, Tensor& out, double alpha, double beta);
+inline Op<UnaryFn> unary("unary");
+
+enum class BinaryOp : uint8_t {
+  Add, Sub, Mul, Div, Pow, Maximum, Minimum,
+  Eq, Ne, Lt, Le, Gt, Ge,  // out f32 0/1 (inputs f32 or i64, same dtype)
+  ReluBackward,            // a = grad, b = x:  a * (x > 0)
+  GeluBackward,            // a = grad, b = x:  a * gelu'(x)   (erf form)
+  TanhBackward,            // a = grad, b = y:  a * (1 - y^2)
+  SigmoidBackward,         // a = grad, b = y:  a * y * (1 - y)
+  SoftplusBackward,        // a = grad, b = x:  a * sigmoid(x)
+};
+// a and b have out's shape (expanded views); out may alias a.
+using BinaryFn = void(BinaryOp op, const Tensor& a, const Tensor& b, Tensor& out);
+inline Op<BinaryFn> binary("binary");
+
+// out = cond != 0 ? a : b (all expanded to out's shape; cond f32).
+using WhereFn = void(const Tensor& cond, const Tensor& a, const Tensor& b, Tensor& out);
+inline Op<WhereFn> where("where");
+
+using FillFn = void(Tensor& out, double value);
+inline Op<FillFn> fill("fill");
+
+// dst = src elementwise (same shape; src may be expanded; converts dtype).
+using CopyFn = void(const Tensor& src, Tensor& dst);
+inline Op<CopyFn> copy("copy");
+
+// Contiguous out filled from the Philox stream (see core/random.h).
+using RandomFn = void(Tensor& out, Distribution dist, double p1, double p2, const PhiloxState& state);
+inline Op<RandomFn> random_fill("random_fill");
+
+// ---- reductions ----
+enum class ReduceOp : uint8_t { Sum, Mean, Max, Min, Prod, Norm /* p-norm, p = param */ };
+// out has in's shape with size 1 in the reduced dims (bit d of dim_mask set = reduce dim d);
+// out contiguous. An empty reduction of Sum gives 0, Mean NaN; Max/Min of an empty set is refused
+// by the op layer.
+using ReduceFn = void(ReduceOp op, const Tensor& in, uint32_t dim_mask, Tensor& out, double param);
+inline Op<ReduceFn> reduce("reduce");
+
+// Max/Min over one dim with the index of the first extreme value (NaN counts as the extreme).
+using ArgReduceFn = void(ReduceOp op, const Tensor& in, int dim, Tensor& values, Tensor& indices);
+inline Op<ArgReduceFn> arg_reduce("arg_reduce");
+
+// Variance over the masked dims with Bessel-style correction (0 = biased, 1 = unbiased).
+using VarFn = void(const Tensor& in, uint32_t dim_mask, double correction, Tensor& out);
+inline Op<VarFn> var("var");
+
+// ---- indexing ----
+// out = in.index_select(dim, index) (index i64 1-D; bounds checked by the kernel -> IndexError).
+using IndexSelectFn = void(const Tensor& in, int dim, const Tensor& index, Tensor& out);
+inline Op<IndexSelectFn> index_select("index_select");
+// out.index_select(dim, index) += src  (accumulates repeated indices).
+using IndexAddFn = void(Tensor& out, int dim, const Tensor& index, const Tensor& src);
+inline Op<IndexAddFn> index_add("index_add");
+
+// ---- linear algebra ----
+// out = alpha * a @ b + beta * out. a: [M,K] or [B,M,K]; b: [K,N] or [B,K,N]; out: [M,N] or [B,M,N]
+// contiguous. a and b may be transposed views; a batch stride of 0 broadcasts.
+using GemmFn = void(const Tensor& a, const Tensor& b, Tensor& out, double alpha, double beta);
+inline Op<GemmFn> gemm("gemm");
+
+// ---- softmax ----
+using SoftmaxFn = void(const Tensor& in, int dim, bool log, Tensor& out);
+inline Op<SoftmaxFn> softmax("softmax");
+// grad_in from grad of the output and the output itself.
+using SoftmaxBackwardFn = void(const Tensor& grad_out, const Tensor& out, int dim, bool log, Tensor& grad_in);
+inline Op<SoftmaxBackwardFn> softmax_backward("softmax_backward");
+
+// ---- losses ----
+// logits [N, C] f32, target [N] i64 class indices. loss[n] = (1-s) * -log p[target] + s * mean_c(-log p_c)
+// (0 where target == ignore_index); lse[n] = logsumexp of row n (saved for backward). Out-of-range
+// targets -> IndexError naming the value and C.
+using CrossEntropyFn = void(const Tensor& logits, const Tensor& target, double smoothing, int64_t ignore_index,
+                            Tensor& loss, Tensor& lse);
+inline Op<CrossEntropyFn> cross_entropy_forward("cross_entropy_forward");
+// grad_logits[n, c] = grad_loss[n] * (softmax[n, c] - (1-s) * [c == target] - s / C)
+using CrossEntropyBackwardFn = void(const Tensor& grad_loss, const Tensor& logits, const Tensor& target,
+                                    const Tensor& lse, double smoothing, int64_t ignore_index, Tensor& grad_logits);
+inline Op<CrossEntropyBackwardFn> cross_entropy_backward("cross_entropy_backward");
+
+// ---- convolution (NCHW, im2col + GEMM) ----
+struct Conv2dParams {
+  int64_t stride_h = 1, stride_w = 1;
+  int64_t pad_h = 0, pad_w = 0;
+  int64_t dilation_h = 1, dilation_w = 1;
+  int64_t groups = 1;
+};
+// x [N,C,H,W], weight [O,C/groups,KH,KW], bias [O] or undefined; out [N,O,OH,OW].
+using Conv2dFn = void(const Tensor& x, const Tensor& weight, const Tensor& bias, const Conv2dParams& p, Tensor& out);
+inline Op<Conv2dFn> conv2d_forward("conv2d_forward");
+using Conv2dBackwardInputFn = void(const Tensor& grad_out, const Tensor& weight, const Conv2dParams& p, Tensor& grad_x);
+inline Op<Conv2dBackwardInputFn> conv2d_backward_input("conv2d_backward_input");
+// grad_bias may be undefined (no bias).
+using Conv2dBackwardWeightFn = void(const Tensor& grad_out, const Tensor& x, const Conv2dParams& p,
+                                    Tensor& grad_weight, Tensor& grad_bias);
+inline Op<Conv2dBackwardWeightFn> conv2d_backward_weight("conv2d_backward_weight");
+
+// ---- pooling (NCHW) ----
+struct Pool2dParams {
+  int64_t kernel_h = 2, kernel_w = 2;
+  int64_t stride_h = 2, stride_w = 2;
+  int64_t pad_h = 0, pad_w = 0;
+  bool ceil_mode = false;
+  bool count_include_pad = true;  // avg pool only
+};
+// indices: flat h*W+w position of the max within each input plane (i64).
+using MaxPool2dFn = void(const Tensor& x, const Pool2dParams& p, Tensor& out, Tensor& indices);
+inline Op<MaxPool2dFn> max_pool2d_forward("max_pool2d_forward");
+using MaxPool2dBackwardFn = void(const Tensor& grad_out, const Tensor& indices, Tensor& grad_x);
+inline Op<MaxPool2dBackwardFn> max_pool2d_backward("max_pool2d_backward");
+using AvgPool2dFn = void(const Tensor& x, const Pool2dParams& p, Tensor& out);
+inline Op<AvgPool2dFn> avg_pool2d_forward("avg_pool2d_forward");
+using AvgPool2dBackwardFn = void(const Tensor& grad_out, const Pool2dParams& p, Tensor& grad_x);
+inline Op<AvgPool2dBackwardFn> avg_pool2d_backward("avg_pool2d_backward");
+
+// ---- batch norm (x [N,C,*]) ----
+// Training: normalise with batch statistics (biased variance), write save_mean/save_invstd [C], and
+// update running stats in place when defined: r = (1-m) r + m * stat (running_var uses the unbiased
+// variance). Eval: normalise with running stats; save_* receive them (mean, 1/sqrt(var+eps)).
+using BatchNormFn = void(const Tensor& x, const Tensor& weight, const Tensor& bias, Tensor& running_mean,
+                         Tensor& running_var, bool training, double momentum, double eps, Tensor& out,
+                         Tensor& save_mean, Tensor& save_invstd);
+inline Op<BatchNormFn> batch_norm_forward("batch_norm_forward");
+// grad_weight / grad_bias may be undefined (no affine). training selects the batch-statistics formula.
+using BatchNormBackwardFn = void(const Tensor& grad_out, const Tensor& x, const Tensor& weight,
+                                 const Tensor& save_mean, const Tensor& save_invstd, bool training,
+                                 Tensor& grad_x, Tensor& grad_weight, Tensor& grad_bias);
+inline Op<BatchNormBackwardFn> batch_norm_backward("batch_norm_backward");
+
+// Registration entry points of the backends (called once by ensure_registered).
+void register_cpu_kernels();
+#ifdef MN_WITH_CUDA
+void register_cuda_kernels();
+#endif
+
+}  // namespace mn::kernels
