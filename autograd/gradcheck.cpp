@@ -36,7 +36,7 @@ std::vector<double> numerical_gradient(const TensorFn& fn, const std::vector<Ten
   // Perturb through a contiguous host copy written back into x's own storage layout.
   std::vector<float> base = x.to_vector<float>();
   auto write = [&](const std::vector<float>& values) {
-    Tensor src = from_vector(values, x.sizes());
+    Tensor src = from_vector(values).reshape(x.sizes());
     Tensor dst = x.detach();
     dst.copy_(src.to(x.device()));
   };
@@ -90,7 +90,7 @@ std::string gradcheck(const TensorFn& fn, const std::vector<Tensor>& inputs, con
     }
   if (checked.empty()) return "gradcheck: no input requires grad";
   Tensor y = fn(inputs);
-  Tensor vt = from_vector(v, y.sizes()).to(y.device());
+  Tensor vt = from_vector(v).reshape(y.sizes()).to(y.device());
   // An output without history has a zero gradient (e.g. a second derivative that vanishes).
   std::vector<Tensor> grads(checked.size());
   if (y.requires_grad()) grads = grad({y}, checked, {vt}, false, false, /*allow_unused=*/true);
@@ -121,7 +121,7 @@ std::string gradgradcheck(const TensorFn& fn, const std::vector<Tensor>& inputs,
     for (const Tensor& t : xs)
       if (t.defined() && t.requires_grad()) cs.push_back(t);
     Tensor y = fn(xs);
-    Tensor vt = from_vector(v, y.sizes()).to(y.device());
+    Tensor vt = from_vector(v).reshape(y.sizes()).to(y.device());
     std::vector<Tensor> g = grad({y}, cs, {vt}, true, true, true);
     Tensor total = zeros({});
     for (size_t j = 0; j < g.size(); ++j)

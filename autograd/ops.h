@@ -76,11 +76,12 @@ std::pair<Tensor, Tensor> max(const Tensor& x, int64_t dim, bool keepdim = false
 std::pair<Tensor, Tensor> min(const Tensor& x, int64_t dim, bool keepdim = false);
 Tensor argmax(const Tensor& x, int64_t dim, bool keepdim = false);
 Tensor argmin(const Tensor& x, int64_t dim, bool keepdim = false);
-// correction: 0 = biased (population), 1 = unbiased (Bessel).
+// correction: 0 = biased (population), 1 = unbiased (Bessel). (std_dev, not std: a function named
+// std in namespace mn would make std:: ambiguous under `using namespace mn`.)
 Tensor var(const Tensor& x, const std::vector<int64_t>& dims, double correction = 1.0, bool keepdim = false);
-Tensor std(const Tensor& x, const std::vector<int64_t>& dims, double correction = 1.0, bool keepdim = false);
+Tensor std_dev(const Tensor& x, const std::vector<int64_t>& dims, double correction = 1.0, bool keepdim = false);
 Tensor var(const Tensor& x, double correction = 1.0);  // all elements
-Tensor std(const Tensor& x, double correction = 1.0);
+Tensor std_dev(const Tensor& x, double correction = 1.0);
 // p-norm over dims (all elements when dims is empty).
 Tensor norm(const Tensor& x, double p = 2.0, const std::vector<int64_t>& dims = {}, bool keepdim = false);
 Tensor logsumexp(const Tensor& x, int64_t dim, bool keepdim = false);

@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
+#include <iterator>
 
 #include "core/error.h"
 
@@ -69,7 +70,11 @@ std::string describe_bytes(int64_t bytes) {
     ++unit;
   }
   char readable[48];
-  std::snprintf(readable, sizeof readable, "%s%.2f %s", bytes < 0 ? "-" : "", scaled, units[unit]);
+  if (unit == 0) {
+    std::snprintf(readable, sizeof readable, "%lld B", static_cast<long long>(bytes));
+  } else {
+    std::snprintf(readable, sizeof readable, "%s%.2f %s", bytes < 0 ? "-" : "", scaled, units[unit]);
+  }
   return str(bytes, " bytes (", readable, ")");
 }
 

@@ -160,3 +160,27 @@ void register_cuda_kernels();
 #endif
 
 }  // namespace mn::kernels
+
+namespace mn::kernels {
+
+// ---- optimizer updates (in place on contiguous f32 tensors of one shape) ----
+struct AdamParams {
+  double lr, beta1, beta2, eps, weight_decay;
+  int64_t step;      // 1-based, for bias correction
+  bool decoupled;    // AdamW: p *= 1 - lr * wd before the update; Adam: g += wd * p
+};
+using AdamStepFn = void(Tensor& param, const Tensor& grad, Tensor& exp_avg, Tensor& exp_avg_sq, const AdamParams& p);
+inline Op<AdamStepFn> adam_step("adam_step");
+
+struct SgdParams {
+  double lr, momentum, dampening, weight_decay;
+  bool nesterov;
+  bool first_step;  // momentum buffer starts as a copy of the gradient
+};
+// momentum_buffer may be undefined when momentum == 0.
+using SgdStepFn = void(Tensor& param, const Tensor& grad, Tensor& momentum_buffer, const SgdParams& p);
+inline Op<SgdStepFn> sgd_step("sgd_step");
+
+void register_cpu_optim();  // kernels/cpu/optim.cpp
+
+}  // namespace mn::kernels

@@ -4,7 +4,9 @@
 
 #include <atomic>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <iterator>
 #include <map>
 #include <random>
 #include <string>
@@ -482,7 +484,13 @@ TEST_CASE("allocator: the CPU allocator returns 64-byte aligned memory") {
   for (const Allocation& a : live) cpu.free(a);
   CHECK(cpu.stats().allocated_bytes.current == allocated_before);
   empty_cache();
-  CHECK(memory_summary().find("reserved bytes") != std::string::npos);
+  const std::string summary = memory_summary();
+  CHECK(summary.find("reserved bytes") != std::string::npos);
+  const char* no_caching = std::getenv("MN_NO_CACHING");
+  const bool caching_expected = no_caching == nullptr || no_caching[0] == '\0' ||
+                                std::string(no_caching) == "0";
+  CHECK(caching_enabled() == caching_expected);
+  CHECK((summary.find("MN_NO_CACHING") == std::string::npos) == caching_expected);
   CHECK_THROWS_AS(allocator_for(Device(DeviceType::CPU, 1)), DeviceError);
 }
 

@@ -39,7 +39,13 @@ Shape infer_shape(const Shape& shape, int64_t numel, const Shape& from) {
 // Strides for viewing (sizes, strides) as new_sizes without copying, if possible.
 bool view_strides(const Shape& sizes, const Shape& strides, const Shape& new_sizes, Shape& out) {
   out = Shape::filled(new_sizes.size(), 1);
-  if (sizes.numel() == 0) {
+  bool contiguous = true;
+  int64_t expected = 1;
+  for (int d = sizes.size() - 1; d >= 0; --d) {
+    if (sizes[d] != 1 && strides[d] != expected) contiguous = false;
+    expected *= sizes[d];
+  }
+  if (sizes.numel() == 0 || contiguous) {
     out = contiguous_strides(new_sizes);
     return true;
   }

@@ -1,0 +1,54 @@
+# Installs the library, its public headers and a CMake package, so that another project writes
+#   find_package(mapping_networks CONFIG REQUIRED)
+#   target_link_libraries(app PRIVATE mn::mapping_networks)
+# and gets the same target name as a project that uses add_subdirectory (the alias mn::mapping_networks).
+include(GNUInstallDirs)
+include(CMakePackageConfigHelpers)
+
+# Consumers compile our headers, so C++20 is a usage requirement of the target, not only a setting
+# of this build (CMAKE_CXX_STANDARD does not travel with the exported target).
+target_compile_features(mapping_networks PUBLIC cxx_std_20)
+
+set(MN_INSTALL_CMAKEDIR ${CMAKE_INSTALL_LIBDIR}/cmake/mapping_networks)
+
+install(TARGETS mapping_networks
+  EXPORT mapping_networksTargets
+  ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}
+  LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR}
+  RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
+
+# Headers keep their layout (<prefix>/include/mapping_networks/core/tensor.h, ...), which is what the
+# target's INSTALL_INTERFACE include directory expects. Directories are read at install time, so a
+# header added later needs no re-configure.
+foreach(dir core kernels autograd nn mapping dist)
+  if(IS_DIRECTORY ${PROJECT_SOURCE_DIR}/${dir})
+    install(DIRECTORY ${PROJECT_SOURCE_DIR}/${dir}
+      DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/mapping_networks
+      FILES_MATCHING PATTERN "*.h")
+  endif()
+endforeach()
+
+install(EXPORT mapping_networksTargets
+  NAMESPACE mn::
+  DESTINATION ${MN_INSTALL_CMAKEDIR})
+
+# The config file re-finds the dependencies the exported target names (see the .in template).
+get_target_property(_mn_library_type mapping_networks TYPE)
+if(_mn_library_type STREQUAL "STATIC_LIBRARY")
+  set(MN_INSTALL_STATIC ON)
+else()
+  set(MN_INSTALL_STATIC OFF)
+endif()
+configure_package_config_file(
+  ${CMAKE_CURRENT_LIST_DIR}/mapping_networksConfig.cmake.in
+  ${PROJECT_BINARY_DIR}/mapping_networksConfig.cmake
+  INSTALL_DESTINATION ${MN_INSTALL_CMAKEDIR})
+# The API is still moving: only the same minor version is compatible while the major version is 0.
+write_basic_package_version_file(
+  ${PROJECT_BINARY_DIR}/mapping_networksConfigVersion.cmake
+  VERSION ${PROJECT_VERSION}
+  COMPATIBILITY SameMinorVersion)
+install(FILES
+  ${PROJECT_BINARY_DIR}/mapping_networksConfig.cmake
+  ${PROJECT_BINARY_DIR}/mapping_networksConfigVersion.cmake
+  DESTINATION ${MN_INSTALL_CMAKEDIR})

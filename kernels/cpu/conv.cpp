@@ -1,0 +1,313 @@
+// CPU 2-D convolution (NCHW) by im2col + GEMM, with stride, padding, dilation and groups.
+//   forward:          out[n, g]  = W_g [Og, Cg*KH*KW] @ col(x[n, g]) [Cg*KH*KW, OH*OW]   (+ bias)
+//   backward input:   grad_x[n, g] = col2im(W_g^T @ grad_out[n, g])
+//   backward weight:  grad_W_g = sum_n grad_out[n, g] @ col(x[n, g])^T
+// Work is split over the batch (one sample per thread at a time, with a per-thread column buffer);
+// a batch smaller than the thread count splits each product instead. The weight gradient sums the
+// batch in fixed chunks reduced in order, so no result depends on the thread count.
+#include <omp.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "kernels/cpu/eigen_gemm.h"
+#include "kernels/kernels.h"
+
+namespace mn::kernels {
+namespace {
+
+using cpu::MatrixRef;
+
+// The weight gradient is accumulated in at most this many partial sums over the batch.
+constexpr int64_t kWeightGradChunks = 16;
+// Passes with fewer multiply-adds than this run on one thread.
+constexpr int64_t kParallelWork = int64_t{1} << 16;
+
+struct ConvGeometry {
+  int64_t batch, channels, height, width;  // x
+  int64_t out_channels, kernel_h, kernel_w;
+  int64_t out_h, out_w;
+  int64_t groups, group_in, group_out;  // channels per group of x and of out
+  // x strides (elements), so that im2col reads any view
+  int64_t sx_n, sx_c, sx_h, sx_w;
+  Conv2dParams p;
+
+  int64_t col_rows() const { return group_in * kernel_h * kernel_w; }
+  int64_t out_plane() const { return out_h * out_w; }
+  int64_t col_size() const { return col_rows() * out_plane(); }
+  // A 1x1 kernel with unit stride and no padding reads x itself as the column matrix.
+  bool pointwise() const {
+    return kernel_h == 1 && kernel_w == 1 && p.stride_h == 1 && p.stride_w == 1 && p.pad_h == 0 && p.pad_w == 0 &&
+           sx_w == 1 && sx_h == width;
+  }
+};
+
+ConvGeometry geometry(const Tensor& x, const Shape& weight_shape, const Shape& out_shape, const Conv2dParams& p) {
+  MN_CHECK(x.dim() == 4 && weight_shape.size() == 4 && out_shape.size() == 4, ValueError,
+           "conv2d kernel: expected 4-D x, weight and output, got ", x.sizes(), ", ", weight_shape, ", ", out_shape);
+  ConvGeometry g;
+  g.batch = x.size(0), g.channels = x.size(1), g.height = x.size(2), g.width = x.size(3);
+  g.out_channels = weight_shape[0], g.kernel_h = weight_shape[2], g.kernel_w = weight_shape[3];
+  g.out_h = out_shape[2], g.out_w = out_shape[3];
+  g.groups = p.groups;
+  g.group_in = g.channels / p.groups;
+  g.group_out = g.out_channels / p.groups;
+  g.sx_n = x.stride(0), g.sx_c = x.stride(1), g.sx_h = x.stride(2), g.sx_w = x.stride(3);
+  g.p = p;
+  MN_CHECK(g.group_in == weight_shape[1] && g.group_in * p.groups == g.channels &&
+               g.group_out * p.groups == g.out_channels && out_shape[0] == g.batch && out_shape[1] == g.out_channels,
+           ValueError, "conv2d kernel: inconsistent shapes x ", x.sizes(), ", weight ", weight_shape, ", output ",
+           out_shape, " for groups ", p.groups);
+  return g;
+}
+
+Tensor dense(const Tensor& t) {
+  if (t.is_contiguous()) return t;
+  Tensor out = empty(t.sizes(), TensorOptions(t.dtype()));
+  copy(kCPU, t, out);
+  return out;
+}
+
+// Range [begin, end) of output positions o with 0 <= o * stride + offset < limit.
+std::pair<int64_t, int64_t> valid_range(int64_t offset, int64_t stride, int64_t limit, int64_t count) {
+  int64_t begin = offset >= 0 ? 0 : (-offset + stride - 1) / stride;
+  int64_t end = limit - 1 - offset < 0 ? 0 : (limit - 1 - offset) / stride + 1;
+  begin = std::min(begin, count);
+  end = std::clamp(end, begin, count);
+  return {begin, end};
+}
+
+// col [Cg*KH*KW, OH*OW] from the channels of one group of one sample (x points at its channel 0).
+void im2col(const ConvGeometry& g, const float* x, float* col, int64_t row_begin, int64_t row_end) {
+  const Conv2dParams& p = g.p;
+  const int64_t ow_count = g.out_w;
+  for (int64_t row = row_begin; row < row_end; ++row) {
+    const int64_t c = row / (g.kernel_h * g.kernel_w);
+    const int64_t ki = (row / g.kernel_w) % g.kernel_h, kj = row % g.kernel_w;
+    const int64_t x_offset = kj * p.dilation_w - p.pad_w;
+    const auto [ox_begin, ox_end] = valid_range(x_offset, p.stride_w, g.width, ow_count);
+    float* dst = col + row * g.out_plane();
+    for (int64_t oy = 0; oy < g.out_h; ++oy, dst += ow_count) {
+      const int64_t iy = oy * p.stride_h - p.pad_h + ki * p.dilation_h;
+      if (iy < 0 || iy >= g.height) {
+        std::fill(dst, dst + ow_count, 0.0f);
+        continue;
+      }
+      const float* src = x + c * g.sx_c + iy * g.sx_h;
+      std::fill(dst, dst + ox_begin, 0.0f);
+      for (int64_t ox = ox_begin; ox < ox_end; ++ox) dst[ox] = src[(ox * p.stride_w + x_offset) * g.sx_w];
+      std::fill(dst + ox_end, dst + ow_count, 0.0f);
+    }
+  }
+}
+
+// grad_x (contiguous [Cg, H, W] of one group of one sample) += col2im(col), for channels
+// [c_begin, c_end): channels never share input pixels, so ranges of them can run in parallel.
+void col2im_add(const ConvGeometry& g, const float* col, float* grad_x, int64_t c_begin, int64_t c_end) {
+  const Conv2dParams& p = g.p;
+  const int64_t kk = g.kernel_h * g.kernel_w;
+  for (int64_t row = c_begin * kk; row < c_end * kk; ++row) {
+    const int64_t c = row / kk;
+    const int64_t ki = (row / g.kernel_w) % g.kernel_h, kj = row % g.kernel_w;
+    const int64_t x_offset = kj * p.dilation_w - p.pad_w;
+    const auto [ox_begin, ox_end] = valid_range(x_offset, p.stride_w, g.width, g.out_w);
+    const float* src = col + row * g.out_plane();
+    for (int64_t oy = 0; oy < g.out_h; ++oy, src += g.out_w) {
+      const int64_t iy = oy * p.stride_h - p.pad_h + ki * p.dilation_h;
+      if (iy < 0 || iy >= g.height) continue;
+      float* dst = grad_x + (c * g.height + iy) * g.width;
+      for (int64_t ox = ox_begin; ox < ox_end; ++ox) dst[ox * p.stride_w + x_offset] += src[ox];
+    }
+  }
+}
+
+// Whether a pass over the batch is worth threads, and if so whether to spread whole samples over them
+// (enough samples) or to parallelise inside each sample.
+struct BatchSplit {
+  int threads = 1;
+  bool across_samples = false, inside_samples = false;
+};
+
+BatchSplit batch_split(const ConvGeometry& g, int64_t units) {
+  BatchSplit s;
+  s.threads = omp_in_parallel() ? 1 : omp_get_max_threads();
+  const int64_t sample_work = g.out_channels * g.col_rows() * g.out_plane();
+  const bool worth = s.threads > 1 && g.batch * sample_work >= kParallelWork;
+  s.across_samples = worth && units >= s.threads;
+  s.inside_samples = worth && !s.across_samples;
+  return s;
+}
+
+// Runs body(sample, column buffer, parallel_inside) for every sample.
+template <class Body>
+void for_each_sample(const ConvGeometry& g, bool needs_col, Body&& body) {
+  const BatchSplit split = batch_split(g, g.batch);
+  const int64_t col_size = needs_col ? g.col_size() : 0;
+  const int workers = split.across_samples ? split.threads : 1;
+  Tensor scratch = empty({std::max<int64_t>(workers * col_size, 1)});
+  float* base = scratch.data<float>();
+  if (!split.across_samples) {
+    for (int64_t n = 0; n < g.batch; ++n) body(n, base, split.inside_samples);
+    return;
+  }
+#pragma omp parallel num_threads(workers)
+  {
+    float* col = base + omp_get_thread_num() * col_size;
+#pragma omp for schedule(static)
+    for (int64_t n = 0; n < g.batch; ++n) body(n, col, false);
+  }
+}
+
+void gemm(const MatrixRef& a, const MatrixRef& b, float* c, int64_t ldc, float beta, bool parallel) {
+  if (parallel) cpu::gemm_parallel(a, b, c, ldc, 1.0f, beta);
+  else cpu::gemm_serial(a, b, c, ldc, 1.0f, beta);
+}
+
+void fill_im2col(const ConvGeometry& g, const float* x_group, float* col, bool parallel) {
+  const int64_t rows = g.col_rows();
+  if (!parallel) return im2col(g, x_group, col, 0, rows);
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < rows; ++r) im2col(g, x_group, col, r, r + 1);
+}
+
+MatrixRef group_weight(const ConvGeometry& g, const float* w, int64_t group) {
+  const int64_t k = g.col_rows();
+  return {w + group * g.group_out * k, g.group_out, k, k, 1};
+}
+
+void conv2d_forward_cpu(const Tensor& x, const Tensor& weight, const Tensor& bias, const Conv2dParams& p, Tensor& out) {
+  const ConvGeometry g = geometry(x, weight.sizes(), out.sizes(), p);
+  const Tensor w = dense(weight);
+  const Tensor b = bias.defined() ? dense(bias) : Tensor();
+  const float* xp = x.data<float>();
+  const float* wp = w.data<float>();
+  const float* bp = b.defined() ? b.data<float>() : nullptr;
+  float* op = out.data<float>();
+  const int64_t plane = g.out_plane();
+  for_each_sample(g, !g.pointwise(), [&](int64_t n, float* col, bool parallel) {
+    for (int64_t group = 0; group < g.groups; ++group) {
+      const float* x_group = xp + n * g.sx_n + group * g.group_in * g.sx_c;
+      MatrixRef cols{col, g.col_rows(), plane, plane, 1};
+      if (g.pointwise()) cols = {x_group, g.group_in, plane, g.sx_c, 1};
+      else fill_im2col(g, x_group, col, parallel);
+      float* out_group = op + (n * g.out_channels + group * g.group_out) * plane;
+      if (bp != nullptr)
+        for (int64_t o = 0; o < g.group_out; ++o)
+          std::fill(out_group + o * plane, out_group + (o + 1) * plane, bp[group * g.group_out + o]);
+      gemm(group_weight(g, wp, group), cols, out_group, plane, bp != nullptr ? 1.0f : 0.0f, parallel);
+    }
+  });
+}
+
+void conv2d_backward_input_cpu(const Tensor& grad_out, const Tensor& weight, const Conv2dParams& p, Tensor& grad_x) {
+  MN_CHECK(grad_x.is_contiguous(), ValueError, "conv2d backward: grad_x must be contiguous");
+  const ConvGeometry g = geometry(grad_x, weight.sizes(), grad_out.sizes(), p);
+  const Tensor w = dense(weight), go = dense(grad_out);
+  const float* wp = w.data<float>();
+  const float* gp = go.data<float>();
+  float* gx = grad_x.data<float>();
+  const int64_t plane = g.out_plane(), image = g.height * g.width, k = g.col_rows();
+  for_each_sample(g, !g.pointwise(), [&](int64_t n, float* col, bool parallel) {
+    float* gx_sample = gx + n * g.channels * image;
+    if (!g.pointwise()) std::fill(gx_sample, gx_sample + g.channels * image, 0.0f);
+    for (int64_t group = 0; group < g.groups; ++group) {
+      const MatrixRef w_t{wp + group * g.group_out * k, k, g.group_out, 1, k};  // W_g^T
+      const MatrixRef go_group{gp + (n * g.out_channels + group * g.group_out) * plane, g.group_out, plane, plane, 1};
+      float* gx_group = gx_sample + group * g.group_in * image;
+      if (g.pointwise()) {
+        gemm(w_t, go_group, gx_group, image, 0.0f, parallel);
+        continue;
+      }
+      gemm(w_t, go_group, col, plane, 0.0f, parallel);
+      if (!parallel) {
+        col2im_add(g, col, gx_group, 0, g.group_in);
+        continue;
+      }
+#pragma omp parallel for schedule(static)
+      for (int64_t c = 0; c < g.group_in; ++c) col2im_add(g, col, gx_group, c, c + 1);
+    }
+  });
+}
+
+void conv2d_backward_weight_cpu(const Tensor& grad_out, const Tensor& x, const Conv2dParams& p, Tensor& grad_weight,
+                                Tensor& grad_bias) {
+  const Tensor go = dense(grad_out);
+  const float* gp = go.data<float>();
+  const Shape weight_shape = grad_weight.defined() ? grad_weight.sizes()
+                                                   : Shape{grad_out.size(1), x.size(1) / p.groups, 1, 1};
+  const ConvGeometry g = geometry(x, weight_shape, grad_out.sizes(), p);
+  const int64_t plane = g.out_plane();
+
+  if (grad_bias.defined()) {
+    MN_CHECK(grad_bias.is_contiguous() && grad_bias.numel() == g.out_channels, ValueError,
+             "conv2d backward: grad_bias must be a contiguous [", g.out_channels, "], got ", grad_bias.sizes());
+    float* gb = grad_bias.data<float>();
+#pragma omp parallel for schedule(static) if (g.batch * g.out_channels * plane > 32768)
+    for (int64_t o = 0; o < g.out_channels; ++o) {
+      double total = 0;
+      for (int64_t n = 0; n < g.batch; ++n) {
+        const float* row = gp + (n * g.out_channels + o) * plane;
+        float s = 0;
+        for (int64_t i = 0; i < plane; ++i) s += row[i];
+        total += s;
+      }
+      gb[o] = static_cast<float>(total);
+    }
+  }
+  if (!grad_weight.defined()) return;
+  MN_CHECK(grad_weight.is_contiguous(), ValueError, "conv2d backward: grad_weight must be contiguous");
+
+  const int64_t k = g.col_rows(), weight_size = g.out_channels * k;
+  const int64_t chunks = std::max<int64_t>(1, std::min(g.batch, kWeightGradChunks));
+  const BatchSplit split = batch_split(g, chunks);
+  const int workers = split.across_samples ? split.threads : 1;
+  // One partial weight gradient per chunk of samples, and one column buffer per worker.
+  Tensor partial = empty({chunks * weight_size + workers * (g.pointwise() ? 1 : g.col_size())});
+  float* partial_base = partial.data<float>();
+  float* col_base = partial_base + chunks * weight_size;
+  const float* xp = x.data<float>();
+
+  auto run_chunk = [&](int64_t chunk, float* col, bool parallel) {
+    float* acc = partial_base + chunk * weight_size;
+    const int64_t n_begin = g.batch * chunk / chunks, n_end = g.batch * (chunk + 1) / chunks;
+    if (n_begin == n_end) std::fill(acc, acc + weight_size, 0.0f);  // empty batch
+    for (int64_t n = n_begin; n < n_end; ++n) {
+      for (int64_t group = 0; group < g.groups; ++group) {
+        const float* x_group = xp + n * g.sx_n + group * g.group_in * g.sx_c;
+        MatrixRef cols_t{col, plane, k, 1, plane};  // col^T
+        if (g.pointwise()) cols_t = {x_group, plane, g.group_in, 1, g.sx_c};
+        else fill_im2col(g, x_group, col, parallel);
+        const MatrixRef go_group{gp + (n * g.out_channels + group * g.group_out) * plane, g.group_out, plane, plane, 1};
+        gemm(go_group, cols_t, acc + group * g.group_out * k, k, n == n_begin ? 0.0f : 1.0f, parallel);
+      }
+    }
+  };
+  if (split.across_samples) {
+    const int64_t col_size = g.pointwise() ? 1 : g.col_size();
+#pragma omp parallel num_threads(workers)
+    {
+      float* col = col_base + omp_get_thread_num() * col_size;
+#pragma omp for schedule(static)
+      for (int64_t chunk = 0; chunk < chunks; ++chunk) run_chunk(chunk, col, false);
+    }
+  } else {
+    for (int64_t chunk = 0; chunk < chunks; ++chunk) run_chunk(chunk, col_base, split.inside_samples);
+  }
+  float* gw = grad_weight.data<float>();
+#pragma omp parallel for schedule(static) if (chunks * weight_size > 32768)
+  for (int64_t i = 0; i < weight_size; ++i) {
+    float s = partial_base[i];
+    for (int64_t chunk = 1; chunk < chunks; ++chunk) s += partial_base[chunk * weight_size + i];
+    gw[i] = s;
+  }
+}
+
+}  // namespace
+
+void register_cpu_conv() {
+  conv2d_forward.set(DeviceType::CPU, &conv2d_forward_cpu);
+  conv2d_backward_input.set(DeviceType::CPU, &conv2d_backward_input_cpu);
+  conv2d_backward_weight.set(DeviceType::CPU, &conv2d_backward_weight_cpu);
+}
+
+}  // namespace mn::kernels

@@ -1,0 +1,50 @@
+#pragma once
+// Layout helpers for CPU kernels that walk along dimensions (reductions, softmax, indexing): a dense
+// copy of an input when its strides are irregular, the [outer, n, inner] split around one dim, and the
+// rule deciding when a loop is worth handing to OpenMP. Work is always divided into pieces chosen from
+// the shapes alone, so results never depend on the thread count.
+#include <omp.h>
+
+#include <cstdint>
+
+#include "core/tensor.h"
+#include "kernels/cpu/loops.h"
+#include "kernels/kernels.h"
+
+namespace mn::kernels::cpu {
+
+// t itself when contiguous, else a contiguous copy (no autograd history).
+inline Tensor dense(const Tensor& t) {
+  if (t.is_contiguous()) return t;
+  Tensor out = empty(t.sizes(), TensorOptions(t.dtype()).with_device(t.device()));
+  copy(t.device(), t, out);
+  return out;
+}
+
+// A contiguous tensor seen as [outer, n, inner] around `dim`.
+struct DimSplit {
+  int64_t outer = 1, n = 1, inner = 1;
+};
+
+inline DimSplit split_at(const Shape& sizes, int dim) {
+  DimSplit s;
+  for (int d = 0; d < sizes.size(); ++d) {
+    if (d < dim) s.outer *= sizes[d];
+    else if (d == dim) s.n = sizes[d];
+    else s.inner *= sizes[d];
+  }
+  return s;
+}
+
+// True when `work` elements justify a parallel region (and we are not already inside one).
+inline bool worth_parallel(int64_t work) {
+  return work >= kParallelGrain && omp_get_max_threads() > 1 && !omp_in_parallel();
+}
+
+// Kernels get their outputs from the op layer; a non-contiguous one is a programming error there.
+inline void require_contiguous_output(const Tensor& out, const char* kernel, const char* arg) {
+  MN_CHECK(out.is_contiguous(), ValueError, kernel, ": output '", arg, "' must be contiguous, got shape ",
+           out.sizes(), " with strides ", out.strides());
+}
+
+}  // namespace mn::kernels::cpu

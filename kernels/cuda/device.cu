@@ -1,0 +1,30 @@
+// CUDA device discovery and the registration hook of the CUDA backend. Without a driver or device,
+// cudaGetDeviceCount returns an error: that means zero devices, not a failure.
+#include <cuda_runtime.h>
+
+#include "kernels/kernels.h"
+
+namespace mn {
+
+int cuda_device_count() {
+  static const int count = [] {
+    int n = 0;
+    if (cudaGetDeviceCount(&n) != cudaSuccess) {
+      cudaGetLastError();  // clear the sticky error so later checks do not report it
+      return 0;
+    }
+    return n;
+  }();
+  return count;
+}
+
+}  // namespace mn
+
+namespace mn::kernels {
+
+void register_cuda_kernels() {
+  // The CUDA kernels (cuBLAS GEMM, elementwise, reductions, conv, ...) register here as they land;
+  // until then CUDA tensors report a clear NotImplementedError for every op.
+}
+
+}  // namespace mn::kernels

@@ -1,0 +1,367 @@
+#include "mapping/generator.h"
+
+#include <cmath>
+#include <set>
+#include <sstream>
+
+#include "autograd/node.h"
+#include "autograd/ops.h"
+#include "core/allocator.h"
+#include "core/random.h"
+#include "nn/module.h"
+
+namespace mn::mapping {
+
+namespace {
+
+std::string list(const std::vector<std::string>& names) {
+  std::ostringstream os;
+  os << '[';
+  for (size_t i = 0; i < names.size(); ++i) os << (i ? ", " : "") << names[i];
+  os << ']';
+  return os.str();
+}
+
+std::string thousands(int64_t v) {
+  std::string s = std::to_string(v);
+  for (int i = static_cast<int>(s.size()) - 3; i > 0; i -= 3) s.insert(static_cast<size_t>(i), ",");
+  return s;
+}
+
+// Latent z ~ N(0, 1/L) drawn from its own Philox stream, so it depends only on (seed, group).
+Tensor initial_latent(uint64_t seed, const std::string& group, int64_t latent_dim, Device device) {
+  Generator gen(seed, stream_key("latent/" + group));
+  Tensor z = normal({latent_dim}, 0.0, 1.0 / std::sqrt(static_cast<double>(latent_dim)), {}, &gen);
+  if (!device.is_cpu()) z = z.to(device);
+  return z.requires_grad_(true);
+}
+
+}  // namespace
+
+std::vector<std::pair<std::string, std::vector<std::string>>> layerwise_groups(const ParameterSpec& spec) {
+  std::vector<std::pair<std::string, std::vector<std::string>>> groups;
+  std::map<std::string, size_t> index;
+  for (const auto& e : spec.entries()) {
+    const size_t dot = e.name.rfind('.');
+    const std::string owner = dot == std::string::npos ? "<root>" : e.name.substr(0, dot);
+    auto it = index.find(owner);
+    if (it == index.end()) {
+      index[owner] = groups.size();
+      groups.push_back({owner, {e.name}});
+    } else {
+      groups[it->second].second.push_back(e.name);
+    }
+  }
+  return groups;
+}
+
+std::vector<float> parameter_scales(const ParameterSpec& spec, const nn::Module& target) {
+  std::map<std::string, Tensor> values;
+  for (auto& [n, t] : target.named_parameters()) values[n] = t;
+  auto population_std = [](const Tensor& t) -> double {
+    if (t.numel() <= 1) return 0.0;
+    autograd::NoGradGuard no_grad;
+    return std_dev(t.detach(), 0.0).item();
+  };
+  std::vector<float> scales;
+  for (const auto& e : spec.entries()) {
+    double s = 1.0;
+    auto it = values.find(e.name);
+    if (it != values.end() && e.numel > 1) {
+      const double own = population_std(it->second);
+      if (own > 1e-5) {
+        s = own;
+      } else {
+        // A bias (also a root-level "bias") borrows its sibling weight's spread.
+        const bool is_bias = e.name == "bias" || (e.name.size() > 5 && e.name.compare(e.name.size() - 5, 5, ".bias") == 0);
+        if (is_bias) {
+          auto w = values.find(e.name.substr(0, e.name.size() - 4) + "weight");
+          if (w != values.end()) {
+            const double ws = population_std(w->second);
+            if (ws > 1e-5) s = ws;
+          }
+        }
+      }
+    }
+    scales.push_back(static_cast<float>(s));
+  }
+  return scales;
+}
+
+// ---------------- ParameterGenerator ----------------
+
+ParameterGenerator::ParameterGenerator(ParameterSpec spec,
+                                       std::vector<std::pair<std::string, std::vector<std::string>>> groups,
+                                       std::map<std::string, int64_t> latent_dims, GeneratorOptions options)
+    : spec_(std::move(spec)), options_(std::move(options)) {
+  if (!options_.mapper_factory) options_.mapper_factory = default_mapper_factory();
+  MN_CHECK(!groups.empty(), ValueError, "At least one parameter group is required");
+  // Exact partition of the spec.
+  std::set<std::string> seen_groups, covered;
+  std::vector<std::string> unexpected;
+  for (const auto& [gname, names] : groups) {
+    MN_CHECK(seen_groups.insert(gname).second, ValueError, "Parameter groups contain duplicate names ('", gname, "')");
+    for (const auto& n : names) {
+      MN_CHECK(covered.insert(n).second, ValueError, "Parameter groups contain duplicate names ('", n,
+               "' appears twice)");
+      if (!spec_.contains(n)) unexpected.push_back(n);
+    }
+  }
+  std::vector<std::string> missing;
+  for (const auto& e : spec_.entries())
+    if (!covered.count(e.name)) missing.push_back(e.name);
+  MN_CHECK(missing.empty() && unexpected.empty(), ValueError, "Groups must cover the spec exactly; missing=",
+           list(missing), ", unexpected=", list(unexpected));
+  // Projection guard before anything is allocated.
+  int64_t projection = 0;
+  for (const auto& [gname, names] : groups) {
+    auto it = latent_dims.find(gname);
+    MN_CHECK(it != latent_dims.end(), KeyError, "no latent dimension given for group '", gname, "'");
+    MN_CHECK(it->second > 0, ValueError, "latent_dim must be positive, got ", it->second, " for group '", gname, "'");
+    int64_t n = 0;
+    for (const auto& name : names) n += spec_.entry(name).numel;
+    projection += it->second * n;
+  }
+  if (projection > options_.max_projection_elements && !options_.allow_large)
+    throw MemoryError(str("fixed projection would contain ", thousands(projection), " elements (",
+                          thousands(projection * 4), " bytes as a dense matrix, more than max_projection_elements = ",
+                          thousands(options_.max_projection_elements),
+                          "); use layerwise/grouped generation or set allow_large=true explicitly"));
+
+  size_t position = 0;
+  groups_in_spec_order_ = true;
+  for (const auto& [gname, names] : groups) {
+    Group g;
+    g.name = gname;
+    g.latent_dim = latent_dims.at(gname);
+    std::vector<std::pair<std::string, Shape>> shapes;
+    for (const auto& n : names) {
+      const size_t idx = static_cast<size_t>(&spec_.entry(n) - &spec_.entries()[0]);
+      if (idx != position++) groups_in_spec_order_ = false;
+      g.entries.push_back(idx);
+      shapes.emplace_back(n, spec_.entry(n).shape);
+    }
+    g.local_spec = ParameterSpec::from_shapes(shapes);
+    g.mapper = options_.mapper_factory(g.latent_dim, g.local_spec.total_numel(), options_.seed, "mapper/" + gname);
+    MN_CHECK(g.mapper->latent_dim() == g.latent_dim && g.mapper->output_dim() == g.local_spec.total_numel(),
+             ValueError, "Mapper dimensions do not match the layer generator: mapper maps ", g.mapper->latent_dim(),
+             " -> ", g.mapper->output_dim(), ", group '", gname, "' needs ", g.latent_dim, " -> ",
+             g.local_spec.total_numel());
+    if (!options_.device.is_cpu()) g.mapper->to(options_.device);
+    g.latent = initial_latent(options_.seed, gname, g.latent_dim, options_.device);
+    groups_.push_back(std::move(g));
+  }
+}
+
+std::vector<std::string> ParameterGenerator::group_names() const {
+  std::vector<std::string> out;
+  for (const auto& g : groups_) out.push_back(g.name);
+  return out;
+}
+
+std::vector<std::pair<std::string, Tensor>> ParameterGenerator::named_latents() const {
+  std::vector<std::pair<std::string, Tensor>> out;
+  for (const auto& g : groups_) out.emplace_back(g.name, g.latent);
+  return out;
+}
+
+std::vector<Tensor> ParameterGenerator::latents() const {
+  std::vector<Tensor> out;
+  for (const auto& g : groups_) out.push_back(g.latent);
+  return out;
+}
+
+void ParameterGenerator::set_scales(const std::vector<float>& per_entry) {
+  MN_CHECK(per_entry.size() == spec_.size(), ValueError, "expected ", spec_.size(), " per-tensor scales, got ",
+           per_entry.size());
+  for (auto& g : groups_) {
+    Tensor s = empty({g.local_spec.total_numel()});
+    float* p = s.data<float>();
+    for (size_t k = 0; k < g.entries.size(); ++k) {
+      const auto& e = g.local_spec[k];
+      std::fill(p + e.start, p + e.stop, per_entry[g.entries[k]]);
+    }
+    g.scale = options_.device.is_cpu() ? s : s.to(options_.device);
+  }
+  scaling_ = true;
+}
+
+void ParameterGenerator::initialize_parameter_scaling(const nn::Module& target) {
+  set_scales(parameter_scales(spec_, target));
+}
+
+std::vector<float> ParameterGenerator::per_entry_scales() const {
+  if (!scaling_) return {};
+  std::vector<float> out(spec_.size(), 1.0f);
+  for (const auto& g : groups_) {
+    std::vector<float> s = g.scale.to_vector<float>();
+    for (size_t k = 0; k < g.entries.size(); ++k) out[g.entries[k]] = s[static_cast<size_t>(g.local_spec[k].start)];
+  }
+  return out;
+}
+
+void ParameterGenerator::check_overrides(const LatentOverrides& latents) const {
+  for (const auto& [name, z] : latents) {
+    const Group* g = nullptr;
+    for (const auto& candidate : groups_)
+      if (candidate.name == name) g = &candidate;
+    MN_CHECK(g != nullptr, KeyError, "latent override for unknown group '", name, "'; groups: ", list(group_names()));
+    MN_CHECK(z.defined() && z.dim() == 1 && z.size(0) == g->latent_dim, ValueError, "latent override for group '", name,
+             "' must have shape [", g->latent_dim, "], got ", z.defined() ? z.sizes().str() : "undefined");
+  }
+}
+
+Tensor ParameterGenerator::generate_group(const Group& g, const LatentOverrides& latents) const {
+  auto it = latents.find(g.name);
+  const Tensor& z = it != latents.end() ? it->second : g.latent;
+  Tensor theta = g.mapper->forward(z);
+  return g.scale.defined() ? mul(theta, g.scale) : theta;
+}
+
+std::map<std::string, Tensor> ParameterGenerator::modulated_column_means(const LatentOverrides& latents) const {
+  check_overrides(latents);
+  std::map<std::string, Tensor> out;
+  for (const auto& g : groups_) {
+    auto it = latents.find(g.name);
+    out[g.name] = g.mapper->modulated_column_mean(it != latents.end() ? it->second : g.latent);
+  }
+  return out;
+}
+
+int64_t ParameterGenerator::trainable_parameter_count() const {
+  int64_t n = 0;
+  for (const auto& g : groups_) n += g.latent_dim;
+  return n;
+}
+
+size_t ParameterGenerator::fixed_bytes() const {
+  size_t b = 0;
+  for (const auto& g : groups_) b += g.mapper->fixed_bytes() + (g.scale.defined() ? g.scale.nbytes() : 0);
+  return b;
+}
+
+size_t ParameterGenerator::fixed_projection_bytes() const {
+  size_t b = 0;
+  for (const auto& g : groups_) b += g.mapper->dense_bytes();
+  return b;
+}
+
+std::vector<Tensor> ParameterGenerator::buffers() const {
+  std::vector<Tensor> out;
+  for (const auto& g : groups_) {
+    for (const Tensor& t : g.mapper->buffers()) out.push_back(t);
+    if (g.scale.defined()) out.push_back(g.scale);
+  }
+  return out;
+}
+
+void ParameterGenerator::to(Device device) {
+  for (auto& g : groups_) {
+    g.mapper->to(device);
+    if (g.scale.defined()) g.scale = g.scale.to(device);
+    Tensor z = g.latent.detach().to(device);
+    g.latent = z.requires_grad_(true);
+  }
+  options_.device = device;
+}
+
+// ---------------- strategies ----------------
+
+namespace {
+std::vector<std::pair<std::string, std::vector<std::string>>> single_group(const ParameterSpec& spec) {
+  return {{"all", spec.names()}};
+}
+}  // namespace
+
+SingleVectorGenerator::SingleVectorGenerator(ParameterSpec spec, int64_t latent_dim, GeneratorOptions options)
+    : ParameterGenerator(spec, single_group(spec), {{"all", latent_dim}}, std::move(options)) {}
+
+ParameterTree SingleVectorGenerator::generate_parameters(const LatentOverrides& latents) const {
+  check_overrides(latents);
+  ParameterTree tree = spec_.unflatten(generate_group(groups_[0], latents));
+  spec_.validate_tree(tree);
+  return tree;
+}
+
+GroupedGenerator::GroupedGenerator(ParameterSpec spec,
+                                   std::vector<std::pair<std::string, std::vector<std::string>>> groups,
+                                   std::map<std::string, int64_t> latent_dims, GeneratorOptions options)
+    : ParameterGenerator(std::move(spec), std::move(groups), std::move(latent_dims), std::move(options)) {}
+
+namespace {
+std::map<std::string, int64_t> same_dim(const std::vector<std::pair<std::string, std::vector<std::string>>>& groups,
+                                        int64_t latent_dim) {
+  MN_CHECK(latent_dim > 0, ValueError, "latent_dim must be positive, got ", latent_dim);
+  std::map<std::string, int64_t> dims;
+  for (const auto& [name, params] : groups) dims[name] = latent_dim;
+  return dims;
+}
+}  // namespace
+
+GroupedGenerator::GroupedGenerator(ParameterSpec spec,
+                                   std::vector<std::pair<std::string, std::vector<std::string>>> groups,
+                                   int64_t latent_dim, GeneratorOptions options)
+    : GroupedGenerator(std::move(spec), groups, same_dim(groups, latent_dim), std::move(options)) {}
+
+ParameterTree GroupedGenerator::generate_parameters(const LatentOverrides& latents) const {
+  check_overrides(latents);
+  // All groups' outputs, concatenated into one flat vector (the spec's own layout when the groups
+  // follow spec order), then cut into views.
+  std::vector<Tensor> flats;
+  for (const auto& g : groups_) flats.push_back(generate_group(g, latents));
+  Tensor flat = flats.size() == 1 ? flats[0] : cat(flats, 0);
+  flats.clear();
+  std::vector<std::pair<std::string, Tensor>> items;
+  int64_t offset = 0;
+  for (const auto& g : groups_) {
+    for (const auto& e : g.local_spec.entries())
+      items.emplace_back(e.name, flat.narrow(0, offset + e.start, e.numel).view(e.shape));
+    offset += g.local_spec.total_numel();
+  }
+  ParameterTree tree(std::move(items));
+  spec_.validate_tree(tree);
+  return tree;
+}
+
+LayerwiseGenerator::LayerwiseGenerator(ParameterSpec spec, int64_t latent_dim, GeneratorOptions options)
+    : GroupedGenerator(spec, layerwise_groups(spec), latent_dim, std::move(options)) {}
+
+LazyLayerwiseGenerator::LazyLayerwiseGenerator(ParameterSpec spec, int64_t latent_dim, GeneratorOptions options)
+    : LayerwiseGenerator(std::move(spec), latent_dim, std::move(options)) {}
+
+ParameterTree LazyLayerwiseGenerator::generate_parameters(const LatentOverrides& latents) const {
+  check_overrides(latents);
+  std::vector<std::pair<std::string, Tensor>> items;
+  for (const auto& g : groups_) {
+    Tensor flat = generate_group(g, latents);
+    for (const auto& e : g.local_spec.entries())
+      items.emplace_back(e.name, flat.narrow(0, e.start, e.numel).view(e.shape));
+    flat = Tensor();
+    // Returns freed temporaries to the device between groups; synchronises, so it is optional.
+    if (options_.empty_cache_on_cuda && options_.device.is_cuda()) empty_cache(options_.device);
+  }
+  ParameterTree tree(std::move(items));
+  spec_.validate_tree(tree);
+  return tree;
+}
+
+std::unique_ptr<ParameterGenerator> make_generator(
+    const std::string& strategy, const ParameterSpec& spec, int64_t latent_dim, GeneratorOptions options,
+    const std::vector<std::pair<std::string, std::vector<std::string>>>& groups,
+    const std::map<std::string, int64_t>& group_latent_dims) {
+  MN_CHECK(latent_dim > 0, ValueError, "latent_dim must be positive, got ", latent_dim);
+  if (strategy == "slvt" || strategy == "single_vector")
+    return std::make_unique<SingleVectorGenerator>(spec, latent_dim, std::move(options));
+  if (strategy == "layerwise") return std::make_unique<LayerwiseGenerator>(spec, latent_dim, std::move(options));
+  if (strategy == "lazy_layerwise")
+    return std::make_unique<LazyLayerwiseGenerator>(spec, latent_dim, std::move(options));
+  if (strategy == "grouped") {
+    MN_CHECK(!groups.empty(), ValueError, "strategy 'grouped' needs a group map (group name -> parameter names)");
+    std::map<std::string, int64_t> dims = group_latent_dims;
+    for (const auto& [name, params] : groups) dims.try_emplace(name, latent_dim);
+    return std::make_unique<GroupedGenerator>(spec, groups, dims, std::move(options));
+  }
+  throw ValueError(str("Unknown strategy '", strategy, "'; choose from: grouped, layerwise, lazy_layerwise, slvt"));
+}
+
+}  // namespace mn::mapping

@@ -1,0 +1,137 @@
+#pragma once
+// Generators own the trainable latents (one per group) and the fixed mappers, and turn them into the
+// target's parameters. Groups:
+//   slvt            one group "all" (every parameter, spec order), one latent of length L;
+//   layerwise       one group per parameter-owning module (text before the last '.', "<root>" for
+//                   top-level parameters), in order of first appearance; the groups' outputs are
+//                   concatenated into the flat parameter vector, then cut into views;
+//   lazy_layerwise  the same groups, latents and values, bit for bit, but each group's output is cut
+//                   into views directly (no concatenated copy), so less memory is alive at once, and
+//                   on CUDA the cache can be emptied after each group;
+//   grouped         user-given groups (name -> parameter names, an exact partition of the spec) with
+//                   one latent size for all or one per group.
+// Each group computes theta_g = s_g * mapper_g(z_g), s_g the per-tensor init scale of the target
+// (population std; a bias falls back to its weight's std; 1 when < 1e-5 or for one-element tensors).
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "mapping/mapper.h"
+#include "mapping/parameter_spec.h"
+
+namespace mn::nn {
+class Module;
+}
+
+namespace mn::mapping {
+
+using LatentOverrides = std::map<std::string, Tensor>;
+
+struct Group {
+  std::string name;
+  std::vector<size_t> entries;  // indices into the global spec, in this group's order
+  ParameterSpec local_spec;     // the group's own flat layout (from offset 0)
+  int64_t latent_dim = 0;
+  Tensor latent;                // trainable leaf, N(0, 1/L)
+  std::shared_ptr<Mapper> mapper;
+  Tensor scale;                 // [n] per-element init scale, undefined until scaling is initialised
+};
+
+struct GeneratorOptions {
+  uint64_t seed = 0;
+  MapperFactory mapper_factory;  // default: default_mapper_factory()
+  Device device = kCPU;
+  bool empty_cache_on_cuda = true;  // lazy_layerwise only
+  int64_t max_projection_elements = 100'000'000;  // guard on sum_g L_g * n_g
+  bool allow_large = false;
+};
+
+class ParameterGenerator {
+ public:
+  virtual ~ParameterGenerator() = default;
+  // Generated parameters with the target's names; `latents` replaces the named groups' latents
+  // (unknown names are an error; missing names use the generator's own latents).
+  virtual ParameterTree generate_parameters(const LatentOverrides& latents = {}) const = 0;
+  virtual std::string strategy() const = 0;
+
+  const ParameterSpec& parameter_spec() const { return spec_; }
+  const std::vector<Group>& groups() const { return groups_; }
+  std::vector<std::string> group_names() const;
+  std::vector<std::pair<std::string, Tensor>> named_latents() const;
+  std::vector<Tensor> latents() const;
+  // Sets the per-tensor scales from the target's current parameter values.
+  void initialize_parameter_scaling(const nn::Module& target);
+  void set_scales(const std::vector<float>& per_entry_scales);  // one per spec entry (checkpoints)
+  std::vector<float> per_entry_scales() const;                   // empty if scaling is off
+  bool scaling_initialized() const { return scaling_; }
+  // Alignment summaries colmean(W'_g) per group (single-layer mappers).
+  std::map<std::string, Tensor> modulated_column_means(const LatentOverrides& latents = {}) const;
+  int64_t trainable_parameter_count() const;
+  // Bytes of the fixed mapper factors as stored, and as explicit matrices (sum_g L_g n_g * 4).
+  size_t fixed_bytes() const;
+  size_t fixed_projection_bytes() const;
+  std::vector<Tensor> buffers() const;
+  void to(Device device);
+  Device device() const { return options_.device; }
+  const GeneratorOptions& options() const { return options_; }
+
+ protected:
+  ParameterGenerator(ParameterSpec spec, std::vector<std::pair<std::string, std::vector<std::string>>> groups,
+                     std::map<std::string, int64_t> latent_dims, GeneratorOptions options);
+  // theta_g for one group (scaled).
+  Tensor generate_group(const Group& g, const LatentOverrides& latents) const;
+  void check_overrides(const LatentOverrides& latents) const;
+
+  ParameterSpec spec_;
+  std::vector<Group> groups_;
+  GeneratorOptions options_;
+  bool scaling_ = false;
+  // spec order == group order, so the concatenated group outputs are the spec's flat vector
+  bool groups_in_spec_order_ = false;
+};
+
+class SingleVectorGenerator : public ParameterGenerator {
+ public:
+  SingleVectorGenerator(ParameterSpec spec, int64_t latent_dim, GeneratorOptions options = {});
+  ParameterTree generate_parameters(const LatentOverrides& latents = {}) const override;
+  std::string strategy() const override { return "slvt"; }
+};
+
+class GroupedGenerator : public ParameterGenerator {
+ public:
+  GroupedGenerator(ParameterSpec spec, std::vector<std::pair<std::string, std::vector<std::string>>> groups,
+                   std::map<std::string, int64_t> latent_dims, GeneratorOptions options = {});
+  GroupedGenerator(ParameterSpec spec, std::vector<std::pair<std::string, std::vector<std::string>>> groups,
+                   int64_t latent_dim, GeneratorOptions options = {});
+  ParameterTree generate_parameters(const LatentOverrides& latents = {}) const override;
+  std::string strategy() const override { return "grouped"; }
+};
+
+class LayerwiseGenerator : public GroupedGenerator {
+ public:
+  LayerwiseGenerator(ParameterSpec spec, int64_t latent_dim, GeneratorOptions options = {});
+  std::string strategy() const override { return "layerwise"; }
+};
+
+class LazyLayerwiseGenerator : public LayerwiseGenerator {
+ public:
+  LazyLayerwiseGenerator(ParameterSpec spec, int64_t latent_dim, GeneratorOptions options = {});
+  ParameterTree generate_parameters(const LatentOverrides& latents = {}) const override;
+  std::string strategy() const override { return "lazy_layerwise"; }
+};
+
+// Owner-module groups of a spec: {"0": [0.weight, 0.bias], "<root>": [...]}, first-appearance order.
+std::vector<std::pair<std::string, std::vector<std::string>>> layerwise_groups(const ParameterSpec& spec);
+
+// Builds a generator by strategy name: "slvt", "layerwise", "lazy_layerwise" or "grouped" (which needs
+// `groups`). Unknown names are a ValueError listing the choices.
+std::unique_ptr<ParameterGenerator> make_generator(
+    const std::string& strategy, const ParameterSpec& spec, int64_t latent_dim, GeneratorOptions options = {},
+    const std::vector<std::pair<std::string, std::vector<std::string>>>& groups = {},
+    const std::map<std::string, int64_t>& group_latent_dims = {});
+
+// Population std of each target tensor with the reference's fallbacks (see the file comment).
+std::vector<float> parameter_scales(const ParameterSpec& spec, const nn::Module& target);
+
+}  // namespace mn::mapping

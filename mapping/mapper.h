@@ -1,0 +1,114 @@
+#pragma once
+// Mappers turn a latent z into a group's flat parameters. All their weights are fixed (derived from
+// the seed), so a mapper holds no trainable state. The default mapper of a group with n parameters
+// is theta = W z + alpha ||z||^2 * 1 (additive modulation, alpha = 0.01) with W orthogonal and
+// expanded by sqrt(max(n, L)); the modulated matrix W + alpha 1 z^T is never formed.
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "mapping/orthogonal.h"
+
+namespace mn::mapping {
+
+// How a layer's fixed matrix W is modulated by that layer's input v (closed forms of W' v).
+struct Modulation {
+  enum class Kind { None, Additive, Affine, LowRank };
+  Kind kind = Kind::Additive;
+  double alpha = 0.01;  // additive strength; low-rank alpha
+  double scale = 0.01;  // affine s
+  double shift = 0.01;  // affine t
+  int64_t rank = 0;     // low-rank r
+
+  static Modulation none() { return {Kind::None, 0.0}; }
+  static Modulation additive(double alpha = 0.01);
+  static Modulation affine(double scale = 0.01, double shift = 0.01);
+  static Modulation low_rank(int64_t rank, double alpha = 1.0);
+  std::string name() const;
+
+  // W' v without forming W' (W given as an OrthogonalMatrix).
+  Tensor apply(const OrthogonalMatrix& w, const Tensor& v) const;
+  // The explicit modulated matrix W' for an explicit W [out, in] and v (tests, the literal
+  // reference computation). Low-rank: v has rank * (out + in) values, W' = W + (alpha / r) A B.
+  Tensor modulate(const Tensor& w, const Tensor& v) const;
+  // Latent length a low-rank modulation needs for W [out, in].
+  int64_t latent_dim_for(int64_t out, int64_t in) const { return rank * (out + in); }
+};
+
+class Mapper {
+ public:
+  Mapper(int64_t latent_dim, int64_t output_dim);
+  virtual ~Mapper() = default;
+  int64_t latent_dim() const { return latent_dim_; }
+  int64_t output_dim() const { return output_dim_; }
+  // z [L] -> [output_dim]; validates z.
+  Tensor forward(const Tensor& z) const;
+  // Mean over rows of the last layer's modulated weight for input v (alignment summary):
+  // colmean(W') = colmean(W) + alpha v for additive modulation. Defined for single-layer mappers.
+  virtual Tensor modulated_column_mean(const Tensor& z) const;
+  virtual size_t fixed_bytes() const = 0;
+  virtual size_t dense_bytes() const = 0;  // bytes if the matrices were stored explicitly
+  virtual std::vector<Tensor> buffers() const = 0;
+  virtual void to(Device device) = 0;
+  virtual std::string describe() const = 0;
+
+ protected:
+  virtual Tensor compute(const Tensor& z) const = 0;
+  int64_t latent_dim_, output_dim_;
+};
+
+// dims = (L, hidden..., out); layer i has W_i [dims[i+1], dims[i]], zero bias, modulated by its own
+// input; exact-erf GELU between layers; only the last layer is variance-expanded.
+class MLPMapper : public Mapper {
+ public:
+  MLPMapper(int64_t latent_dim, int64_t output_dim, uint64_t seed, const std::string& key,
+            std::vector<int64_t> hidden_dims = {}, Modulation modulation = Modulation::additive(),
+            std::function<Tensor(const Tensor&)> output_activation = nullptr);
+  int64_t layer_count() const { return static_cast<int64_t>(layers_.size()); }
+  const OrthogonalMatrix& layer(size_t i) const { return layers_.at(i); }
+  Tensor modulated_column_mean(const Tensor& z) const override;
+  size_t fixed_bytes() const override;
+  size_t dense_bytes() const override;
+  std::vector<Tensor> buffers() const override;
+  void to(Device device) override;
+  std::string describe() const override;
+
+ protected:
+  Tensor compute(const Tensor& z) const override;
+
+ private:
+  std::vector<OrthogonalMatrix> layers_;
+  Modulation modulation_;
+  std::function<Tensor(const Tensor&)> output_activation_;
+  Tensor last_column_mean_;  // colmean of the last W, fixed
+};
+
+// h0 = gelu(W_in' z); h_{k+1} = h_k + gelu(W_k' h_k) for k < depth; y = W_out' h_depth.
+class ResidualMLPMapper : public Mapper {
+ public:
+  ResidualMLPMapper(int64_t latent_dim, int64_t output_dim, uint64_t seed, const std::string& key, int64_t hidden_dim,
+                    int64_t depth = 2, Modulation modulation = Modulation::additive());
+  size_t fixed_bytes() const override;
+  size_t dense_bytes() const override;
+  std::vector<Tensor> buffers() const override;
+  void to(Device device) override;
+  std::string describe() const override;
+
+ protected:
+  Tensor compute(const Tensor& z) const override;
+
+ private:
+  OrthogonalMatrix input_, output_;
+  std::vector<OrthogonalMatrix> blocks_;
+  Modulation modulation_;
+};
+
+// Builds the mapper of one group: (latent_dim, output_dim, seed, group key) -> mapper.
+using MapperFactory =
+    std::function<std::shared_ptr<Mapper>(int64_t latent_dim, int64_t output_dim, uint64_t seed, const std::string& key)>;
+
+// MLPMapper(L, n) with additive modulation alpha: the paper's single fixed layer.
+MapperFactory default_mapper_factory(double alpha = 0.01);
+
+}  // namespace mn::mapping

@@ -1,0 +1,94 @@
+#pragma once
+// MappingModel: a frozen target network whose parameters are generated from trainable latents.
+// forward() generates the parameters and runs the target through functional_call; the target's own
+// tensors are never read for the computation and never modified. Only the latents train.
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "mapping/generator.h"
+#include "nn/functional_call.h"
+#include "nn/module.h"
+
+namespace mn::mapping {
+
+struct MappingOptions {
+  int64_t latent_dim = 256;
+  // "slvt", "layerwise", "lazy_layerwise" or "grouped" (with `groups`).
+  std::string strategy = "layerwise";
+  uint64_t seed = 0;
+  bool parameter_scaling = true;
+  double alpha = 0.01;             // additive modulation of the default mapper
+  MapperFactory mapper_factory;    // overrides the default mapper (alpha is then unused)
+  std::vector<std::pair<std::string, std::vector<std::string>>> groups;  // strategy "grouped"
+  std::map<std::string, int64_t> group_latent_dims;                      // per-group L (grouped)
+  int64_t max_projection_elements = 100'000'000;
+  bool allow_large = false;
+  bool empty_cache_on_cuda = true;
+  Device device = kCPU;
+  // Buffers (e.g. BatchNorm running stats) are cloned per call; set to keep the updated copies in
+  // the model (they then persist across calls and in checkpoints).
+  bool write_back_buffers = false;
+};
+
+struct ForwardResult {
+  Tensor predictions;
+  ParameterTree generated_parameters;
+  std::vector<std::pair<std::string, Tensor>> latent_vectors;  // always the model's own latents
+};
+
+class MappingModel {
+ public:
+  MappingModel(std::shared_ptr<nn::Module> target, MappingOptions options);
+  // With an explicitly built generator (a strategy object).
+  MappingModel(std::shared_ptr<nn::Module> target, std::unique_ptr<ParameterGenerator> generator,
+               MappingOptions options = {});
+
+  ForwardResult forward(const Tensor& input, const LatentOverrides& latents = {});
+  ForwardResult operator()(const Tensor& input, const LatentOverrides& latents = {}) { return forward(input, latents); }
+  // For targets with several inputs or keyword-like options: run(target) is called under the
+  // functional call and returns the predictions.
+  ForwardResult forward_with(const std::function<Tensor(nn::Module&)>& run, const LatentOverrides& latents = {});
+
+  ParameterTree generate_parameters(const LatentOverrides& latents = {}) const {
+    return generator_->generate_parameters(latents);
+  }
+  std::vector<Tensor> parameters() const { return generator_->latents(); }  // trainable tensors
+  std::vector<std::pair<std::string, Tensor>> named_latents() const { return generator_->named_latents(); }
+  std::map<std::string, Tensor> modulated_column_means(const LatentOverrides& latents = {}) const {
+    return generator_->modulated_column_means(latents);
+  }
+
+  int64_t trainable_parameter_count() const { return generator_->trainable_parameter_count(); }
+  int64_t target_parameter_count() const { return generator_->parameter_spec().total_numel(); }
+  double compression_ratio() const;
+
+  nn::Module& target() { return *target_; }
+  const nn::Module& target() const { return *target_; }
+  std::shared_ptr<nn::Module> target_ptr() const { return target_; }
+  ParameterGenerator& generator() { return *generator_; }
+  const ParameterGenerator& generator() const { return *generator_; }
+  const ParameterSpec& parameter_spec() const { return generator_->parameter_spec(); }
+  const MappingOptions& options() const { return options_; }
+  std::string strategy() const { return generator_->strategy(); }
+
+  void train(bool on = true) { target_->train(on); }
+  void eval() { train(false); }
+  void zero_grad();
+  void to(Device device);
+  Device device() const { return generator_->device(); }
+  // Buffers carried across calls when write_back_buffers is on (else the target's initial ones).
+  const nn::StateDict& buffers() const { return buffers_; }
+  void set_buffers(const nn::StateDict& buffers) { buffers_ = buffers; }
+
+ private:
+  void check_target() const;
+  std::shared_ptr<nn::Module> target_;
+  MappingOptions options_;
+  std::unique_ptr<ParameterGenerator> generator_;
+  nn::StateDict buffers_;
+};
+
+}  // namespace mn::mapping

@@ -1,0 +1,124 @@
+#include "mapping/orthogonal.h"
+
+#include <omp.h>
+
+#include <Eigen/Dense>
+#include <cmath>
+
+#include "autograd/ops.h"
+#include "core/random.h"
+
+namespace mn::mapping {
+
+Tensor random_orthonormal_columns(int64_t rows, int64_t cols, uint64_t seed, uint64_t stream) {
+  MN_CHECK(rows >= cols && cols > 0, ValueError, "random_orthonormal_columns: need rows >= cols > 0, got ", rows, "x",
+           cols);
+  std::vector<float> draws(static_cast<size_t>(rows * cols));
+  philox_fill(draws.data(), rows * cols, Distribution::Normal, 0.0, 1.0, PhiloxState{seed, stream, 0});
+  Eigen::MatrixXd g(rows, cols);
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t j = 0; j < cols; ++j) g(i, j) = draws[static_cast<size_t>(i * cols + j)];
+  // One thread: Eigen's blocking depends on the thread count, and the bits must not.
+  const int saved_threads = omp_get_max_threads();
+  omp_set_num_threads(1);
+  Eigen::HouseholderQR<Eigen::MatrixXd> qr(g);
+  Eigen::MatrixXd q = qr.householderQ() * Eigen::MatrixXd::Identity(rows, cols);
+  omp_set_num_threads(saved_threads);
+  // Make the factorisation unique: R with a positive diagonal.
+  for (int64_t j = 0; j < cols; ++j)
+    if (qr.matrixQR()(j, j) < 0) q.col(j) *= -1.0;
+  Tensor out = empty({rows, cols});
+  float* p = out.data<float>();
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t j = 0; j < cols; ++j) p[i * cols + j] = static_cast<float>(q(i, j));
+  return out;
+}
+
+OrthogonalMatrix OrthogonalMatrix::build(uint64_t seed, const std::string& key, int64_t rows, int64_t cols,
+                                         bool expand, Device device) {
+  MN_CHECK(rows > 0 && cols > 0, ValueError, "mapper matrix '", key, "' must have positive dimensions, got ", rows,
+           "x", cols);
+  OrthogonalMatrix m;
+  m.rows_ = rows;
+  m.cols_ = cols;
+  const uint64_t stream = stream_key(key);
+  const double expansion = expand ? std::sqrt(static_cast<double>(std::max(rows, cols))) : 1.0;
+  if (rows < cols) {
+    // Orthonormal rows: the transpose of a cols x rows matrix with orthonormal columns.
+    m.tail_ = random_orthonormal_columns(cols, rows, seed, stream ^ 0x7a11ULL).t().contiguous();
+    m.scale_ = expansion;
+  } else {
+    const int64_t k = rows / cols;
+    if (k > 1) {
+      m.block_ = random_orthonormal_columns(cols, cols, seed, stream ^ 0xb10cULL);
+      Generator signs(seed, stream ^ 0x5167ULL);
+      m.signs_ = rademacher({k - 1, cols}, {}, &signs);
+    }
+    m.tail_ = random_orthonormal_columns(rows - (k - 1) * cols, cols, seed, stream ^ 0x7a11ULL);
+    m.scale_ = expansion / std::sqrt(static_cast<double>(k));
+  }
+  if (!device.is_cpu()) m.to(device);
+  return m;
+}
+
+Tensor OrthogonalMatrix::apply(const Tensor& z) const {
+  MN_CHECK(z.dim() == 1 && z.size(0) == cols_, ValueError, "Expected a 1D latent vector with ", cols_,
+           " values, got shape ", z.sizes());
+  Tensor tail = matmul(tail_, z);
+  Tensor y;
+  if (block_.defined()) {
+    // Row block b of Q D_b z is Q (d_b * z): all blocks at once as [k-1, L] x [L, L]^T.
+    Tensor repeated = matmul(mul(signs_, z.unsqueeze(0)), block_.t()).reshape({-1});
+    y = cat({repeated, tail}, 0);
+  } else {
+    y = tail;
+  }
+  return scale_ == 1.0 ? y : mul(y, scale_);
+}
+
+Tensor OrthogonalMatrix::apply_transpose(const Tensor& u) const {
+  MN_CHECK(u.dim() == 1 && u.size(0) == rows_, ValueError, "Expected a vector with ", rows_, " values, got shape ",
+           u.sizes());
+  const int64_t repeated_rows = block_.defined() ? signs_.size(0) * cols_ : 0;
+  Tensor out = matmul(tail_.t(), u.narrow(0, repeated_rows, rows_ - repeated_rows));
+  if (block_.defined()) {
+    Tensor ub = u.narrow(0, 0, repeated_rows).reshape({signs_.size(0), cols_});
+    out = add(out, sum(mul(matmul(ub, block_), signs_), {0}));
+  }
+  return scale_ == 1.0 ? out : mul(out, scale_);
+}
+
+Tensor OrthogonalMatrix::materialize() const {
+  Tensor dense = tail_;
+  if (block_.defined()) {
+    // Block b = Q D_b: Q with its columns multiplied by the signs.
+    Tensor blocks = mul(block_.unsqueeze(0), signs_.unsqueeze(1)).reshape({-1, cols_});
+    dense = cat({blocks, tail_}, 0);
+  }
+  return scale_ == 1.0 ? dense.contiguous() : mul(dense, scale_);
+}
+
+Tensor OrthogonalMatrix::column_mean() const {
+  Tensor ones_rows = ones({rows_}, TensorOptions().with_device(tail_.device()));
+  return div(apply_transpose(ones_rows), static_cast<double>(rows_));
+}
+
+size_t OrthogonalMatrix::bytes() const {
+  size_t b = 0;
+  for (const Tensor& t : factors()) b += t.nbytes();
+  return b;
+}
+
+std::vector<Tensor> OrthogonalMatrix::factors() const {
+  std::vector<Tensor> out;
+  for (const Tensor* t : {&block_, &signs_, &tail_})
+    if (t->defined()) out.push_back(*t);
+  return out;
+}
+
+void OrthogonalMatrix::to(Device device) {
+  for (Tensor* t : {&block_, &signs_, &tail_})
+    if (t->defined()) *t = t->to(device);
+}
+
+}  // namespace mn::mapping

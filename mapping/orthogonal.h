@@ -1,0 +1,59 @@
+#pragma once
+// Fixed mapper matrices. W (rows x cols) has orthonormal columns (rows >= cols) or orthonormal rows
+// (rows < cols), optionally expanded by sqrt(max(rows, cols)) so that ||W||_F^2 = rows * cols, and is
+// a pure function of (seed, key, rows, cols): every rank and device rebuilds the same matrix, and a
+// checkpoint needs only the seed.
+//
+// Construction (rows >= cols = L): rows are cut into k = floor(rows / L) blocks. Blocks 1..k-1 are
+// Q * D_b, with Q one L x L random orthogonal matrix and D_b a random +-1 diagonal (column signs);
+// the last block (L + rows mod L rows) is a fresh random matrix with orthonormal columns. Every block
+// has orthonormal columns, so W0^T W0 = k I and W = W0 / sqrt(k) (times the expansion). Random
+// orthogonal factors come from Householder QR (in double, single-threaded, so the bits do not depend
+// on the thread count) of Philox normal draws, with column signs fixed by sign(diag R).
+// Cost: two QRs of about L x L (O(L^3)) plus O(rows * L) sign draws - seconds for L = 4096 - instead
+// of the O(rows * L^2) QR of a full Gaussian. Storage is about 2 L^2 + (k-1) L floats instead of
+// rows * L, and W z is a GEMM ([k-1, L] x [L, L]) plus one small GEMV, not a memory-bound GEMV over
+// rows * L floats. materialize() gives the same matrix explicitly.
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "core/tensor.h"
+
+namespace mn::mapping {
+
+class OrthogonalMatrix {
+ public:
+  OrthogonalMatrix() = default;
+  static OrthogonalMatrix build(uint64_t seed, const std::string& key, int64_t rows, int64_t cols, bool expand,
+                                Device device = kCPU);
+
+  int64_t rows() const { return rows_; }
+  int64_t cols() const { return cols_; }
+  // W z for z [cols] -> [rows]; differentiable in z (also twice).
+  Tensor apply(const Tensor& z) const;
+  // W^T u for u [rows] -> [cols]; differentiable in u.
+  Tensor apply_transpose(const Tensor& u) const;
+  // The explicit rows x cols matrix (for tests and the literal-reference benchmark).
+  Tensor materialize() const;
+  // Mean over rows of W (length cols): the alignment summary, fixed, so computed once.
+  Tensor column_mean() const;
+  // Bytes held by the factors.
+  size_t bytes() const;
+  // Bytes the explicit matrix would take (rows * cols * 4).
+  size_t dense_bytes() const { return static_cast<size_t>(rows_) * static_cast<size_t>(cols_) * 4; }
+  std::vector<Tensor> factors() const;
+  void to(Device device);
+
+ private:
+  int64_t rows_ = 0, cols_ = 0;
+  double scale_ = 1.0;
+  Tensor block_;  // [L, L] shared orthogonal block of the repeated part (undefined if none)
+  Tensor signs_;  // [k-1, L] +-1 column signs of the repeated blocks
+  Tensor tail_;   // [rows - (k-1) L, L] with orthonormal columns, or [rows, cols] with orthonormal rows
+};
+
+// A random matrix with orthonormal columns (rows >= cols) from a Philox normal stream, QR in double.
+Tensor random_orthonormal_columns(int64_t rows, int64_t cols, uint64_t seed, uint64_t stream);
+
+}  // namespace mn::mapping

@@ -1,0 +1,46 @@
+#pragma once
+// Built-in target architectures shared by the example programs, tests and benchmarks. Every runnable
+// target classifies 1x28x28 images (Fashion-MNIST) into 10 classes; parameter names are those of a
+// PyTorch nn.Sequential ("0.weight", "3.bias", ...), so exported weights load by the same names.
+//
+//   cnn2   the paper's LeNet-inspired CNN (supplement Table 1), 108,618 parameters:
+//          conv 1->16 3x3, ReLU, maxpool 2, conv 16->32 3x3, ReLU, maxpool 2, flatten,
+//          FC 800->128, ReLU, FC 128->10 (4 layer-wise groups)
+//   cnn1   the paper's AlexNet-inspired CNN, 537,994 parameters: conv 1->32, pool, conv 32->64, pool,
+//          conv 64->128, conv 128->128, pool (7 -> 3, floor), FC 1152->256, FC 256->10; all convs
+//          3x3 with padding 1, ReLU after every conv and FC1 (6 groups)
+//   mlp    flatten, 784 -> hidden... -> 10 with ReLU between (default hidden 256, 256: 269,322
+//          parameters)
+//   lenet  LeNet-5 style: conv 1->6 5x5 pad 2, ReLU, maxpool 2, conv 6->16 5x5, ReLU, maxpool 2,
+//          flatten (400), FC 400->120, ReLU, FC 120->84, ReLU, FC 84->10 (61,706 parameters)
+//
+// Benchmark specs additionally know "guide": the scaling guide's memory-benchmark stack
+// Conv2d(3,64,3), Conv2d(64,128,3), Linear(128,10) (76,938 parameters). It is only a parameter
+// layout - the layers do not chain - so make_target() does not offer it.
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "mapping/parameter_spec.h"
+#include "nn/module.h"
+
+namespace mn::mapping {
+
+struct TargetOptions {
+  std::vector<int64_t> mlp_hidden{256, 256};  // hidden widths of "mlp"
+};
+
+// Names make_target() accepts, in display order: cnn1, cnn2, mlp, lenet.
+std::vector<std::string> target_names();
+// A freshly initialised target (parameters drawn from the default generator, as nn layers do).
+// Unknown names are a ValueError listing the choices.
+std::shared_ptr<nn::Module> make_target(const std::string& name, const TargetOptions& options = {});
+
+// Names target_spec() accepts: "guide" and every target name.
+std::vector<std::string> spec_names();
+// The parameter layout of a built-in target or of "guide". Builds the modules, so it draws from the
+// default generator like make_target() does.
+ParameterSpec target_spec(const std::string& name, const TargetOptions& options = {});
+
+}  // namespace mn::mapping

@@ -1,0 +1,99 @@
+#include "nn/data/dataloader.h"
+
+#include <algorithm>
+#include <numeric>
+#include <utility>
+
+#include "core/random.h"
+#include "nn/data/fashion_mnist.h"
+
+namespace mn::data {
+
+std::vector<int64_t> shuffled_indices(int64_t n, uint64_t seed, uint64_t epoch) {
+  MN_CHECK(n >= 0, ValueError, "shuffled_indices: n must be >= 0, got ", n);
+  std::vector<int64_t> order(static_cast<size_t>(n));
+  std::iota(order.begin(), order.end(), int64_t{0});
+  // One stream per epoch, offset from a name's hash so that (seed, epoch) never reuses the words that
+  // Generator(seed, stream) hands to initialisers or dropout for small stream numbers.
+  static const uint64_t kShuffleStream = stream_key("mn::data::shuffled_indices");
+  const uint64_t stream = kShuffleStream + epoch;
+  // Draw k takes two lanes of counter block k / 2 as one 64-bit word. The index below it is
+  // floor(word * (i + 1) / 2^64), whose bias is at most (i + 1) / 2^64 per draw: invisible for any data
+  // set that fits in memory, and without rejection loops the number of draws is fixed.
+  Philox4 block{};
+  for (int64_t i = n - 1, k = 0; i > 0; --i, ++k) {
+    if (k % 2 == 0) block = philox_block(seed, stream, static_cast<uint64_t>(k / 2));
+    const int lane = static_cast<int>(k % 2) * 2;
+    const uint64_t word = (uint64_t{block.x[lane]} << 32) | block.x[lane + 1];
+    const auto j = static_cast<int64_t>((static_cast<unsigned __int128>(word) * static_cast<uint64_t>(i + 1)) >> 64);
+    std::swap(order[static_cast<size_t>(i)], order[static_cast<size_t>(j)]);
+  }
+  return order;
+}
+
+DataLoader::DataLoader(Tensor inputs, Tensor targets, DataLoaderOptions options)
+    : inputs_(std::move(inputs)), targets_(std::move(targets)), options_(options) {
+  MN_CHECK(options_.batch_size > 0, ValueError, "DataLoader: batch_size must be > 0, got ", options_.batch_size);
+  MN_CHECK(inputs_.defined() && targets_.defined(), ValueError,
+           "DataLoader: inputs and targets must be defined tensors");
+  MN_CHECK(inputs_.dim() >= 1 && targets_.dim() >= 1, ValueError,
+           "DataLoader: inputs and targets need a sample dim 0, got shapes ", inputs_.sizes(), " and ",
+           targets_.sizes());
+  MN_CHECK(inputs_.size(0) == targets_.size(0), ValueError, "DataLoader: inputs hold ", inputs_.size(0),
+           " samples (shape ", inputs_.sizes(), ") but targets hold ", targets_.size(0), " (shape ",
+           targets_.sizes(), ")");
+  num_samples_ = inputs_.size(0);
+  build_order();
+}
+
+DataLoader::DataLoader(const Dataset& dataset, DataLoaderOptions options)
+    : DataLoader(dataset.images, dataset.labels, options) {}
+
+void DataLoader::set_epoch(uint64_t epoch) {
+  if (epoch == epoch_) return;
+  epoch_ = epoch;
+  if (options_.shuffle) build_order();  // the identity order does not depend on the epoch
+}
+
+void DataLoader::build_order() {
+  std::vector<int64_t> order;
+  if (options_.shuffle) {
+    order = shuffled_indices(num_samples_, options_.seed, epoch_);
+  } else {
+    order.resize(static_cast<size_t>(num_samples_));
+    std::iota(order.begin(), order.end(), int64_t{0});
+  }
+  order_ = from_vector(order, {num_samples_});
+  // index_select wants its index beside the data; move it once per epoch, not once per batch.
+  order_inputs_ = inputs_.device() == order_.device() ? order_ : order_.to(inputs_.device());
+  order_targets_ = targets_.device() == order_.device() ? order_ : order_.to(targets_.device());
+}
+
+int64_t DataLoader::size() const {
+  const int64_t batch_size = options_.batch_size;
+  return options_.drop_last ? num_samples_ / batch_size : (num_samples_ + batch_size - 1) / batch_size;
+}
+
+Batch DataLoader::batch(int64_t i) const {
+  MN_CHECK(i >= 0 && i < size(), IndexError, "DataLoader::batch: index ", i, " out of range for ", size(),
+           " batches");
+  const int64_t start = i * options_.batch_size;
+  const int64_t length = std::min(options_.batch_size, num_samples_ - start);
+  Batch b;
+  b.inputs = inputs_.index_select(0, order_inputs_.narrow(0, start, length));
+  b.targets = targets_.index_select(0, order_targets_.narrow(0, start, length));
+  b.index = i;
+  return b;
+}
+
+DataLoader::iterator::iterator(const DataLoader* loader, int64_t position) : loader_(loader), position_(position) {
+  if (position_ < loader_->size()) batch_ = loader_->batch(position_);
+}
+
+DataLoader::iterator& DataLoader::iterator::operator++() {
+  ++position_;
+  batch_ = position_ < loader_->size() ? loader_->batch(position_) : Batch{};
+  return *this;
+}
+
+}  // namespace mn::data

@@ -1,0 +1,105 @@
+#pragma once
+// Mini-batches over in-memory tensors. Each batch gathers its samples along dim 0 with index_select,
+// so it owns contiguous memory (changing it never touches the data set).
+//
+//   DataLoader loader(train, {.batch_size = 128, .shuffle = true, .seed = 42});
+//   for (int64_t epoch = 0; epoch < epochs; ++epoch) {
+//     loader.set_epoch(epoch);
+//     for (const Batch& b : loader) step(b.inputs, b.targets);
+//   }
+//
+// With shuffle on, the order of an epoch is shuffled_indices(n, seed, epoch): a pure function of those
+// three numbers, the same in every run, on every machine and for every thread count. Iterating does not
+// advance the epoch; call set_epoch before each one (as with PyTorch's DistributedSampler), or every
+// epoch sees the same order.
+#include <cstddef>
+#include <cstdint>
+#include <iterator>
+#include <vector>
+
+#include "core/tensor.h"
+
+namespace mn::data {
+
+struct Dataset;
+
+struct Batch {
+  Tensor inputs;      // inputs[order[start:start + len]]
+  Tensor targets;     // targets[order[start:start + len]]
+  int64_t index = 0;  // position of this batch within its epoch
+};
+
+struct DataLoaderOptions {
+  int64_t batch_size = 1;  // > 0
+  bool shuffle = false;
+  uint64_t seed = 0;
+  bool drop_last = false;  // drop a final batch smaller than batch_size
+};
+
+// A permutation of 0..n-1 that depends only on (n, seed, epoch): a Fisher-Yates shuffle driven by
+// Philox words of a stream reserved for data shuffling, so it shares no random numbers with weight
+// initialisation from the same seed. Shared with the distributed sampler, which splits it over ranks.
+std::vector<int64_t> shuffled_indices(int64_t n, uint64_t seed, uint64_t epoch);
+
+class DataLoader {
+ public:
+  // inputs and targets must have at least one dim and the same size in dim 0 (the sample count).
+  DataLoader(Tensor inputs, Tensor targets, DataLoaderOptions options = {});
+  // Images as inputs, labels as targets.
+  explicit DataLoader(const Dataset& dataset, DataLoaderOptions options = {});
+
+  // Selects the order of the following iterations (only matters with shuffle on).
+  void set_epoch(uint64_t epoch);
+  uint64_t epoch() const { return epoch_; }
+
+  // Batches per epoch: ceil(n / batch_size), or floor with drop_last.
+  int64_t size() const;
+  int64_t num_samples() const { return num_samples_; }
+  const DataLoaderOptions& options() const { return options_; }
+  // The sample indices of the current epoch, in visiting order (i64 [n], CPU).
+  const Tensor& order() const { return order_; }
+
+  // Batch i (0 <= i < size()) of the current epoch.
+  Batch batch(int64_t i) const;
+
+  // Input iterator over the batches of the current epoch; each increment gathers the next batch.
+  // Calling set_epoch during an iteration changes the order under it, so don't.
+  class iterator {
+   public:
+    using iterator_category = std::input_iterator_tag;
+    using value_type = Batch;
+    using difference_type = std::ptrdiff_t;
+    using pointer = const Batch*;
+    using reference = const Batch&;
+
+    iterator() = default;
+    const Batch& operator*() const { return batch_; }
+    const Batch* operator->() const { return &batch_; }
+    iterator& operator++();
+    void operator++(int) { ++*this; }
+    bool operator==(const iterator& other) const { return position_ == other.position_; }
+
+   private:
+    friend class DataLoader;
+    iterator(const DataLoader* loader, int64_t position);
+    const DataLoader* loader_ = nullptr;
+    int64_t position_ = 0;
+    Batch batch_;
+  };
+  iterator begin() const { return iterator(this, 0); }
+  iterator end() const { return iterator(this, size()); }
+
+ private:
+  void build_order();
+
+  Tensor inputs_;
+  Tensor targets_;
+  DataLoaderOptions options_;
+  int64_t num_samples_ = 0;
+  uint64_t epoch_ = 0;
+  Tensor order_;          // CPU
+  Tensor order_inputs_;   // order_ on the inputs' device
+  Tensor order_targets_;  // order_ on the targets' device
+};
+
+}  // namespace mn::data

@@ -1,0 +1,89 @@
+#pragma once
+// nn::Module: ordered parameters, buffers and child modules with dotted names in registration order
+// ("features.0.weight"). Layers read their tensors through param()/buffer(), which consult the
+// innermost functional_call override first, so a module can run with parameters supplied from
+// outside without being modified.
+#include <map>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "autograd/ops.h"
+#include "core/tensor.h"
+
+namespace mn::nn {
+
+using NamedTensors = std::vector<std::pair<std::string, Tensor>>;
+using StateDict = std::map<std::string, Tensor>;
+
+class Module : public std::enable_shared_from_this<Module> {
+ public:
+  explicit Module(std::string type_name) : type_name_(std::move(type_name)) {}
+  virtual ~Module() = default;
+  Module(const Module&) = delete;
+  Module& operator=(const Module&) = delete;
+
+  // The single-input forward used by Sequential and by functional_call's convenience form.
+  virtual Tensor forward(const Tensor& x);
+  Tensor operator()(const Tensor& x) { return forward(x); }
+
+  const std::string& type_name() const { return type_name_; }
+
+  // ---- registration (names are non-empty and contain no '.') ----
+  Tensor register_parameter(const std::string& name, Tensor value, bool requires_grad = true);
+  Tensor register_buffer(const std::string& name, Tensor value);
+  template <class M>
+  std::shared_ptr<M> register_module(const std::string& name, std::shared_ptr<M> module) {
+    add_child(name, module);
+    return module;
+  }
+
+  // ---- access (honours functional_call overrides) ----
+  Tensor param(const std::string& name) const;
+  Tensor buffer(const std::string& name) const;
+  bool has_parameter(const std::string& name) const;
+  // Replaces a registered buffer's value (e.g. BatchNorm running stats) or, inside a
+  // functional_call, the call's copy of it.
+  void set_buffer(const std::string& name, const Tensor& value);
+
+  // ---- listing, in registration order ----
+  NamedTensors named_parameters(bool recurse = true) const;
+  NamedTensors named_buffers(bool recurse = true) const;
+  std::vector<std::pair<std::string, std::shared_ptr<Module>>> named_modules(const std::string& prefix = "") const;
+  std::vector<std::pair<std::string, std::shared_ptr<Module>>> named_children() const { return children_; }
+  std::vector<Tensor> parameters(bool recurse = true) const;
+  int64_t parameter_count() const;
+
+  // ---- state ----
+  virtual void train(bool on = true);
+  void eval() { train(false); }
+  bool is_training() const { return training_; }
+  void zero_grad();
+  // Moves (copies) every parameter and buffer to the device, keeping requires_grad.
+  void to(Device device);
+  StateDict state_dict() const;
+  // strict: missing, unexpected and mis-shaped names are an error listing all of them.
+  void load_state_dict(const StateDict& state, bool strict = true);
+  // Freezes (or unfreezes) every parameter.
+  void requires_grad_(bool on);
+
+  // Direct storage access for the functional-call machinery.
+  const NamedTensors& own_parameters() const { return params_; }
+  const NamedTensors& own_buffers() const { return buffers_; }
+
+ protected:
+  void add_child(const std::string& name, std::shared_ptr<Module> module);
+
+ private:
+  static void check_name(const std::string& kind, const std::string& name);
+  std::string type_name_;
+  NamedTensors params_;
+  NamedTensors buffers_;
+  std::vector<std::pair<std::string, std::shared_ptr<Module>>> children_;
+  bool training_ = true;
+};
+
+using ModulePtr = std::shared_ptr<Module>;
+
+}  // namespace mn::nn

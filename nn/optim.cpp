@@ -1,0 +1,223 @@
+#include "nn/optim.h"
+
+#include <cmath>
+#include <limits>
+
+#include "autograd/node.h"
+#include "autograd/ops.h"
+#include "kernels/kernels.h"
+
+namespace mn::nn::optim {
+
+Optimizer::Optimizer(std::vector<Tensor> params, double lr) : params_(std::move(params)), lr_(lr) {
+  MN_CHECK(lr >= 0.0, ValueError, "optimizer: learning rate must be non-negative, got ", lr);
+  for (size_t i = 0; i < params_.size(); ++i) {
+    MN_CHECK(params_[i].defined() && params_[i].requires_grad() && params_[i].is_leaf(), ValueError,
+             "optimizer: parameter ", i, " must be a leaf tensor that requires grad");
+    MN_CHECK(params_[i].dtype() == DType::f32, TypeError, "optimizer: parameter ", i, " must be f32, got ",
+             params_[i].dtype());
+  }
+  state_.resize(params_.size());
+}
+
+void Optimizer::zero_grad() {
+  for (Tensor& p : params_) p.set_grad(Tensor());
+}
+
+void Optimizer::set_lr(double lr) {
+  MN_CHECK(lr >= 0.0, ValueError, "optimizer: learning rate must be non-negative, got ", lr);
+  lr_ = lr;
+}
+
+OptimizerState Optimizer::state_dict() const {
+  OptimizerState out;
+  out["lr"] = scalar_tensor(lr_);
+  out["step"] = scalar_tensor(static_cast<double>(steps_), DType::i64);
+  for (size_t i = 0; i < state_.size(); ++i)
+    for (const auto& [k, v] : state_[i]) out["state." + std::to_string(i) + "." + k] = v.detach().clone();
+  return out;
+}
+
+void Optimizer::load_state_dict(const OptimizerState& state) {
+  auto it = state.find("step");
+  MN_CHECK(it != state.end() && state.count("lr"), KeyError, name(),
+           " optimizer state is missing 'step' or 'lr' (not an optimizer state dict?)");
+  steps_ = static_cast<int64_t>(it->second.item());
+  lr_ = state.at("lr").item();
+  std::vector<std::map<std::string, Tensor>> restored(params_.size());
+  for (const auto& [key, value] : state) {
+    if (key.rfind("state.", 0) != 0) continue;
+    const size_t dot = key.find('.', 6);
+    MN_CHECK(dot != std::string::npos, ValueError, "optimizer state: malformed key '", key, "'");
+    const size_t index = std::stoul(key.substr(6, dot - 6));
+    MN_CHECK(index < params_.size(), ValueError, "optimizer state: key '", key, "' refers to parameter ", index,
+             " but the optimizer has ", params_.size(), " parameters");
+    MN_CHECK(value.dim() == 0 || value.sizes() == params_[index].sizes(), ValueError, "optimizer state: '", key, "' has shape ",
+             value.sizes(), " but parameter ", index, " has shape ", params_[index].sizes());
+    restored[index][key.substr(dot + 1)] = value.to(params_[index].device()).contiguous().clone();
+  }
+  state_ = std::move(restored);
+}
+
+namespace {
+Tensor dense_grad(const Tensor& p) {
+  Tensor g = p.grad();
+  if (g.requires_grad()) g = g.detach();
+  return g.contiguous();
+}
+Tensor& state_tensor(std::map<std::string, Tensor>& s, const std::string& key, const Tensor& like) {
+  auto it = s.find(key);
+  if (it == s.end()) it = s.emplace(key, zeros(like.sizes(), TensorOptions(like.dtype()).with_device(like.device()))).first;
+  return it->second;
+}
+}  // namespace
+
+SGD::SGD(std::vector<Tensor> params, SGDOptions o) : Optimizer(std::move(params), o.lr), options(o) {
+  MN_CHECK(o.momentum >= 0 && o.weight_decay >= 0, ValueError, "SGD: momentum and weight_decay must be >= 0, got ",
+           o.momentum, ", ", o.weight_decay);
+  MN_CHECK(!o.nesterov || (o.momentum > 0 && o.dampening == 0), ValueError,
+           "SGD: nesterov requires momentum > 0 and dampening 0");
+}
+
+void SGD::step() {
+  autograd::NoGradGuard no_grad;
+  ++steps_;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    Tensor& p = params_[i];
+    if (!p.grad().defined()) continue;
+    MN_CHECK(p.is_contiguous(), ValueError, "SGD: parameter ", i, " must be contiguous");
+    Tensor g = dense_grad(p);
+    Tensor buf;
+    bool first = false;
+    if (options.momentum != 0) {
+      first = !state_[i].count("momentum_buffer");
+      buf = state_tensor(state_[i], "momentum_buffer", p);
+    }
+    kernels::sgd_step(p.device(), p, g, buf,
+                      kernels::SgdParams{lr_, options.momentum, options.dampening, options.weight_decay,
+                                         options.nesterov, first});
+    p.bump_version();
+  }
+}
+
+Adam::Adam(std::vector<Tensor> params, AdamOptions o, bool decoupled)
+    : Optimizer(std::move(params), o.lr), options(o), decoupled_(decoupled) {
+  MN_CHECK(o.beta1 >= 0 && o.beta1 < 1 && o.beta2 >= 0 && o.beta2 < 1, ValueError,
+           "Adam: betas must be in [0, 1), got (", o.beta1, ", ", o.beta2, ")");
+  MN_CHECK(o.eps >= 0 && o.weight_decay >= 0, ValueError, "Adam: eps and weight_decay must be >= 0, got ", o.eps,
+           ", ", o.weight_decay);
+}
+
+void Adam::step() {
+  autograd::NoGradGuard no_grad;
+  ++steps_;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    Tensor& p = params_[i];
+    if (!p.grad().defined()) continue;
+    MN_CHECK(p.is_contiguous(), ValueError, name(), ": parameter ", i, " must be contiguous");
+    Tensor g = dense_grad(p);
+    Tensor& m = state_tensor(state_[i], "exp_avg", p);
+    Tensor& v = state_tensor(state_[i], "exp_avg_sq", p);
+    // Per-parameter step count as in PyTorch (a parameter without a gradient does not advance).
+    Tensor& count = state_[i].try_emplace("step", zeros({}, DType::i64)).first->second;
+    const int64_t t = static_cast<int64_t>(count.item()) + 1;
+    count.fill_(static_cast<double>(t));
+    kernels::adam_step(p.device(), p, g, m, v,
+                       kernels::AdamParams{lr_, options.beta1, options.beta2, options.eps, options.weight_decay, t,
+                                           decoupled_});
+    p.bump_version();
+  }
+}
+
+AdamW::AdamW(std::vector<Tensor> params, AdamOptions o) : Adam(std::move(params), o, /*decoupled=*/true) {}
+
+// ---- schedulers ----
+
+void LRScheduler::step(double) {
+  ++epoch_;
+  optimizer_.set_lr(lr_at(epoch_));
+}
+
+void LRScheduler::set_epoch(int64_t epoch) {
+  epoch_ = epoch;
+  optimizer_.set_lr(lr_at(epoch_));
+}
+
+StepLR::StepLR(Optimizer& opt, int64_t step_size, double gamma) : LRScheduler(opt), step_size(step_size), gamma(gamma) {
+  MN_CHECK(step_size > 0, ValueError, "StepLR: step_size must be positive, got ", step_size);
+}
+double StepLR::lr_at(int64_t e) const { return base_lr_ * std::pow(gamma, static_cast<double>(e / step_size)); }
+
+double ExponentialLR::lr_at(int64_t e) const { return base_lr_ * std::pow(gamma, static_cast<double>(e)); }
+
+CosineAnnealingLR::CosineAnnealingLR(Optimizer& opt, int64_t t_max, double eta_min)
+    : LRScheduler(opt), t_max(t_max), eta_min(eta_min) {
+  MN_CHECK(t_max > 0, ValueError, "CosineAnnealingLR: T_max must be positive, got ", t_max);
+}
+double CosineAnnealingLR::lr_at(int64_t e) const {
+  // Closed form of PyTorch's schedule; past T_max it continues along the cosine, as PyTorch does.
+  return eta_min + (base_lr_ - eta_min) * (1.0 + std::cos(M_PI * static_cast<double>(e) / t_max)) / 2.0;
+}
+
+ReduceLROnPlateau::ReduceLROnPlateau(Optimizer& opt, Options o)
+    : LRScheduler(opt),
+      options(o),
+      best_(o.maximize ? -std::numeric_limits<double>::infinity() : std::numeric_limits<double>::infinity()) {
+  MN_CHECK(o.factor < 1.0 && o.factor > 0.0, ValueError, "ReduceLROnPlateau: factor must be in (0, 1), got ", o.factor);
+}
+
+void ReduceLROnPlateau::step(double metric) {
+  ++epoch_;
+  const bool better = options.maximize ? metric > best_ * (best_ >= 0 ? 1.0 + options.threshold : 1.0 - options.threshold)
+                                       : metric < best_ * (best_ >= 0 ? 1.0 - options.threshold : 1.0 + options.threshold);
+  if (better || std::isinf(best_)) {
+    best_ = metric;
+    bad_epochs_ = 0;
+  } else {
+    ++bad_epochs_;
+  }
+  if (cooldown_left_ > 0) {
+    --cooldown_left_;
+    bad_epochs_ = 0;
+  }
+  if (bad_epochs_ > options.patience) {
+    const double old_lr = optimizer_.lr();
+    const double new_lr = std::max(old_lr * options.factor, options.min_lr);
+    if (old_lr - new_lr > options.eps) optimizer_.set_lr(new_lr);
+    cooldown_left_ = options.cooldown;
+    bad_epochs_ = 0;
+  }
+}
+
+// ---- clipping ----
+
+double clip_grad_norm_(const std::vector<Tensor>& params, double max_norm, double norm_type) {
+  autograd::NoGradGuard no_grad;
+  double total = 0.0;
+  const bool inf_norm = std::isinf(norm_type);
+  for (const Tensor& p : params) {
+    Tensor g = p.grad();
+    if (!g.defined()) continue;
+    const double n = norm(g.detach(), norm_type).item();
+    total = inf_norm ? std::max(total, n) : total + std::pow(n, norm_type);
+  }
+  if (!inf_norm) total = std::pow(total, 1.0 / norm_type);
+  const double coef = max_norm / (total + 1e-6);
+  if (coef < 1.0)
+    for (const Tensor& p : params) {
+      Tensor g = p.grad();
+      if (g.defined()) p.set_grad(mul(g.detach(), coef));
+    }
+  return total;
+}
+
+void clip_grad_value_(const std::vector<Tensor>& params, double clip_value) {
+  MN_CHECK(clip_value >= 0, ValueError, "clip_grad_value_: clip value must be non-negative, got ", clip_value);
+  autograd::NoGradGuard no_grad;
+  for (const Tensor& p : params) {
+    Tensor g = p.grad();
+    if (g.defined()) p.set_grad(clamp(g.detach(), -clip_value, clip_value));
+  }
+}
+
+}  // namespace mn::nn::optim

@@ -1,0 +1,163 @@
+#pragma once
+// Optimizers (SGD, Adam, AdamW) with PyTorch's update rules, learning-rate schedulers and gradient
+// clipping. Parameters are updated in place with fused kernels; state is per parameter and can be
+// saved and restored (state_dict) for resumable training.
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/tensor.h"
+
+namespace mn::nn::optim {
+
+// Optimizer state as named tensors (e.g. "state.3.exp_avg", "param_groups.0.lr" as a 0-d tensor),
+// so it can be written to a safetensors file.
+using OptimizerState = std::map<std::string, Tensor>;
+
+class Optimizer {
+ public:
+  explicit Optimizer(std::vector<Tensor> params, double lr);
+  virtual ~Optimizer() = default;
+  virtual void step() = 0;
+  void zero_grad();
+  double lr() const { return lr_; }
+  void set_lr(double lr);
+  const std::vector<Tensor>& params() const { return params_; }
+  int64_t step_count() const { return steps_; }
+  virtual OptimizerState state_dict() const;
+  // Restores state saved from an optimizer over parameters of the same shapes (checked).
+  virtual void load_state_dict(const OptimizerState& state);
+  virtual std::string name() const = 0;
+
+ protected:
+  std::vector<Tensor> params_;
+  std::vector<std::map<std::string, Tensor>> state_;  // per parameter
+  double lr_;
+  int64_t steps_ = 0;
+};
+
+struct SGDOptions {
+  double lr = 1e-2;
+  double momentum = 0.0;
+  double dampening = 0.0;
+  double weight_decay = 0.0;
+  bool nesterov = false;
+};
+
+class SGD : public Optimizer {
+ public:
+  SGD(std::vector<Tensor> params, SGDOptions options);
+  void step() override;
+  std::string name() const override { return "sgd"; }
+  SGDOptions options;
+};
+
+struct AdamOptions {
+  double lr = 1e-3;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 0.0;
+};
+
+class Adam : public Optimizer {
+ public:
+  Adam(std::vector<Tensor> params, AdamOptions options, bool decoupled_weight_decay = false);
+  void step() override;
+  std::string name() const override { return decoupled_ ? "adamw" : "adam"; }
+  AdamOptions options;
+
+ private:
+  bool decoupled_;
+};
+
+// AdamW: Adam with decoupled weight decay (default 1e-2, as in PyTorch).
+class AdamW : public Adam {
+ public:
+  AdamW(std::vector<Tensor> params, AdamOptions options = with_default_decay());
+  static AdamOptions with_default_decay() {
+    AdamOptions o;
+    o.weight_decay = 1e-2;
+    return o;
+  }
+};
+
+// ---- schedulers: call step() once per epoch (plateau: step(metric)) ----
+class LRScheduler {
+ public:
+  explicit LRScheduler(Optimizer& optimizer) : optimizer_(optimizer), base_lr_(optimizer.lr()) {}
+  virtual ~LRScheduler() = default;
+  virtual void step(double metric = 0.0);
+  int64_t epoch() const { return epoch_; }
+  void set_epoch(int64_t epoch);  // for resuming
+  double base_lr() const { return base_lr_; }
+
+ protected:
+  virtual double lr_at(int64_t epoch) const = 0;
+  Optimizer& optimizer_;
+  double base_lr_;
+  int64_t epoch_ = 0;
+};
+
+class StepLR : public LRScheduler {
+ public:
+  StepLR(Optimizer& opt, int64_t step_size, double gamma = 0.1);
+  int64_t step_size;
+  double gamma;
+
+ protected:
+  double lr_at(int64_t epoch) const override;
+};
+
+class ExponentialLR : public LRScheduler {
+ public:
+  ExponentialLR(Optimizer& opt, double gamma) : LRScheduler(opt), gamma(gamma) {}
+  double gamma;
+
+ protected:
+  double lr_at(int64_t epoch) const override;
+};
+
+class CosineAnnealingLR : public LRScheduler {
+ public:
+  CosineAnnealingLR(Optimizer& opt, int64_t t_max, double eta_min = 0.0);
+  int64_t t_max;
+  double eta_min;
+
+ protected:
+  double lr_at(int64_t epoch) const override;
+};
+
+// Multiplies the lr by `factor` when the metric has not improved (relative threshold) for
+// `patience` epochs; PyTorch's defaults.
+class ReduceLROnPlateau : public LRScheduler {
+ public:
+  struct Options {
+    bool maximize = false;
+    double factor = 0.1;
+    int64_t patience = 10;
+    double threshold = 1e-4;  // relative
+    int64_t cooldown = 0;
+    double min_lr = 0.0;
+    double eps = 1e-8;
+  };
+  ReduceLROnPlateau(Optimizer& opt, Options options);
+  explicit ReduceLROnPlateau(Optimizer& opt) : ReduceLROnPlateau(opt, Options()) {}
+  void step(double metric) override;
+  Options options;
+
+ protected:
+  double lr_at(int64_t) const override { return optimizer_.lr(); }
+
+ private:
+  double best_;
+  int64_t bad_epochs_ = 0, cooldown_left_ = 0;
+};
+
+// ---- gradient clipping ----
+// Scales all gradients so their global p-norm is at most max_norm; returns the norm before clipping.
+double clip_grad_norm_(const std::vector<Tensor>& params, double max_norm, double norm_type = 2.0);
+void clip_grad_value_(const std::vector<Tensor>& params, double clip_value);
+
+}  // namespace mn::nn::optim

@@ -1,0 +1,205 @@
+#!/usr/bin/python3
+"""Writes PyTorch reference data for the C++ parity tests (tests/test_parity.cpp).
+
+Run by hand with Debian's python3-torch (1.13):   /usr/bin/python3 tests/parity/make_parity.py
+Each case becomes tests/data/parity_<case>.safetensors holding inputs, parameters, outputs and
+gradients under explicit names. The files are small and committed, so CI needs no Python.
+The safetensors format is written directly (8-byte header length, JSON header, raw little-endian
+data) because Debian 12 packages no safetensors module for Python.
+"""
+import json
+import math
+import os
+import struct
+
+import torch
+import torch.nn.functional as F
+
+OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "data")
+torch.manual_seed(0)
+torch.set_num_threads(1)
+
+
+def save(case, tensors, metadata=None):
+    header, blobs, offset = {}, [], 0
+    for name, t in tensors.items():
+        t = t.detach().contiguous()
+        if t.dtype == torch.float32:
+            dtype, raw = "F32", t.numpy().astype("<f4").tobytes()
+        elif t.dtype == torch.int64:
+            dtype, raw = "I64", t.numpy().astype("<i8").tobytes()
+        else:
+            raise TypeError(f"{name}: unsupported dtype {t.dtype}")
+        header[name] = {"dtype": dtype, "shape": list(t.shape), "data_offsets": [offset, offset + len(raw)]}
+        blobs.append(raw)
+        offset += len(raw)
+    if metadata:
+        header["__metadata__"] = {k: str(v) for k, v in metadata.items()}
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * ((8 - (8 + len(text)) % 8) % 8)
+    path = os.path.join(OUT, f"parity_{case}.safetensors")
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)))
+        f.write(text)
+        for b in blobs:
+            f.write(b)
+    print(f"wrote {path} ({8 + len(text) + offset} bytes)")
+
+
+def leaf(*shape, scale=1.0):
+    return (torch.randn(*shape) * scale).requires_grad_(True)
+
+
+def weighted_backward(y, name, out):
+    """Backward of sum(w * y) for a fixed random weight w, stored as <name>_weight."""
+    w = torch.rand_like(y) + 0.5
+    (y * w).sum().backward()
+    out[name + "_weight"] = w
+
+
+def conv2d():
+    out = {}
+    configs = [("plain", 1, 0, 1, 1), ("stride_pad", 2, 1, 1, 1), ("dilation", 1, 2, 2, 1), ("groups", 1, 1, 1, 2)]
+    for tag, stride, pad, dil, groups in configs:
+        x = leaf(2, 4, 7, 6)
+        w = leaf(6, 4 // groups, 3, 3, scale=0.3)
+        b = leaf(6)
+        y = F.conv2d(x, w, b, stride=stride, padding=pad, dilation=dil, groups=groups)
+        weighted_backward(y, f"{tag}_y", out)
+        out.update({f"{tag}_x": x, f"{tag}_w": w, f"{tag}_b": b, f"{tag}_y": y, f"{tag}_gx": x.grad,
+                    f"{tag}_gw": w.grad, f"{tag}_gb": b.grad})
+        out[f"{tag}_config"] = torch.tensor([stride, pad, dil, groups])
+    save("conv2d", out)
+
+
+def pooling():
+    out = {}
+    x = leaf(2, 3, 7, 7)
+    y = F.max_pool2d(x, 3, stride=2, padding=1, ceil_mode=True)
+    weighted_backward(y, "max_y", out)
+    out.update({"max_x": x, "max_y": y, "max_gx": x.grad})
+    x2 = leaf(2, 3, 7, 7)
+    y2 = F.avg_pool2d(x2, 3, stride=2, padding=1, ceil_mode=False, count_include_pad=False)
+    weighted_backward(y2, "avg_y", out)
+    out.update({"avg_x": x2, "avg_y": y2, "avg_gx": x2.grad})
+    save("pooling", out)
+
+
+def batch_norm():
+    out = {}
+    for mode in ("train", "eval"):
+        x = leaf(4, 3, 5, 5)
+        bn = torch.nn.BatchNorm2d(3, momentum=0.2)
+        with torch.no_grad():
+            bn.weight.copy_(torch.rand(3) + 0.5)
+            bn.bias.copy_(torch.randn(3))
+            bn.running_mean.copy_(torch.randn(3))
+            bn.running_var.copy_(torch.rand(3) + 0.5)
+        out[f"{mode}_running_mean_before"] = bn.running_mean.clone()
+        out[f"{mode}_running_var_before"] = bn.running_var.clone()
+        bn.train(mode == "train")
+        y = bn(x)
+        weighted_backward(y, f"{mode}_y", out)
+        out.update({f"{mode}_x": x, f"{mode}_weight": bn.weight.detach(), f"{mode}_bias": bn.bias.detach(),
+                    f"{mode}_y": y, f"{mode}_gx": x.grad, f"{mode}_gweight": bn.weight.grad,
+                    f"{mode}_gbias": bn.bias.grad, f"{mode}_running_mean": bn.running_mean,
+                    f"{mode}_running_var": bn.running_var})
+    save("batch_norm", out, {"momentum": 0.2, "eps": 1e-5})
+
+
+def lstm():
+    out = {}
+    model = torch.nn.LSTM(3, 4, num_layers=2, batch_first=True)
+    x = leaf(2, 5, 3)
+    y, (h, c) = model(x)
+    w = torch.rand_like(y) + 0.5
+    ((y * w).sum() + h.sum() + 2 * c.sum()).backward()
+    out.update({"x": x, "y": y, "h_n": h, "c_n": c, "y_weight": w, "gx": x.grad})
+    for name, p in model.named_parameters():
+        out[name] = p.detach()
+        out["grad_" + name] = p.grad
+    save("lstm", out)
+
+
+def losses():
+    out = {}
+    logits = leaf(6, 5)
+    target = torch.tensor([0, 4, 2, 2, 1, 3])
+    loss = F.cross_entropy(logits, target, label_smoothing=0.1)
+    loss.backward()
+    out.update({"ce_logits": logits, "ce_target": target, "ce_loss": loss.reshape(1), "ce_grad": logits.grad})
+    logits2 = leaf(6, 5)
+    target2 = torch.tensor([0, -100, 2, 2, -100, 3])
+    loss2 = F.cross_entropy(logits2, target2, ignore_index=-100, reduction="mean")
+    loss2.backward()
+    out.update({"ce_ignore_logits": logits2, "ce_ignore_target": target2, "ce_ignore_loss": loss2.reshape(1),
+                "ce_ignore_grad": logits2.grad})
+    a, b = leaf(3, 4), torch.randn(3, 4)
+    mse = F.mse_loss(a, b)
+    mse.backward()
+    out.update({"mse_a": a, "mse_b": b, "mse_loss": mse.reshape(1), "mse_grad": a.grad})
+    x = leaf(4, 6)
+    out.update({"act_x": x, "act_gelu": F.gelu(x), "act_softplus": F.softplus(x),
+                "act_log_softmax": F.log_softmax(x, 1), "act_sigmoid": torch.sigmoid(x)})
+    lin_w, lin_b = leaf(3, 6), leaf(3)
+    lin = F.linear(x, lin_w, lin_b)
+    out.update({"linear_w": lin_w, "linear_b": lin_b, "linear_y": lin})
+    save("losses", out)
+
+
+def optimizers():
+    out = {}
+    init = torch.randn(5)
+    grads = [torch.randn(5) for _ in range(6)]
+    for i, g in enumerate(grads):
+        out[f"grad_{i}"] = g
+    out["init"] = init
+    cases = {
+        "sgd": lambda p: torch.optim.SGD([p], lr=0.1),
+        "sgd_momentum": lambda p: torch.optim.SGD([p], lr=0.1, momentum=0.9, dampening=0.1, weight_decay=0.01),
+        "sgd_nesterov": lambda p: torch.optim.SGD([p], lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01),
+        "adam": lambda p: torch.optim.Adam([p], lr=0.01, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1),
+        "adamw": lambda p: torch.optim.AdamW([p], lr=0.01, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1),
+    }
+    for name, make in cases.items():
+        p = init.clone().requires_grad_(True)
+        opt = make(p)
+        for i, g in enumerate(grads):
+            p.grad = g.clone()
+            opt.step()
+            out[f"{name}_step{i}"] = p.detach().clone()
+    # Schedulers: learning rate after each of 8 epochs.
+    sched = {
+        "step": lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=3, gamma=0.5),
+        "exponential": lambda o: torch.optim.lr_scheduler.ExponentialLR(o, gamma=0.9),
+        "cosine": lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=5, eta_min=0.01),
+    }
+    for name, make in sched.items():
+        o = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+        s = make(o)
+        lrs = []
+        for _ in range(8):
+            o.step()
+            s.step()
+            lrs.append(o.param_groups[0]["lr"])
+        out[f"lr_{name}"] = torch.tensor(lrs, dtype=torch.float32)
+    o = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+    s = torch.optim.lr_scheduler.ReduceLROnPlateau(o, patience=1, factor=0.5)
+    metrics = [1.0, 0.9, 0.95, 0.97, 0.96, 0.5, 0.6, 0.7, 0.8]
+    lrs = []
+    for m in metrics:
+        s.step(m)
+        lrs.append(o.param_groups[0]["lr"])
+    out["plateau_metrics"] = torch.tensor(metrics)
+    out["lr_plateau"] = torch.tensor(lrs, dtype=torch.float32)
+    save("optim", out)
+
+
+if __name__ == "__main__":
+    os.makedirs(OUT, exist_ok=True)
+    conv2d()
+    pooling()
+    batch_norm()
+    lstm()
+    losses()
+    optimizers()

@@ -1,0 +1,128 @@
+// The autograd engine: accumulation into leaves, retain_graph, NoGradGuard, hooks and
+// end-of-backward callbacks, version-counter errors, grad() and deep graphs.
+#include "tests/test_support.h"
+
+using namespace mn;
+using mn::testing::check_close;
+using mn::testing::param;
+using mn::testing::tensor;
+
+TEST_CASE("autograd: gradients accumulate into leaves across backward calls") {
+  Tensor x = param({1, 2, 3});
+  Tensor y = sum(mul(x, x));
+  y.backward();
+  check_close(x.grad(), {2, 4, 6});
+  sum(mul(x, 3.0)).backward();
+  check_close(x.grad(), {5, 7, 9});
+  CHECK(x.is_leaf());
+  CHECK(!y.is_leaf());
+  CHECK(y.grad_fn() != nullptr);
+}
+
+TEST_CASE("autograd: a tensor used twice sums both paths") {
+  Tensor x = param({2});
+  Tensor y = add(mul(x, x), mul(x, 5.0));  // 2x + 5
+  y.backward();
+  check_close(x.grad(), {9});
+}
+
+TEST_CASE("autograd: retain_graph allows a second backward; without it the second fails") {
+  Tensor x = param({1, 2});
+  Tensor y = sum(exp(x));
+  y.backward({}, /*retain_graph=*/true);
+  y.backward();
+  check_close(x.grad(), {2 * 2.7182818f, 2 * 7.3890561f});
+  CHECK_THROWS_WITH_AS(y.backward(), doctest::Contains("second time"), RuntimeError);
+}
+
+TEST_CASE("autograd: NoGradGuard records nothing") {
+  Tensor x = param({1, 2});
+  {
+    autograd::NoGradGuard guard;
+    Tensor y = mul(x, 2.0);
+    CHECK(!y.requires_grad());
+    CHECK(y.grad_fn() == nullptr);
+  }
+  CHECK(mul(x, 2.0).requires_grad());
+  CHECK_THROWS_WITH_AS(sum(tensor({1, 2})).backward(), doctest::Contains("does not require grad"), RuntimeError);
+}
+
+TEST_CASE("autograd: in-place change of a saved tensor is detected with versions") {
+  Tensor x = param({1, 2});
+  Tensor w = tensor({3, 4});
+  Tensor y = sum(mul(x, w));
+  w.fill_(0.0);
+  CHECK_THROWS_WITH_AS(y.backward(), doctest::Contains("version 1; expected version 0"), RuntimeError);
+}
+
+TEST_CASE("autograd: post-accumulate hooks and end-of-backward callbacks") {
+  Tensor a = param({1, 2});
+  Tensor b = param({3});
+  std::vector<std::string> order;
+  a.register_post_accumulate_grad_hook([&](const Tensor& t) {
+    order.push_back("a");
+    CHECK(t.grad().defined());
+    autograd::queue_callback([&] { order.push_back("end"); });
+  });
+  b.register_post_accumulate_grad_hook([&](const Tensor&) { order.push_back("b"); });
+  Tensor y = add(sum(mul(a, 2.0)), sum(b));
+  CHECK(!autograd::backward_in_progress());
+  y.backward();
+  REQUIRE(order.size() == 3);
+  CHECK(order.back() == "end");
+  CHECK_THROWS_AS(autograd::queue_callback([] {}), RuntimeError);
+  // Two forwards before one backward: each leaf's hook fires once.
+  int fired = 0;
+  Tensor c = param({1});
+  c.register_post_accumulate_grad_hook([&](const Tensor&) { ++fired; });
+  add(mul(c, 2.0), mul(c, 3.0)).backward();
+  CHECK(fired == 1);
+  check_close(c.grad(), {5});
+}
+
+TEST_CASE("autograd: grad() returns gradients without touching .grad") {
+  Tensor x = param({1, 2});
+  Tensor w = param({3, 4});
+  Tensor y = sum(mul(x, w));
+  auto g = autograd::grad({y}, {x});
+  check_close(g[0], {3, 4});
+  CHECK(!x.grad().defined());
+  CHECK(!w.grad().defined());
+  Tensor z = sum(mul(x, 2.0));
+  Tensor unused = param({1});
+  CHECK_THROWS_AS(autograd::grad({z}, {unused}), RuntimeError);
+  CHECK(!autograd::grad({sum(mul(x, 2.0))}, {unused}, {}, false, false, true)[0].defined());
+  // Gradient with respect to an intermediate tensor
+  Tensor h = mul(x, 3.0);
+  Tensor out = sum(mul(h, h));
+  check_close(autograd::grad({out}, {h})[0], {6, 12});
+}
+
+TEST_CASE("autograd: retain_grad on intermediates and explicit output gradients") {
+  Tensor x = param({1, 2});
+  Tensor h = mul(x, 2.0);
+  h.retain_grad();
+  Tensor y = mul(h, h);
+  y.backward(tensor({1, 1}));
+  check_close(h.grad(), {4, 8});
+  check_close(x.grad(), {8, 16});
+  CHECK_THROWS_WITH_AS(mul(x, 2.0).backward(), doctest::Contains("[2]"), RuntimeError);
+  CHECK_THROWS_WITH_AS(mul(x, 2.0).backward(tensor({1, 1, 1})), doctest::Contains("[3]"), ValueError);
+}
+
+TEST_CASE("autograd: deep chains do not overflow the stack") {
+  Tensor x = param({1});
+  Tensor y = x;
+  for (int i = 0; i < 20000; ++i) y = add(y, 0.0);
+  y.backward();
+  check_close(x.grad(), {1});
+}
+
+TEST_CASE("autograd: detach cuts history but shares storage") {
+  Tensor x = param({1, 2});
+  Tensor d = mul(x, 2.0).detach();
+  CHECK(!d.requires_grad());
+  CHECK(d.grad_fn() == nullptr);
+  Tensor x2 = x.detach();
+  CHECK(x2.storage() == x.storage());
+}

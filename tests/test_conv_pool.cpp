@@ -1,0 +1,267 @@
+// conv2d, max_pool2d and avg_pool2d: forward by hand and against a naive direct convolution (stride,
+// padding, dilation, groups, non-contiguous input), thread-count independence, gradient checks
+// (first and second order), PyTorch's ceil_mode output sizes, and errors.
+#include <omp.h>
+
+#include <cstring>
+
+#include "nn/functional.h"
+#include "tests/test_support.h"
+
+using namespace mn;
+using autograd::gradcheck;
+using autograd::gradgradcheck;
+using mn::testing::check_close;
+using mn::testing::random_param;
+using mn::testing::tensor;
+namespace F = mn::nn::functional;
+
+namespace {
+
+Tensor random_tensor(const Shape& shape, uint64_t seed) {
+  Generator gen(seed);
+  return randn(shape, {}, &gen);
+}
+
+Tensor iota(const Shape& shape) { return arange(1.0, shape.numel() + 1.0, 1.0, DType::f32).reshape(shape); }
+
+struct ConvCase {
+  std::array<int64_t, 2> stride{1, 1}, padding{0, 0}, dilation{1, 1};
+  int64_t groups = 1;
+};
+
+// Direct convolution by the definition, accumulated in double.
+std::vector<float> naive_conv(const Tensor& x_in, const Tensor& w_in, const Tensor& b_in, const ConvCase& c) {
+  const Tensor x = x_in.contiguous(), w = w_in.contiguous();
+  const int64_t n = x.size(0), ch = x.size(1), h = x.size(2), wd = x.size(3);
+  const int64_t o = w.size(0), cg = w.size(1), kh = w.size(2), kw = w.size(3), og = o / c.groups;
+  const int64_t oh = (h + 2 * c.padding[0] - c.dilation[0] * (kh - 1) - 1) / c.stride[0] + 1;
+  const int64_t ow = (wd + 2 * c.padding[1] - c.dilation[1] * (kw - 1) - 1) / c.stride[1] + 1;
+  std::vector<float> xv = x.to_vector<float>(), wv = w.to_vector<float>(), out(n * o * oh * ow);
+  std::vector<float> bv = b_in.defined() ? b_in.to_vector<float>() : std::vector<float>(o, 0.0f);
+  for (int64_t s = 0; s < n; ++s)
+    for (int64_t oc = 0; oc < o; ++oc)
+      for (int64_t y = 0; y < oh; ++y)
+        for (int64_t xx = 0; xx < ow; ++xx) {
+          double acc = bv[oc];
+          const int64_t group = oc / og;
+          for (int64_t ic = 0; ic < cg; ++ic)
+            for (int64_t i = 0; i < kh; ++i)
+              for (int64_t j = 0; j < kw; ++j) {
+                const int64_t iy = y * c.stride[0] - c.padding[0] + i * c.dilation[0];
+                const int64_t ix = xx * c.stride[1] - c.padding[1] + j * c.dilation[1];
+                if (iy < 0 || iy >= h || ix < 0 || ix >= wd) continue;
+                const int64_t xc = group * cg + ic;
+                acc += double(xv[((s * ch + xc) * h + iy) * wd + ix]) * wv[((oc * cg + ic) * kh + i) * kw + j];
+              }
+          out[((s * o + oc) * oh + y) * ow + xx] = static_cast<float>(acc);
+        }
+  return out;
+}
+
+Tensor conv(const Tensor& x, const Tensor& w, const Tensor& b, const ConvCase& c) {
+  return F::conv2d(x, w, b, c.stride, c.padding, c.dilation, c.groups);
+}
+
+bool bitwise_equal(const Tensor& a, const Tensor& b) {
+  return a.sizes() == b.sizes() && std::memcmp(a.data<float>(), b.data<float>(), a.nbytes()) == 0;
+}
+
+// Distinct values in random order, at least 0.1 apart, so max pooling has no ties for gradcheck.
+Tensor distinct_param(const Shape& shape, uint64_t seed) {
+  Generator gen(seed);
+  std::vector<float> keys = rand({shape.numel()}, {}, &gen).to_vector<float>();
+  std::vector<int64_t> order(keys.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int64_t>(i);
+  std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return keys[a] < keys[b]; });
+  std::vector<float> values(keys.size());
+  for (size_t rank = 0; rank < order.size(); ++rank) values[order[rank]] = 0.1f * static_cast<float>(rank) - 1.0f;
+  return from_vector(values, shape).requires_grad_(true);
+}
+
+}  // namespace
+
+TEST_CASE("conv2d: forward by hand") {
+  Tensor x = iota({1, 1, 3, 3});
+  Tensor diag = tensor({1, 0, 0, -1}, {1, 1, 2, 2});
+  Tensor y = F::conv2d(x, diag, tensor({1}));
+  CHECK(y.sizes() == Shape{1, 1, 2, 2});
+  check_close(y, {-3, -3, -3, -3});  // x[i, j] - x[i+1, j+1] + 1
+  // All-ones 2x2 kernel, stride 2, padding 1: each output sums the part of its window inside x.
+  Tensor z = F::conv2d(x, ones({1, 1, 2, 2}), Tensor(), {2, 2}, {1, 1});
+  check_close(z, {1, 5, 11, 28});
+  // Two groups of one channel each, one output channel per group.
+  Tensor two = F::conv2d(iota({1, 2, 1, 2}), tensor({2, 3}, {2, 1, 1, 1}), Tensor(), {1, 1}, {0, 0}, {1, 1}, 2);
+  check_close(two, {2, 4, 9, 12});
+}
+
+TEST_CASE("conv2d: matches a naive direct convolution") {
+  const std::vector<ConvCase> cases = {
+      {},
+      {{2, 1}, {1, 2}, {1, 1}, 1},
+      {{1, 2}, {2, 1}, {2, 1}, 1},
+      {{2, 2}, {1, 1}, {1, 2}, 2},
+      {{1, 1}, {0, 0}, {1, 1}, 4},
+      {{3, 2}, {2, 2}, {2, 2}, 2},
+  };
+  for (size_t i = 0; i < cases.size(); ++i) {
+    CAPTURE(i);
+    const ConvCase& c = cases[i];
+    Tensor x = random_tensor({3, 4, 9, 8}, 10 + i);
+    Tensor w = random_tensor({8, 4 / c.groups, 3, 2}, 20 + i);
+    Tensor b = random_tensor({8}, 30 + i);
+    check_close(conv(x, w, b, c), naive_conv(x, w, b, c), 1e-4);
+    check_close(conv(x, w, Tensor(), c), naive_conv(x, w, Tensor(), c), 1e-4);
+  }
+  // 1x1 kernels read the input directly as the column matrix.
+  Tensor x = random_tensor({2, 6, 5, 7}, 40), w = random_tensor({4, 3, 1, 1}, 41);
+  check_close(conv(x, w, Tensor(), {{1, 1}, {0, 0}, {1, 1}, 2}), naive_conv(x, w, Tensor(), {{1, 1}, {0, 0}, {1, 1}, 2}),
+              1e-4);
+  // Non-contiguous input: channels-last storage seen as NCHW, and a strided slice.
+  Tensor nhwc = random_tensor({2, 5, 7, 6}, 42).permute({0, 3, 1, 2});  // [2, 6, 5, 7]
+  check_close(conv(nhwc, w, Tensor(), {{1, 1}, {0, 0}, {1, 1}, 2}),
+              naive_conv(nhwc, w, Tensor(), {{1, 1}, {0, 0}, {1, 1}, 2}), 1e-4);
+  Tensor sliced = random_tensor({2, 6, 10, 7}, 43).slice(2, 0, 10, 2);
+  Tensor w3 = random_tensor({3, 6, 3, 3}, 44);
+  check_close(conv(sliced, w3, Tensor(), {{1, 1}, {1, 1}, {1, 1}, 1}),
+              naive_conv(sliced, w3, Tensor(), {{1, 1}, {1, 1}, {1, 1}, 1}), 1e-4);
+  // Unbatched [C, H, W] input.
+  Tensor single = random_tensor({4, 6, 6}, 45), w4 = random_tensor({2, 4, 3, 3}, 46);
+  Tensor y = F::conv2d(single, w4);
+  CHECK(y.sizes() == Shape{2, 4, 4});
+  check_close(y, naive_conv(single.unsqueeze(0), w4, Tensor(), {}), 1e-4);
+}
+
+TEST_CASE("conv2d: results do not depend on the thread count") {
+  const int saved = omp_get_max_threads();
+  // Batch 5 spreads samples over threads; batch 2 with 3 threads splits each sample's work instead.
+  for (int64_t batch : {5, 2}) {
+    CAPTURE(batch);
+    auto run = [&](int threads) {
+      omp_set_num_threads(threads);
+      Tensor x = random_param({batch, 6, 24, 22}, 50), w = random_param({8, 3, 3, 3}, 51), b = random_param({8}, 52);
+      Tensor y = F::conv2d(x, w, b, {2, 1}, {1, 1}, {1, 2}, 2);
+      sum(mul(y, y)).backward();
+      return std::vector<Tensor>{y.detach(), x.grad(), w.grad(), b.grad()};
+    };
+    std::vector<Tensor> one = run(1), three = run(3);
+    for (size_t i = 0; i < one.size(); ++i) {
+      CAPTURE(i);
+      CHECK(bitwise_equal(one[i], three[i]));
+    }
+  }
+  omp_set_num_threads(saved);
+}
+
+TEST_CASE("conv2d: gradcheck for input, weight and bias") {
+  Tensor x = random_param({2, 4, 5, 5}, 60), w = random_param({4, 2, 3, 3}, 61, 0.5), b = random_param({4}, 62);
+  CHECK(gradcheck([](const std::vector<Tensor>& t) { return F::conv2d(t[0], t[1], t[2], {1, 1}, {0, 0}, {1, 1}, 2); },
+                  {x, w, b}) == "");
+  CHECK(gradcheck([](const std::vector<Tensor>& t) { return F::conv2d(t[0], t[1], t[2], {1, 1}, {1, 1}); },
+                  {x, random_param({3, 4, 3, 3}, 67, 0.5), random_param({3}, 68)}) == "");
+  CHECK(gradcheck([](const std::vector<Tensor>& t) { return F::conv2d(t[0], t[1], t[2], {2, 1}, {1, 2}, {1, 2}, 2); },
+                  {x, w, b}) == "");
+  // Non-contiguous input through a permuted view.
+  Tensor nhwc = random_param({2, 5, 5, 4}, 63);
+  CHECK(gradcheck([](const std::vector<Tensor>& t) { return F::conv2d(t[0].permute({0, 3, 1, 2}), t[1], t[2], {2, 2}, {1, 1}); },
+                  {nhwc, random_param({3, 4, 2, 2}, 64), random_param({3}, 65)}) == "");
+  // 1x1 kernel path.
+  CHECK(gradcheck([](const std::vector<Tensor>& t) { return F::conv2d(t[0], t[1]); },
+                  {x, random_param({3, 4, 1, 1}, 66)}) == "");
+}
+
+TEST_CASE("conv2d: double backward") {
+  Tensor x = random_param({1, 2, 4, 4}, 70), w = random_param({2, 1, 2, 2}, 71), b = random_param({2}, 72);
+  CHECK(gradgradcheck([](const std::vector<Tensor>& t) { return F::conv2d(t[0], t[1], t[2], {2, 1}, {1, 0}, {1, 1}, 2); },
+                      {x, w, b}) == "");
+  CHECK(gradgradcheck([](const std::vector<Tensor>& t) { return tanh(F::conv2d(t[0], t[1], t[2], {1, 1}, {1, 1})); },
+                      {x, random_param({3, 2, 3, 3}, 73, 0.5), random_param({3}, 74)}) == "");
+}
+
+TEST_CASE("conv2d: errors name the shapes") {
+  Tensor x = zeros({2, 3, 8, 8});
+  CHECK_THROWS_WITH_AS(F::conv2d(x, zeros({4, 2, 3, 3})), doctest::Contains("[2, 3, 8, 8]"), ValueError);
+  CHECK_THROWS_WITH_AS(F::conv2d(x, zeros({4, 3, 3, 3}), Tensor(), {1, 1}, {0, 0}, {1, 1}, 2),
+                       doctest::Contains("divisible by groups = 2"), ValueError);
+  CHECK_THROWS_WITH_AS(F::conv2d(x, zeros({4, 3, 9, 3})), doctest::Contains("[4, 3, 9, 3]"), ValueError);
+  CHECK_THROWS_WITH_AS(F::conv2d(x, zeros({4, 3, 3, 3}), zeros({5})), doctest::Contains("[5]"), ValueError);
+  CHECK_THROWS_WITH_AS(F::conv2d(zeros({8, 8}), zeros({4, 3, 3, 3})), doctest::Contains("[8, 8]"), ValueError);
+  CHECK_THROWS_WITH_AS(F::conv2d(x, zeros({4, 3, 3, 3}), Tensor(), {0, 1}), doctest::Contains("stride"), ValueError);
+  CHECK_THROWS_WITH_AS(F::conv2d(x, zeros({4, 3, 3})), doctest::Contains("[4, 3, 3]"), ValueError);
+}
+
+TEST_CASE("pool: max_pool2d forward by hand") {
+  Tensor x = iota({1, 1, 4, 4});
+  check_close(F::max_pool2d(x, {2, 2}), {6, 8, 14, 16});
+  // 3x3 windows, stride 2, padding 1: padding never wins.
+  Tensor neg = mul(iota({1, 1, 4, 4}), -1.0);
+  check_close(F::max_pool2d(neg, {3, 3}, {2, 2}, {1, 1}), {-1, -2, -5, -6});
+  // Unbatched input keeps its rank.
+  CHECK(F::max_pool2d(iota({2, 4, 4}), {2, 2}).sizes() == Shape{2, 2, 2});
+  // The gradient goes to the argmax of each window.
+  Tensor p = iota({1, 1, 4, 4}).requires_grad_(true);
+  sum(F::max_pool2d(p, {2, 2})).backward();
+  check_close(p.grad(), {0, 0, 0, 0, 0, 1, 0, 1, 0, 0, 0, 0, 0, 1, 0, 1});
+}
+
+TEST_CASE("pool: avg_pool2d forward by hand") {
+  check_close(F::avg_pool2d(iota({1, 1, 4, 4}), {2, 2}), {3.5, 5.5, 11.5, 13.5});
+  Tensor x = iota({1, 1, 3, 3});
+  // Padding counted in the divisor (every window has 4 slots) or not.
+  check_close(F::avg_pool2d(x, {2, 2}, {2, 2}, {1, 1}, false, true), {0.25, 1.25, 2.75, 7});
+  check_close(F::avg_pool2d(x, {2, 2}, {2, 2}, {1, 1}, false, false), {1, 2.5, 5.5, 7});
+  // ceil_mode: the last window hangs past the input; it averages only what lies inside the padded input.
+  Tensor row = iota({1, 1, 1, 5});
+  check_close(F::avg_pool2d(row, {1, 2}, {1, 2}, {0, 0}, true), {1.5, 3.5, 5});
+}
+
+TEST_CASE("pool: ceil_mode output sizes follow PyTorch") {
+  auto width = [](int64_t in, int64_t k, int64_t s, int64_t pad, bool ceil) {
+    return F::max_pool2d(zeros({1, 1, 1, in}), {1, k}, {1, s}, {0, pad}, ceil).size(3);
+  };
+  CHECK(width(5, 2, 2, 0, false) == 2);
+  CHECK(width(5, 2, 2, 0, true) == 3);
+  CHECK(width(4, 2, 2, 1, true) == 3);
+  CHECK(width(4, 2, 2, 1, false) == 3);
+  // The rounded-up window would start in the right padding: dropped (3, not 4).
+  CHECK(width(5, 2, 2, 1, true) == 3);
+  CHECK(width(6, 3, 3, 1, true) == 3);
+  CHECK(width(7, 3, 2, 0, true) == 3);
+  CHECK(width(8, 3, 2, 0, true) == 4);
+  CHECK(F::avg_pool2d(zeros({1, 1, 5, 5}), {2, 2}, {2, 2}, {1, 1}, true).sizes() == Shape{1, 1, 3, 3});
+}
+
+TEST_CASE("pool: gradcheck") {
+  Tensor x = distinct_param({2, 2, 5, 5}, 80);
+  CHECK(gradcheck([](const std::vector<Tensor>& t) { return F::max_pool2d(t[0], {2, 2}); }, {x}) == "");
+  CHECK(gradcheck([](const std::vector<Tensor>& t) { return F::max_pool2d(t[0], {3, 3}, {2, 2}, {1, 1}, true); }, {x}) ==
+        "");
+  CHECK(gradcheck([](const std::vector<Tensor>& t) { return F::max_pool2d(t[0].transpose(2, 3), {2, 3}, {1, 2}); },
+                  {x}) == "");
+  Tensor y = random_param({2, 2, 5, 5}, 81);
+  CHECK(gradcheck([](const std::vector<Tensor>& t) { return F::avg_pool2d(t[0], {2, 2}); }, {y}) == "");
+  CHECK(gradcheck([](const std::vector<Tensor>& t) { return F::avg_pool2d(t[0], {3, 3}, {2, 2}, {1, 1}, true, true); },
+                  {y}) == "");
+  CHECK(gradcheck([](const std::vector<Tensor>& t) { return F::avg_pool2d(t[0], {3, 2}, {2, 2}, {1, 1}, true, false); },
+                  {y}) == "");
+  CHECK(gradcheck([](const std::vector<Tensor>& t) { return F::avg_pool2d(t[0].select(0, 1), {2, 2}, {1, 1}); }, {y}) ==
+        "");
+}
+
+TEST_CASE("pool: double backward") {
+  Tensor x = distinct_param({1, 2, 4, 4}, 90);
+  CHECK(gradgradcheck([](const std::vector<Tensor>& t) { return square(F::max_pool2d(t[0], {2, 2}, {1, 1})); }, {x}) ==
+        "");
+  Tensor y = random_param({1, 2, 4, 4}, 91);
+  CHECK(gradgradcheck([](const std::vector<Tensor>& t) { return square(F::avg_pool2d(t[0], {3, 3}, {2, 2}, {1, 1}, true)); },
+                      {y}) == "");
+}
+
+TEST_CASE("pool: errors name the arguments") {
+  Tensor x = zeros({1, 1, 4, 4});
+  CHECK_THROWS_WITH_AS(F::max_pool2d(x, {2, 2}, {2, 2}, {2, 2}), doctest::Contains("at most half the kernel size"),
+                       ValueError);
+  CHECK_THROWS_WITH_AS(F::avg_pool2d(x, {5, 5}), doctest::Contains("[1, 1, 4, 4]"), ValueError);
+  CHECK_THROWS_WITH_AS(F::max_pool2d(zeros({4, 4}), {2, 2}), doctest::Contains("[4, 4]"), ValueError);
+  CHECK_THROWS_WITH_AS(F::max_pool2d(x, {0, 2}), doctest::Contains("kernel size must be positive"), ValueError);
+}

@@ -1,0 +1,207 @@
+// Matrix products: mm/bmm/matmul forward by hand and against a naive triple loop (transposed views,
+// broadcast batch dims, 1-D operands), the gemm kernel's alpha/beta and thread-count independence,
+// gradient checks, double backward and shape errors.
+#include <omp.h>
+
+#include <cstring>
+
+#include "kernels/kernels.h"
+#include "tests/test_support.h"
+
+using namespace mn;
+using autograd::gradcheck;
+using autograd::gradgradcheck;
+using mn::testing::check_close;
+using mn::testing::random_param;
+using mn::testing::tensor;
+
+namespace {
+
+Tensor random_tensor(const Shape& shape, uint64_t seed) {
+  Generator gen(seed);
+  return randn(shape, {}, &gen);
+}
+
+// Naive [.., M, K] x [.., K, N] with equal batch shapes, accumulated in double.
+std::vector<float> naive_batched(const Tensor& a, const Tensor& b) {
+  const Tensor ac = a.contiguous(), bc = b.contiguous();
+  const int64_t m = a.size(-2), k = a.size(-1), n = b.size(-1);
+  const int64_t batch = a.numel() / (m * k);
+  std::vector<float> va = ac.to_vector<float>(), vb = bc.to_vector<float>(), out(batch * m * n);
+  for (int64_t p = 0; p < batch; ++p)
+    for (int64_t i = 0; i < m; ++i)
+      for (int64_t j = 0; j < n; ++j) {
+        double s = 0;
+        for (int64_t q = 0; q < k; ++q) s += double(va[(p * m + i) * k + q]) * vb[(p * k + q) * n + j];
+        out[(p * m + i) * n + j] = static_cast<float>(s);
+      }
+  return out;
+}
+
+bool bitwise_equal(const Tensor& x, const Tensor& y) {
+  return x.sizes() == y.sizes() && std::memcmp(x.contiguous().data<float>(), y.contiguous().data<float>(), x.nbytes()) == 0;
+}
+
+}  // namespace
+
+TEST_CASE("matmul: 2-D product by hand") {
+  Tensor a = tensor({1, 2, 3, 4, 5, 6}, {2, 3});
+  Tensor b = tensor({7, 8, 9, 10, 11, 12}, {3, 2});
+  Tensor c = matmul(a, b);
+  CHECK(c.sizes() == Shape{2, 2});
+  check_close(c, {58, 64, 139, 154});
+  check_close(mm(a, b), {58, 64, 139, 154});
+}
+
+TEST_CASE("matmul: vector cases") {
+  Tensor v = tensor({1, 2, 3});
+  Tensor dot = matmul(v, tensor({4, 5, 6}));
+  CHECK(dot.dim() == 0);
+  CHECK(dot.item() == doctest::Approx(32));
+  Tensor m = tensor({1, 2, 3, 4, 5, 6}, {3, 2});
+  Tensor vm = matmul(v, m);  // [3] @ [3, 2]
+  CHECK(vm.sizes() == Shape{2});
+  check_close(vm, {22, 28});
+  Tensor mv = matmul(m.t(), v);  // [2, 3] @ [3]
+  CHECK(mv.sizes() == Shape{2});
+  check_close(mv, {22, 28});
+}
+
+TEST_CASE("matmul: transposed and strided views need no copy and match the naive product") {
+  Tensor a = random_tensor({7, 5}, 1), b = random_tensor({9, 7}, 2);
+  // a.t(): [5, 7] column-major; b.t(): [7, 9] column-major.
+  check_close(matmul(a.t(), b.t()), naive_batched(a.t(), b.t()), 1e-5);
+  check_close(matmul(a.t(), b.t().contiguous()), naive_batched(a.t(), b.t()), 1e-5);
+  // Every other column: no unit stride at all, so the kernel copies.
+  Tensor wide = random_tensor({5, 14}, 3);
+  Tensor strided = wide.slice(1, 0, 14, 2);  // [5, 7], strides [14, 2]
+  check_close(matmul(strided, a), naive_batched(strided, a), 1e-5);
+}
+
+TEST_CASE("matmul: batched with broadcast batch dims") {
+  Tensor a = random_tensor({2, 1, 3, 4}, 4);
+  Tensor b = random_tensor({3, 4, 5}, 5);
+  Tensor c = matmul(a, b);
+  REQUIRE(c.sizes() == Shape{2, 3, 3, 5});
+  check_close(c, naive_batched(a.expand({2, 3, 3, 4}), b.expand({2, 3, 4, 5})), 1e-5);
+
+  // [B, M, K] @ [K, N] folds the batch into the rows.
+  Tensor x = random_tensor({3, 2, 4}, 6), w = random_tensor({4, 5}, 7);
+  check_close(matmul(x, w), naive_batched(x, w.expand({3, 4, 5})), 1e-5);
+  // [M, K] @ [B, K, N] broadcasts the matrix with a zero batch stride.
+  Tensor y = random_tensor({3, 4, 5}, 8);
+  Tensor xm = random_tensor({2, 4}, 9);
+  check_close(matmul(xm, y), naive_batched(xm.expand({3, 2, 4}), y), 1e-5);
+  // Vectors against batches.
+  Tensor v = random_tensor({4}, 10);
+  Tensor vb = matmul(v, y);  // [3, 5]
+  CHECK(vb.sizes() == Shape{3, 5});
+  check_close(vb, naive_batched(v.reshape({1, 1, 4}).expand({3, 1, 4}), y), 1e-5);
+  Tensor bv = matmul(x, v);  // [3, 2]
+  CHECK(bv.sizes() == Shape{3, 2});
+  check_close(bv, naive_batched(x, v.reshape({1, 4, 1}).expand({3, 4, 1})), 1e-5);
+  // bmm with a transposed batch.
+  Tensor p = random_tensor({3, 5, 4}, 11);
+  check_close(bmm(x, p.transpose(1, 2)), naive_batched(x, p.transpose(1, 2)), 1e-5);
+}
+
+TEST_CASE("matmul: gemm kernel alpha and beta") {
+  Tensor a = tensor({1, 2, 3, 4}, {2, 2});
+  Tensor b = tensor({1, 0, 0, 1}, {2, 2});
+  Tensor out = tensor({10, 20, 30, 40}, {2, 2});
+  kernels::gemm(kCPU, a, b, out, 2.0, 0.5);
+  check_close(out, {7, 14, 21, 28});
+  // beta = 0 never reads the output, even when it holds NaN.
+  out.fill_(std::nan(""));
+  kernels::gemm(kCPU, a, b, out, 1.0, 0.0);
+  check_close(out, {1, 2, 3, 4});
+  // An empty inner dimension gives beta * out.
+  Tensor e = empty({2, 0}), f = empty({0, 2});
+  out.fill_(3.0);
+  kernels::gemm(kCPU, e, f, out, 1.0, 2.0);
+  check_close(out, {6, 6, 6, 6});
+}
+
+TEST_CASE("matmul: results do not depend on the thread count") {
+  const int saved = omp_get_max_threads();
+  const std::vector<std::array<int64_t, 3>> shapes = {
+      {300, 500, 700}, {1000, 1, 777}, {1, 1000, 1200}, {517, 613, 129}, {2048, 64, 96}, {100, 3000, 40},
+      {20, 3000, 50}, {64, 3000, 1}};
+  for (const auto& [m, n, k] : shapes) {
+    CAPTURE(m);
+    CAPTURE(n);
+    CAPTURE(k);
+    Tensor a = random_tensor({m, k}, 12), b = random_tensor({k, n}, 13);
+    omp_set_num_threads(1);
+    Tensor one = mm(a, b);
+    omp_set_num_threads(3);
+    Tensor three = mm(a, b);
+    CHECK(bitwise_equal(one, three));
+  }
+  Tensor a = random_tensor({6, 40, 50}, 14), b = random_tensor({6, 50, 30}, 15);
+  omp_set_num_threads(1);
+  Tensor one = bmm(a, b);
+  omp_set_num_threads(4);
+  Tensor four = bmm(a, b);
+  CHECK(bitwise_equal(one, four));
+  omp_set_num_threads(saved);
+}
+
+TEST_CASE("matmul: gradcheck") {
+  Tensor a = random_param({3, 4}, 20), b = random_param({4, 2}, 21);
+  CHECK(gradcheck([](const std::vector<Tensor>& t) { return matmul(t[0], t[1]); }, {a, b}) == "");
+  // Transposed and strided (non-contiguous) operands.
+  Tensor at = random_param({4, 3}, 22), bw = random_param({4, 4}, 23);
+  CHECK(gradcheck([](const std::vector<Tensor>& t) { return matmul(t[0].t(), t[1].slice(1, 0, 4, 2)); }, {at, bw}) ==
+        "");
+  // 1-D cases.
+  Tensor v = random_param({4}, 24), w = random_param({4}, 25);
+  CHECK(gradcheck([](const std::vector<Tensor>& t) { return matmul(t[0], t[1]); }, {v, w}) == "");
+  CHECK(gradcheck([](const std::vector<Tensor>& t) { return matmul(t[0], t[1]); }, {v, b}) == "");
+  CHECK(gradcheck([](const std::vector<Tensor>& t) { return matmul(t[0], t[1]); }, {a, v}) == "");
+  // Broadcast batch dims: gradients sum over the broadcast copies.
+  Tensor x = random_param({2, 1, 3, 4}, 26), y = random_param({3, 4, 2}, 27);
+  CHECK(gradcheck([](const std::vector<Tensor>& t) { return matmul(t[0], t[1]); }, {x, y}) == "");
+  Tensor x3 = random_param({3, 2, 4}, 28);
+  CHECK(gradcheck([](const std::vector<Tensor>& t) { return matmul(t[0], t[1]); }, {x3, b}) == "");
+  CHECK(gradcheck([](const std::vector<Tensor>& t) { return matmul(t[0], t[1]); }, {a, y}) == "");
+  Tensor p = random_param({2, 4, 3}, 29), q = random_param({2, 4, 5}, 30);
+  CHECK(gradcheck([](const std::vector<Tensor>& t) { return bmm(t[0].transpose(1, 2), t[1].transpose(1, 2)); },
+                  {p, random_param({2, 5, 4}, 31)}) == "");
+  CHECK(gradcheck([](const std::vector<Tensor>& t) { return bmm(t[0], t[1]); }, {random_param({2, 3, 4}, 32), q}) ==
+        "");
+}
+
+TEST_CASE("matmul: double backward") {
+  Tensor a = random_param({3, 4}, 40), b = random_param({4, 2}, 41);
+  CHECK(gradgradcheck([](const std::vector<Tensor>& t) { return matmul(t[0], t[1]); }, {a, b}) == "");
+  CHECK(gradgradcheck([](const std::vector<Tensor>& t) { return matmul(t[0], t[1].t()); },
+                      {a, random_param({2, 4}, 42)}) == "");
+  Tensor x = random_param({2, 1, 2, 3}, 43), y = random_param({2, 3, 2}, 44);
+  CHECK(gradgradcheck([](const std::vector<Tensor>& t) { return matmul(t[0], t[1]); }, {x, y}) == "");
+  // A nonlinearity after the product makes the second derivative non-trivial in both operands.
+  CHECK(gradgradcheck([](const std::vector<Tensor>& t) { return tanh(matmul(t[0], t[1])); }, {a, b}) == "");
+}
+
+TEST_CASE("matmul: the gradient of a transposed leaf keeps the leaf's layout") {
+  Tensor w = random_param({5, 4}, 50);  // used as w.t(), like a linear layer's weight
+  Tensor x = random_tensor({3, 4}, 51);
+  sum(matmul(x, w.t())).backward();
+  REQUIRE(w.grad().defined());
+  CHECK(w.grad().sizes() == Shape{5, 4});
+  CHECK(w.grad().is_contiguous());
+}
+
+TEST_CASE("matmul: shape and type errors") {
+  Tensor a = zeros({2, 3}), b = zeros({4, 5});
+  CHECK_THROWS_WITH_AS(matmul(a, b), doctest::Contains("matmul: shapes [2, 3] and [4, 5] cannot be multiplied (3 != 4)"),
+                       ValueError);
+  CHECK_THROWS_WITH_AS(mm(a, b), doctest::Contains("[2, 3] and [4, 5]"), ValueError);
+  CHECK_THROWS_WITH_AS(mm(zeros({2, 3, 4}), b), doctest::Contains("[2, 3, 4]"), ValueError);
+  CHECK_THROWS_WITH_AS(bmm(zeros({2, 3, 4}), zeros({3, 4, 5})), doctest::Contains("(2 != 3)"), ValueError);
+  CHECK_THROWS_WITH_AS(matmul(zeros({2, 3, 4}), zeros({5, 4, 2})), doctest::Contains("[2] and [5]"), ValueError);
+  CHECK_THROWS_WITH_AS(matmul(scalar_tensor(1.0), a), doctest::Contains("at least 1 dimension"), ValueError);
+  CHECK_THROWS_WITH_AS(matmul(tensor({1, 2}), tensor({1, 2, 3})), doctest::Contains("(2 != 3)"), ValueError);
+  Tensor ints = from_vector(std::vector<int64_t>{1, 2, 3, 4, 5, 6}, {3, 2});
+  CHECK_THROWS_WITH_AS(matmul(a, ints), doctest::Contains("i64"), TypeError);
+}

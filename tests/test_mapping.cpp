@@ -1,0 +1,330 @@
+// Mapping core: ParameterSpec/Tree, orthogonal mapper matrices, mappers and modulation, generators
+// (slvt, layerwise, lazy_layerwise, grouped) and MappingModel - the reference library's behaviours
+// plus the values it never tested (lazy == layerwise bitwise, identical scales across strategies).
+#include <omp.h>
+
+#include "mapping/mapping_model.h"
+#include "nn/layers.h"
+#include "tests/test_support.h"
+
+using namespace mn;
+using namespace mn::mapping;
+using mn::testing::check_close;
+using mn::testing::tensor;
+
+namespace {
+std::shared_ptr<nn::Sequential> two_linear() {
+  auto net = std::make_shared<nn::Sequential>();
+  net->push_back(std::make_shared<nn::Linear>(3, 2));
+  net->push_back(std::make_shared<nn::Linear>(2, 1, false));
+  return net;
+}
+bool bitwise_equal(const Tensor& a, const Tensor& b) { return a.to_vector<float>() == b.to_vector<float>(); }
+}  // namespace
+
+TEST_CASE("mapping: ParameterSpec layout, unflatten views and flatten order") {
+  auto net = two_linear();
+  ParameterSpec spec = ParameterSpec::from_module(*net);
+  CHECK(spec.names() == std::vector<std::string>{"0.weight", "0.bias", "1.weight"});
+  CHECK(spec.entry("0.bias").start == 6);
+  CHECK(spec.entry("0.bias").stop == 8);
+  CHECK(spec.entry("1.weight").start == 8);
+  CHECK(spec.total_numel() == 10);
+  Tensor flat = arange(0.0, 10.0, 1.0, DType::f32).requires_grad_(true);
+  ParameterTree tree = spec.unflatten(flat);
+  CHECK(tree.at("0.weight").sizes() == Shape{2, 3});
+  CHECK(tree.at("0.weight").storage() == flat.storage());
+  Tensor total = zeros({});
+  for (auto& [n, t] : tree.items()) total = add(total, sum(t));
+  total.backward();
+  check_close(flat.grad(), std::vector<float>(10, 1.0f));
+  // flatten follows spec order whatever the map order
+  std::map<std::string, Tensor> bias_first{{"0.bias", tensor({6, 7})}, {"1.weight", tensor({8, 9}, {1, 2})},
+                                           {"0.weight", tensor({0, 1, 2, 3, 4, 5}, {2, 3})}};
+  check_close(spec.flatten(bias_first), {0, 1, 2, 3, 4, 5, 6, 7, 8, 9});
+  CHECK_THROWS_WITH_AS(spec.unflatten(zeros({2, 5})), doctest::Contains("1D vector"), ValueError);
+  CHECK_THROWS_WITH_AS(spec.unflatten(zeros({4})), doctest::Contains("Expected 10 values"), ValueError);
+  bias_first.erase("0.weight");
+  CHECK_THROWS_WITH_AS(spec.flatten(bias_first), doctest::Contains("missing=[0.weight]"), ValueError);
+  bias_first["0.weight"] = zeros({3, 2});
+  CHECK_THROWS_WITH_AS(spec.flatten(bias_first), doctest::Contains("Expected shape"), ValueError);
+  CHECK_THROWS_WITH_AS(ParameterSpec::from_shapes({{"a", {2}}, {"a", {3}}}), doctest::Contains("duplicate"), ValueError);
+  CHECK_THROWS_WITH_AS(ParameterSpec({{"a", {2}, 2, 0, 2}, {"b", {3}, 3, 3, 6}}), doctest::Contains("Non-contiguous"),
+                       ValueError);
+  CHECK_THROWS_AS(spec.entry("nope"), KeyError);
+  ParameterSpec empty_spec = ParameterSpec::from_shapes({});
+  CHECK(empty_spec.total_numel() == 0);
+  CHECK(empty_spec.unflatten(zeros({0})).size() == 0);
+  CHECK(empty_spec.flatten(std::map<std::string, Tensor>{}).numel() == 0);
+}
+
+TEST_CASE("mapping: orthogonal mapper matrices are exact, expanded and a pure function of the seed") {
+  for (auto [rows, cols] : std::vector<std::pair<int64_t, int64_t>>{{40, 8}, {37, 8}, {8, 8}, {5, 8}, {16, 8}}) {
+    INFO(rows << "x" << cols);
+    OrthogonalMatrix w = OrthogonalMatrix::build(7, "g", rows, cols, /*expand=*/true);
+    Tensor dense = w.materialize();
+    CHECK(dense.sizes() == Shape{rows, cols});
+    const double expansion = static_cast<double>(std::max(rows, cols));
+    Tensor gram = rows >= cols ? matmul(dense.t(), dense) : matmul(dense, dense.t());
+    const int64_t k = std::min(rows, cols);
+    Tensor expected = mul(from_vector(std::vector<float>(static_cast<size_t>(k * k), 0.0f), {k, k}), 0.0);
+    std::vector<float> eye(static_cast<size_t>(k * k), 0.0f);
+    for (int64_t i = 0; i < k; ++i) eye[static_cast<size_t>(i * k + i)] = static_cast<float>(expansion);
+    check_close(gram, eye, 2e-5);
+    CHECK(sum(mul(dense, dense)).item() == doctest::Approx(rows * cols).epsilon(1e-4));
+    // Structured application equals the explicit matrix.
+    Tensor z = randn({cols});
+    check_close(w.apply(z), matmul(dense, z).to_vector<float>(), 1e-4);
+    Tensor u = randn({rows});
+    check_close(w.apply_transpose(u), matmul(dense.t(), u).to_vector<float>(), 1e-4);
+    check_close(w.column_mean(), mean(dense, {0}).to_vector<float>(), 1e-4);
+  }
+  // Same (seed, key, shape) -> same bits, whatever the thread count; other keys differ.
+  const int threads = omp_get_max_threads();
+  omp_set_num_threads(1);
+  Tensor one = OrthogonalMatrix::build(3, "layer", 300, 16, true).materialize();
+  omp_set_num_threads(std::max(2, threads));
+  Tensor two = OrthogonalMatrix::build(3, "layer", 300, 16, true).materialize();
+  omp_set_num_threads(threads);
+  CHECK(bitwise_equal(one, two));
+  CHECK(!bitwise_equal(one, OrthogonalMatrix::build(3, "other", 300, 16, true).materialize()));
+  CHECK(!bitwise_equal(one, OrthogonalMatrix::build(4, "layer", 300, 16, true).materialize()));
+}
+
+TEST_CASE("mapping: mappers, modulation examples and errors") {
+  MLPMapper m(4, 6, 0, "m");
+  Tensor z = randn({4}).requires_grad_(true);
+  Tensor y = m.forward(z);
+  CHECK(y.sizes() == Shape{6});
+  sum(y).backward();
+  CHECK(z.grad().defined());
+  MLPMapper hidden(3, 13, 0, "h", {7});
+  CHECK(hidden.layer_count() == 2);
+  CHECK(sum(square(hidden.layer(0).materialize())).item() == doctest::Approx(3.0).epsilon(1e-4));
+  CHECK(sum(square(hidden.layer(1).materialize())).item() == doctest::Approx(91.0).epsilon(1e-4));
+  Tensor zz = randn({3});
+  CHECK(bitwise_equal(hidden.forward(zz), hidden.forward(zz)));
+  ResidualMLPMapper res(3, 7, 0, "r", 5, 3);
+  CHECK(res.forward(randn({3})).sizes() == Shape{7});
+  CHECK_THROWS_WITH_AS(m.forward(randn({3})), doctest::Contains("4 values"), ValueError);
+  CHECK_THROWS_AS(MLPMapper(0, 3, 0, "x"), ValueError);
+  CHECK_THROWS_WITH_AS(MLPMapper(3, 4, 0, "x", {}, Modulation::low_rank(1)), doctest::Contains("Low-rank"), ValueError);
+
+  // Additive: W = ones(2,3), z = [1,2,3], alpha = 0.5 -> rows [1.5, 2, 2.5]; d(sum W' z)... input untouched.
+  Tensor w = ones({2, 3});
+  Tensor v = tensor({1, 2, 3}).requires_grad_(true);
+  Tensor mod = Modulation::additive(0.5).modulate(w, v);
+  check_close(mod, {1.5, 2, 2.5, 1.5, 2, 2.5});
+  check_close(w, {1, 1, 1, 1, 1, 1});
+  sum(mod).backward();
+  check_close(v.grad(), {1, 1, 1});
+  // Affine: v = 0 returns W exactly.
+  check_close(Modulation::affine().modulate(w, zeros({3})), {1, 1, 1, 1, 1, 1});
+  // Low rank: W = 0 (2x3), rank 1, v = [2,3,1,2,4] -> A = [2,3]^T, B = [1,2,4] -> [[2,4,8],[3,6,12]]
+  Modulation lr = Modulation::low_rank(1);
+  CHECK(lr.latent_dim_for(2, 3) == 5);
+  check_close(lr.modulate(zeros({2, 3}), tensor({2, 3, 1, 2, 4})), {2, 4, 8, 3, 6, 12});
+  CHECK_THROWS_WITH_AS(Modulation::additive().modulate(w, zeros({4})), doctest::Contains("input width"), ValueError);
+  CHECK_THROWS_WITH_AS(Modulation::additive(-1), doctest::Contains("alpha must be non-negative"), ValueError);
+  // The structured additive mapper equals the explicit W' z.
+  MLPMapper single(5, 9, 1, "s", {}, Modulation::additive(0.3));
+  Tensor z5 = randn({5});
+  Tensor explicit_out = matmul(Modulation::additive(0.3).modulate(single.layer(0).materialize(), z5), z5);
+  check_close(single.forward(z5), explicit_out.to_vector<float>(), 1e-4);
+}
+
+TEST_CASE("mapping: gradients of mappers and generators (gradcheck and double backward)") {
+  MLPMapper m(4, 30, 2, "g", {}, Modulation::additive(0.1));
+  Tensor z = mn::testing::random_param({4}, 11, 0.5);
+  CHECK(autograd::gradcheck([&](const std::vector<Tensor>& v) { return m.forward(v[0]); }, {z}) == "");
+  CHECK(autograd::gradgradcheck([&](const std::vector<Tensor>& v) { return m.forward(v[0]); }, {z}) == "");
+  MLPMapper deep(3, 10, 2, "d", {6}, Modulation::affine());
+  Tensor z3 = mn::testing::random_param({3}, 12, 0.5);
+  CHECK(autograd::gradcheck([&](const std::vector<Tensor>& v) { return deep.forward(v[0]); }, {z3}) == "");
+  ResidualMLPMapper res(3, 8, 2, "r", 4, 2);
+  CHECK(autograd::gradcheck([&](const std::vector<Tensor>& v) { return res.forward(v[0]); }, {z3}) == "");
+  auto net = two_linear();
+  for (std::string strategy : {"slvt", "layerwise", "lazy_layerwise"}) {
+    INFO(strategy);
+    auto gen = make_generator(strategy, ParameterSpec::from_module(*net), 4);
+    gen->initialize_parameter_scaling(*net);
+    std::vector<Tensor> zs;
+    for (auto& [n, t] : gen->named_latents()) zs.push_back(t.detach().clone().requires_grad_(true));
+    auto fn = [&](const std::vector<Tensor>& v) {
+      LatentOverrides o;
+      auto names = gen->group_names();
+      for (size_t i = 0; i < v.size(); ++i) o[names[i]] = v[i];
+      return gen->parameter_spec().flatten(gen->generate_parameters(o));
+    };
+    CHECK(autograd::gradcheck(fn, zs) == "");
+  }
+}
+
+TEST_CASE("mapping: generator strategies, groups, guard and overrides") {
+  auto net = two_linear();
+  ParameterSpec spec = ParameterSpec::from_module(*net);
+  SingleVectorGenerator slvt(spec, 4);
+  CHECK(slvt.group_names() == std::vector<std::string>{"all"});
+  CHECK(slvt.generate_parameters().names() == spec.names());
+  CHECK(slvt.trainable_parameter_count() == 4);
+
+  auto groups = layerwise_groups(spec);
+  REQUIRE(groups.size() == 2);
+  CHECK(groups[0].first == "0");
+  CHECK(groups[0].second == std::vector<std::string>{"0.weight", "0.bias"});
+  LayerwiseGenerator lw(spec, 3);
+  CHECK(lw.group_names() == std::vector<std::string>{"0", "1"});
+  CHECK(lw.trainable_parameter_count() == 6);
+  ParameterTree t = lw.generate_parameters();
+  Tensor loss = zeros({});
+  for (auto& [n, p] : t.items()) loss = add(loss, sum(p));
+  loss.backward();
+  for (auto& [n, z] : lw.named_latents()) CHECK(z.grad().defined());
+
+  GroupedGenerator grouped(spec, {{"weights", {"0.weight", "1.weight"}}, {"biases", {"0.bias"}}},
+                           std::map<std::string, int64_t>{{"weights", 5}, {"biases", 2}});
+  CHECK(grouped.generate_parameters().names() == std::vector<std::string>{"0.weight", "1.weight", "0.bias"});
+  CHECK(grouped.named_latents()[0].second.sizes() == Shape{5});
+  CHECK_THROWS_WITH_AS(GroupedGenerator(spec, {{"a", {"0.weight"}}, {"a", {"0.bias", "1.weight"}}}, 2),
+                       doctest::Contains("duplicate"), ValueError);
+  CHECK_THROWS_WITH_AS(GroupedGenerator(spec, {{"a", {"0.weight"}}}, 2), doctest::Contains("cover the spec"),
+                       ValueError);
+  CHECK_THROWS_WITH_AS(GroupedGenerator(spec, {{"a", {"0.weight", "0.bias", "1.weight", "ghost"}}}, 2),
+                       doctest::Contains("unexpected=[ghost]"), ValueError);
+  CHECK_THROWS_WITH_AS(GroupedGenerator(spec, {}, 2), doctest::Contains("At least one"), ValueError);
+
+  // Guard: Linear(10,10) -> N = 110, L = 10 -> 1,100 elements > 100
+  ParameterSpec big = ParameterSpec::from_module(nn::Linear(10, 10));
+  GeneratorOptions small_limit;
+  small_limit.max_projection_elements = 100;
+  CHECK_THROWS_WITH_AS(SingleVectorGenerator(big, 10, small_limit), doctest::Contains("layerwise/grouped"), MemoryError);
+  CHECK_THROWS_WITH_AS(SingleVectorGenerator(big, 10, small_limit), doctest::Contains("1,100"), MemoryError);
+  small_limit.allow_large = true;
+  CHECK_NOTHROW(SingleVectorGenerator(big, 10, small_limit));
+
+  // Overrides: unknown names are refused (the reference silently ignores typos).
+  CHECK_THROWS_WITH_AS(lw.generate_parameters({{"typo", zeros({3})}}), doctest::Contains("unknown group 'typo'"),
+                       KeyError);
+  CHECK_THROWS_AS(lw.generate_parameters({{"0", zeros({4})}}), ValueError);
+  ParameterTree shifted = lw.generate_parameters({{"0", zeros({3})}});
+  // z = 0 -> theta = 0 for group "0"; group "1" uses its own latent.
+  check_close(shifted.at("0.weight"), std::vector<float>(6, 0.0f));
+  CHECK(bitwise_equal(shifted.at("1.weight"), t.at("1.weight")));
+  CHECK_THROWS_WITH_AS(make_generator("fancy", spec, 4), doctest::Contains("Unknown strategy 'fancy'"), ValueError);
+}
+
+TEST_CASE("mapping: lazy_layerwise equals layerwise bit for bit, scaling included") {
+  manual_seed(3);
+  auto net = std::make_shared<nn::Sequential>(std::vector<nn::ModulePtr>{
+      std::make_shared<nn::Conv2d>(1, 4, 3), std::make_shared<nn::Flatten>(), std::make_shared<nn::Linear>(4 * 6 * 6, 5)});
+  ParameterSpec spec = ParameterSpec::from_module(*net);
+  GeneratorOptions o;
+  o.seed = 42;
+  LayerwiseGenerator eager(spec, 16, o);
+  LazyLayerwiseGenerator lazy(spec, 16, o);
+  eager.initialize_parameter_scaling(*net);
+  lazy.initialize_parameter_scaling(*net);
+  ParameterTree a = eager.generate_parameters(), b = lazy.generate_parameters();
+  REQUIRE(a.names() == b.names());
+  for (auto& [n, t] : a.items()) {
+    INFO(n);
+    CHECK(bitwise_equal(t, b.at(n)));
+  }
+  // One std convention for every strategy (the reference mixes biased and unbiased).
+  SingleVectorGenerator slvt(spec, 16, o);
+  slvt.initialize_parameter_scaling(*net);
+  CHECK(slvt.per_entry_scales() == eager.per_entry_scales());
+  // Scales are population std; the generated tensors start near the target's own spread.
+  std::vector<float> scales = eager.per_entry_scales();
+  const Tensor conv_weight = net->named_parameters()[0].second;
+  CHECK(scales[0] == doctest::Approx(std_dev(conv_weight.detach(), 0.0).item()).epsilon(1e-6));
+  Tensor generated = a.at("0.weight");
+  CHECK(std_dev(generated.detach(), 0.0).item() == doctest::Approx(scales[0]).epsilon(0.5));
+}
+
+TEST_CASE("mapping: scaling fallbacks for biases, root-level bias and one-element tensors") {
+  nn::Linear lin(3, 1);
+  {
+    autograd::NoGradGuard no_grad;
+    Tensor b = lin.param("bias").detach();
+    b.fill_(0.0);
+  }
+  ParameterSpec spec = ParameterSpec::from_module(lin);
+  std::vector<float> s = parameter_scales(spec, lin);
+  // weight: its own std; bias (root-level name "bias", one element) -> 1.
+  CHECK(s[0] == doctest::Approx(std_dev(lin.param("weight").detach(), 0.0).item()));
+  CHECK(s[1] == 1.0f);
+  nn::Linear wide(3, 4);
+  {
+    autograd::NoGradGuard no_grad;
+    Tensor b = wide.param("bias").detach();
+    b.fill_(0.0);
+  }
+  std::vector<float> s2 = parameter_scales(ParameterSpec::from_module(wide), wide);
+  CHECK(s2[1] == doctest::Approx(s2[0]));  // zero bias borrows the weight's std
+}
+
+TEST_CASE("mapping: MappingModel counts, gradients, untouched target, strategies and errors") {
+  manual_seed(5);
+  auto lin = std::make_shared<nn::Linear>(10, 5);
+  MappingOptions o;
+  o.latent_dim = 4;
+  o.strategy = "layerwise";
+  MappingModel model(lin, o);
+  CHECK(model.target_parameter_count() == 55);
+  CHECK(model.trainable_parameter_count() == 4);
+  CHECK(model.compression_ratio() == doctest::Approx(13.75));
+  const std::vector<float> before = lin->param("weight").to_vector<float>();
+  Tensor x = randn({3, 10});
+  ForwardResult r = model.forward(x);
+  CHECK(r.predictions.sizes() == Shape{3, 5});
+  CHECK(r.generated_parameters.names() == std::vector<std::string>{"weight", "bias"});
+  sum(r.predictions).backward();
+  for (auto& [n, z] : model.named_latents()) CHECK(z.grad().defined());
+  CHECK(!lin->param("weight").grad().defined());
+  CHECK(lin->param("weight").to_vector<float>() == before);
+  // Overrides change the predictions but latent_vectors stay the model's own.
+  ForwardResult shifted = model.forward(x, {{"<root>", zeros({4})}});
+  check_close(shifted.predictions, std::vector<float>(15, 0.0f));
+  CHECK(shifted.latent_vectors[0].second.same(model.named_latents()[0].second));
+  o.latent_dim = 0;
+  CHECK_THROWS_WITH_AS(MappingModel(lin, o), doctest::Contains("positive"), ValueError);
+  o.latent_dim = 4;
+  o.strategy = "nope";
+  CHECK_THROWS_WITH_AS(MappingModel(lin, o), doctest::Contains("Unknown strategy"), ValueError);
+  for (std::string s : {"slvt", "lazy_layerwise"}) {
+    o.strategy = s;
+    MappingModel m(lin, o);
+    CHECK(m.forward(x).predictions.sizes() == Shape{3, 5});
+  }
+  o.strategy = "grouped";
+  o.groups = {{"w", {"weight"}}, {"b", {"bias"}}};
+  o.group_latent_dims = {{"w", 6}};
+  MappingModel grouped(lin, o);
+  CHECK(grouped.trainable_parameter_count() == 10);
+}
+
+TEST_CASE("mapping: conv and LSTM targets route gradients to every latent; tied parameters refused") {
+  manual_seed(6);
+  auto cnn = std::make_shared<nn::Sequential>(std::vector<nn::ModulePtr>{
+      std::make_shared<nn::Conv2d>(1, 2, 3), std::make_shared<nn::ReLU>(), std::make_shared<nn::Flatten>(),
+      std::make_shared<nn::Linear>(2 * 4 * 4, 3)});
+  MappingOptions o;
+  o.latent_dim = 8;
+  MappingModel model(cnn, o);
+  sum(model.forward(randn({2, 1, 6, 6})).predictions).backward();
+  for (auto& [n, z] : model.named_latents()) CHECK(z.grad().defined());
+  auto lstm = std::make_shared<nn::LSTM>(4, 4, 1, true, true);
+  MappingModel lm(lstm, o);
+  ForwardResult r = lm.forward_with([&](nn::Module& m) {
+    auto out = static_cast<nn::LSTM&>(m).forward_with_state(randn({2, 3, 4}));
+    CHECK(out.h_n.sizes() == Shape{1, 2, 4});
+    return out.output;
+  });
+  sum(r.predictions).backward();
+  for (auto& [n, z] : lm.named_latents()) CHECK(z.grad().defined());
+  // A tied model: the same Linear registered twice.
+  auto shared = std::make_shared<nn::Linear>(2, 2);
+  auto tied = std::make_shared<nn::Sequential>(std::vector<nn::ModulePtr>{shared, shared});
+  CHECK_THROWS_WITH_AS(MappingModel(tied, o), doctest::Contains("0.weight = 1.weight"), ValueError);
+}

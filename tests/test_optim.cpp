@@ -1,0 +1,126 @@
+// Optimizers against hand-computed updates, schedulers' learning rates, clipping and optimizer
+// state round trips. (PyTorch trajectories are compared in test_parity.)
+#include "nn/optim.h"
+#include "tests/test_support.h"
+
+using namespace mn;
+using namespace mn::nn::optim;
+using mn::testing::check_close;
+using mn::testing::param;
+using mn::testing::tensor;
+
+TEST_CASE("optim: SGD with momentum, dampening, nesterov and weight decay") {
+  Tensor p = param({1.0f, -2.0f});
+  SGD sgd({p}, SGDOptions{0.1, 0.9, 0.0, 0.0, false});
+  p.set_grad(tensor({1, 1}));
+  sgd.step();  // buf = g; p -= 0.1 * g
+  check_close(p, {0.9f, -2.1f});
+  p.set_grad(tensor({1, 1}));
+  sgd.step();  // buf = 0.9 + 1 = 1.9
+  check_close(p, {0.71f, -2.29f});
+
+  Tensor q = param({1.0f});
+  SGD nesterov({q}, SGDOptions{0.1, 0.5, 0.0, 0.1, true});
+  q.set_grad(tensor({2}));
+  nesterov.step();  // g = 2 + 0.1*1 = 2.1; buf = 2.1; g' = 2.1 + 0.5*2.1 = 3.15
+  check_close(q, {1.0f - 0.315f});
+  CHECK_THROWS_AS(SGD({param({1})}, SGDOptions{0.1, 0.0, 0.0, 0.0, true}), ValueError);
+}
+
+TEST_CASE("optim: Adam and AdamW first steps by hand") {
+  Tensor p = param({1.0f});
+  Adam adam({p}, AdamOptions{0.1, 0.9, 0.999, 1e-8, 0.0});
+  p.set_grad(tensor({0.5f}));
+  adam.step();  // m_hat = g, v_hat = g^2 -> step = lr * g/|g| = 0.1
+  check_close(p, {0.9f}, 1e-6);
+  p.set_grad(tensor({0.5f}));
+  adam.step();
+  check_close(p, {0.8f}, 1e-6);
+
+  Tensor w = param({2.0f});
+  AdamOptions o;
+  o.lr = 0.1;
+  o.weight_decay = 0.5;
+  AdamW adamw({w}, o);
+  w.set_grad(tensor({1.0f}));
+  adamw.step();  // w *= 1 - 0.05 -> 1.9; then -0.1
+  check_close(w, {1.8f}, 1e-6);
+
+  Tensor a = param({2.0f});
+  Adam adam_l2({a}, o);  // coupled: g = 1 + 0.5*2 = 2 -> still a unit step of 0.1
+  a.set_grad(tensor({1.0f}));
+  adam_l2.step();
+  check_close(a, {1.9f}, 1e-6);
+  CHECK_THROWS_AS(Adam({param({1})}, AdamOptions{0.1, 1.5, 0.999, 1e-8, 0}), ValueError);
+}
+
+TEST_CASE("optim: parameters without gradients are skipped; state round trip resumes exactly") {
+  Tensor a = param({1, 2}), b = param({3});
+  Adam first({a, b}, AdamOptions{});
+  a.set_grad(tensor({0.1f, -0.2f}));
+  first.step();
+  CHECK(b.to_vector<float>()[0] == 3.0f);
+  OptimizerState saved = first.state_dict();
+  Tensor a2 = param({0, 0});
+  a2.detach().copy_(a.detach());
+  Adam second({a2, param({3})}, AdamOptions{});
+  second.load_state_dict(saved);
+  a.set_grad(tensor({0.3f, 0.1f}));
+  a2.set_grad(tensor({0.3f, 0.1f}));
+  first.step();
+  second.step();
+  CHECK(a.to_vector<float>() == a2.to_vector<float>());
+  OptimizerState wrong = saved;
+  wrong["state.0.exp_avg"] = zeros({5});
+  CHECK_THROWS_WITH_AS(second.load_state_dict(wrong), doctest::Contains("[5]"), ValueError);
+}
+
+TEST_CASE("optim: schedulers") {
+  Tensor p = param({1});
+  SGD sgd({p}, SGDOptions{1.0});
+  StepLR step(sgd, 2, 0.5);
+  std::vector<double> lrs;
+  for (int i = 0; i < 5; ++i) {
+    step.step();
+    lrs.push_back(sgd.lr());
+  }
+  CHECK(lrs == std::vector<double>{1.0, 0.5, 0.5, 0.25, 0.25});
+
+  SGD sgd2({p}, SGDOptions{1.0});
+  CosineAnnealingLR cosine(sgd2, 4, 0.0);
+  cosine.step();
+  CHECK(sgd2.lr() == doctest::Approx(0.5 * (1 + std::cos(M_PI / 4))));
+  for (int i = 0; i < 3; ++i) cosine.step();
+  CHECK(sgd2.lr() == doctest::Approx(0.0));
+
+  SGD sgd3({p}, SGDOptions{1.0});
+  ExponentialLR expo(sgd3, 0.9);
+  expo.step();
+  expo.step();
+  CHECK(sgd3.lr() == doctest::Approx(0.81));
+
+  SGD sgd4({p}, SGDOptions{1.0});
+  ReduceLROnPlateau::Options po;
+  po.patience = 1;
+  ReduceLROnPlateau plateau(sgd4, po);
+  plateau.step(1.0);
+  plateau.step(1.0);  // 1 bad epoch (not more than patience)
+  CHECK(sgd4.lr() == 1.0);
+  plateau.step(1.0);  // 2 bad epochs > patience -> reduce
+  CHECK(sgd4.lr() == doctest::Approx(0.1));
+  plateau.step(0.5);  // improvement
+  CHECK(sgd4.lr() == doctest::Approx(0.1));
+}
+
+TEST_CASE("optim: gradient clipping") {
+  Tensor a = param({0, 0}), b = param({0});
+  a.set_grad(tensor({3, 0}));
+  b.set_grad(tensor({4}));
+  const double total = clip_grad_norm_({a, b}, 1.0);
+  CHECK(total == doctest::Approx(5.0));
+  check_close(a.grad(), {0.6f, 0}, 1e-5);
+  check_close(b.grad(), {0.8f}, 1e-5);
+  a.set_grad(tensor({3, -5}));
+  clip_grad_value_({a}, 1.0);
+  check_close(a.grad(), {1, -1});
+}

@@ -1,0 +1,36 @@
+#pragma once
+// Small helpers shared by the unit tests.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <vector>
+
+#include "autograd/engine.h"
+#include "autograd/gradcheck.h"
+#include "autograd/node.h"
+#include "autograd/ops.h"
+#include "core/random.h"
+
+namespace mn::testing {
+
+inline Tensor tensor(const std::vector<float>& v, const Shape& shape = {}) { return from_vector(v, shape); }
+inline Tensor param(const std::vector<float>& v, const Shape& shape = {}) {
+  return from_vector(v, shape).requires_grad_(true);
+}
+// Seeded standard-normal leaf requiring grad.
+inline Tensor random_param(const Shape& shape, uint64_t seed, double scale = 1.0) {
+  Generator gen(seed);
+  Tensor t = normal(shape, 0.0, scale, {}, &gen);
+  return t.requires_grad_(true);
+}
+
+inline void check_close(const Tensor& t, const std::vector<float>& expected, double tol = 1e-5) {
+  std::vector<float> got = t.to_vector<float>();
+  REQUIRE(got.size() == expected.size());
+  for (size_t i = 0; i < got.size(); ++i) {
+    INFO("element " << i << ": got " << got[i] << ", expected " << expected[i]);
+    CHECK(std::abs(got[i] - expected[i]) <= tol * (1.0 + std::abs(expected[i])));
+  }
+}
+
+}  // namespace mn::testing

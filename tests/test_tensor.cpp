@@ -1,0 +1,137 @@
+// Tensor core: factories, metadata, views sharing storage and the version counter, copies,
+// conversion, printing and argument errors.
+#include "tests/test_support.h"
+
+using namespace mn;
+using mn::testing::check_close;
+using mn::testing::tensor;
+
+TEST_CASE("tensor: factories and metadata") {
+  Tensor z = zeros({2, 3});
+  CHECK(z.sizes() == Shape{2, 3});
+  CHECK(z.strides() == Shape{3, 1});
+  CHECK(z.numel() == 6);
+  CHECK(z.dtype() == DType::f32);
+  CHECK(z.device() == kCPU);
+  CHECK(z.is_contiguous());
+  check_close(z, {0, 0, 0, 0, 0, 0});
+  check_close(ones({3}), {1, 1, 1});
+  check_close(full({2}, 2.5), {2.5, 2.5});
+  Tensor r = arange(5);
+  CHECK(r.dtype() == DType::i64);
+  CHECK(r.to_vector<int64_t>() == std::vector<int64_t>{0, 1, 2, 3, 4});
+  check_close(arange(0.0, 1.0, 0.25, DType::f32), {0, 0.25, 0.5, 0.75});
+  CHECK(scalar_tensor(3.0).dim() == 0);
+  CHECK(scalar_tensor(3.0).item() == 3.0);
+  CHECK(zeros({0, 4}).numel() == 0);
+}
+
+TEST_CASE("tensor: random factories are seeded and reproducible") {
+  manual_seed(7);
+  Tensor a = randn({100});
+  manual_seed(7);
+  Tensor b = randn({100});
+  CHECK(a.to_vector<float>() == b.to_vector<float>());
+  Tensor c = randn({100});
+  CHECK(a.to_vector<float>() != c.to_vector<float>());
+  Generator g(3);
+  Tensor u = rand({1000}, {}, &g);
+  double lo = 1, hi = 0;
+  for (float v : u.to_vector<float>()) {
+    lo = std::min<double>(lo, v);
+    hi = std::max<double>(hi, v);
+  }
+  CHECK(lo >= 0.0);
+  CHECK(hi < 1.0);
+  Tensor bern = bernoulli({1000}, 0.25, {}, &g);
+  for (float v : bern.to_vector<float>()) CHECK((v == 0.0f || v == 1.0f));
+  for (float v : rademacher({64}, {}, &g).to_vector<float>()) CHECK((v == 1.0f || v == -1.0f));
+}
+
+TEST_CASE("tensor: views share storage and version") {
+  Tensor x = arange(0.0, 6.0, 1.0, DType::f32).reshape({2, 3});
+  Tensor t = x.t();
+  CHECK(t.sizes() == Shape{3, 2});
+  CHECK(t.strides() == Shape{1, 3});
+  CHECK(!t.is_contiguous());
+  CHECK(t.storage() == x.storage());
+  check_close(t, {0, 3, 1, 4, 2, 5});
+  Tensor row = x.select(0, 1);
+  check_close(row, {3, 4, 5});
+  const uint32_t v0 = x.version();
+  row.fill_(9);
+  CHECK(x.version() == v0 + 1);
+  CHECK(t.version() == v0 + 1);
+  check_close(x, {0, 1, 2, 9, 9, 9});
+  Tensor n = x.narrow(1, 1, 2);
+  CHECK(n.sizes() == Shape{2, 2});
+  check_close(n, {1, 2, 9, 9});
+  check_close(x.slice(1, 0, 3, 2), {0, 2, 9, 9});
+  check_close(x.unsqueeze(0).squeeze(0), {0, 1, 2, 9, 9, 9});
+  CHECK(x.unsqueeze(1).sizes() == Shape{2, 1, 3});
+  check_close(x.flatten(), {0, 1, 2, 9, 9, 9});
+  Tensor e = tensor({1, 2, 3}).expand({2, 3});
+  CHECK(e.strides() == Shape{0, 1});
+  check_close(e, {1, 2, 3, 1, 2, 3});
+  check_close(x.permute({1, 0}).contiguous(), {0, 9, 1, 9, 2, 9});
+  CHECK(x.reshape({3, -1}).sizes() == Shape{3, 2});
+  // A transposed tensor cannot be viewed flat; reshape copies.
+  CHECK_THROWS_AS(t.view({6}), ValueError);
+  check_close(t.reshape({6}), {0, 9, 1, 9, 2, 9});
+}
+
+TEST_CASE("tensor: cat, stack, split, index_select") {
+  Tensor a = tensor({1, 2, 3, 4}, {2, 2});
+  Tensor b = tensor({5, 6}, {1, 2});
+  check_close(cat({a, b}, 0), {1, 2, 3, 4, 5, 6});
+  check_close(cat({a, a}, 1), {1, 2, 1, 2, 3, 4, 3, 4});
+  Tensor s = stack({tensor({1, 2}), tensor({3, 4})}, 1);
+  CHECK(s.sizes() == Shape{2, 2});
+  check_close(s, {1, 3, 2, 4});
+  auto parts = split(arange(0.0, 5.0, 1.0, DType::f32), 2);
+  REQUIRE(parts.size() == 3);
+  check_close(parts[2], {4});
+  auto chunks = chunk(arange(0.0, 6.0, 1.0, DType::f32), 3);
+  REQUIRE(chunks.size() == 3);
+  check_close(chunks[1], {2, 3});
+  Tensor idx = from_vector(std::vector<int64_t>{2, 0, 2});
+  check_close(tensor({10, 20, 30}).index_select(0, idx), {30, 10, 30});
+  CHECK_THROWS_WITH_AS(cat({a, tensor({1, 2, 3}, {1, 3})}, 0), doctest::Contains("[1, 3]"), ValueError);
+  CHECK_THROWS_AS(tensor({1, 2}).index_select(0, from_vector(std::vector<int64_t>{5})), IndexError);
+}
+
+TEST_CASE("tensor: copy_, fill_, dtype conversion, item, printing") {
+  Tensor x = zeros({2, 2});
+  x.copy_(tensor({1, 2}));  // broadcast source
+  check_close(x, {1, 2, 1, 2});
+  Tensor i = x.to(DType::i64);
+  CHECK(i.dtype() == DType::i64);
+  CHECK(i.to_vector<int64_t>() == std::vector<int64_t>{1, 2, 1, 2});
+  CHECK(tensor({1.5f}).reshape({}).item() == 1.5);
+  CHECK_THROWS_WITH_AS(x.item(), doctest::Contains("[2, 2]"), ValueError);
+  const std::string text = tensor({1, 2.5f}).str();
+  CHECK(text.find("2.5") != std::string::npos);
+  CHECK(text.find("shape=[2]") != std::string::npos);
+  CHECK(zeros({20, 20}).str().find("...") != std::string::npos);
+}
+
+TEST_CASE("tensor: bad input errors name shapes and dims") {
+  Tensor a = zeros({2, 3});
+  CHECK_THROWS_WITH_AS(add(a, zeros({4})), doctest::Contains("[2, 3]"), ValueError);
+  CHECK_THROWS_WITH_AS(a.size(5), doctest::Contains("out of range"), IndexError);
+  CHECK_THROWS_AS(a.transpose(0, 2), IndexError);
+  CHECK_THROWS_WITH_AS(add(a, zeros({2, 3}, DType::i64)), doctest::Contains("i64"), TypeError);
+  CHECK_THROWS_AS(a.reshape({4, 2}), ValueError);
+  CHECK_THROWS_AS(a.narrow(1, 2, 2), IndexError);
+  CHECK_THROWS_AS(a.data<int64_t>(), TypeError);
+  CHECK_THROWS_AS(Tensor().numel(), ValueError);
+  CHECK_THROWS_AS(zeros({2}).to(cuda_device(0)), DeviceError);
+  CHECK_THROWS_AS(Device::parse("tpu"), ValueError);
+  CHECK(Device::parse("cuda:1") == cuda_device(1));
+  CHECK_THROWS_AS(empty({-1}), ValueError);
+  CHECK_THROWS_AS(zeros({2}).requires_grad_(true).fill_(1.0), RuntimeError);
+  CHECK_THROWS_AS(zeros({2}, DType::i64).requires_grad_(true), TypeError);
+  Shape too_many;
+  for (int i = 0; i < kMaxDims; ++i) too_many.push_back(1);
+  CHECK_THROWS_AS(too_many.push_back(1), ValueError);
+}
