@@ -45,11 +45,21 @@ TEST_CASE("index: index_add accumulates repeated indices") {
 
 TEST_CASE("index: gradcheck of index_select with repeated indices") {
   Tensor x = random_param({4, 3}, 3);
-  CHECK(gradcheck([](const std::vector<Tensor>& in) { return index_select(in[0], 0, indices({3, 0, 3, 1})); }, {x}) ==
-        "");
-  CHECK(gradcheck([](const std::vector<Tensor>& in) { return index_select(in[0], 1, indices({2, 2})); }, {x}) == "");
-  CHECK(gradcheck([](const std::vector<Tensor>& in) { return index_select(in[0].t(), 1, indices({1, 1, 2})); }, {x}) ==
-        "");
+  CHECK(gradcheck(
+            [](const std::vector<Tensor>& in) {
+              return index_select(in[0], 0, indices({3, 0, 3, 1}));
+            },
+            {x}) == "");
+  CHECK(gradcheck(
+            [](const std::vector<Tensor>& in) {
+              return index_select(in[0], 1, indices({2, 2}));
+            },
+            {x}) == "");
+  CHECK(gradcheck(
+            [](const std::vector<Tensor>& in) {
+              return index_select(in[0].t(), 1, indices({1, 1, 2}));
+            },
+            {x}) == "");
 }
 
 TEST_CASE("index: large gathers and scatters match a host loop") {
@@ -90,10 +100,10 @@ TEST_CASE("index: out-of-range indices throw IndexError naming the index and the
   CHECK_THROWS_WITH_AS(index_select(x, 0, indices({0, 5})), doctest::Contains("size 3"), IndexError);
   CHECK_THROWS_WITH_AS(index_select(x, 1, indices({-1})), doctest::Contains("index -1"), IndexError);
   Tensor out = zeros({3, 2});
-  CHECK_THROWS_WITH_AS(kernels::index_add(kCPU, out, 1, indices({2}), zeros({3, 1})), doctest::Contains("size 2"),
-                       IndexError);
-  CHECK_THROWS_WITH_AS(kernels::index_add(kCPU, out, 0, indices({1}), zeros({2, 2})), doctest::Contains("[2, 2]"),
-                       ValueError);
+  CHECK_THROWS_WITH_AS(kernels::index_add(kCPU, out, 1, indices({2}), zeros({3, 1})),
+                       doctest::Contains("size 2"), IndexError);
+  CHECK_THROWS_WITH_AS(kernels::index_add(kCPU, out, 0, indices({1}), zeros({2, 2})),
+                       doctest::Contains("[2, 2]"), ValueError);
   CHECK_THROWS_AS(index_select(x, 0, tensor({0})), TypeError);
   CHECK_THROWS_AS(index_select(x, 2, indices({0})), IndexError);
 }

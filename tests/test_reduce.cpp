@@ -31,7 +31,8 @@ Tensor spread_param(const Shape& shape, uint64_t seed) {
   for (int64_t i = 0; i < n; ++i) {
     // A permutation of 0.5, 0.8, 1.1, ... with alternating signs.
     const int64_t k = (i * 7 + 3) % n;
-    values[i] = static_cast<float>((k % 2 ? -1.0 : 1.0) * (0.5 + 0.3 * static_cast<double>(k)) + jitter[i] * 0.1);
+    values[i] =
+        static_cast<float>((k % 2 ? -1.0 : 1.0) * (0.5 + 0.3 * static_cast<double>(k)) + jitter[i] * 0.1);
   }
   return from_vector(values, shape).requires_grad_(true);
 }
@@ -175,7 +176,8 @@ TEST_CASE("reduce: norm, logsumexp and sum_to") {
   check_close(norm(x, 2.0, {0}, true), {3, std::sqrt(17.0)});
   check_close(logsumexp(tensor({1, 2, 3}), 0), {3.4076059644});
   check_close(logsumexp(tensor({1000, 1000}), 0), {1000.6931472});
-  check_close(logsumexp(tensor({1, 2, 3, 1000, 1000, -INFINITY}, {2, 3}), 1, true), {3.4076059644, 1000.6931472});
+  check_close(logsumexp(tensor({1, 2, 3, 1000, 1000, -INFINITY}, {2, 3}), 1, true),
+              {3.4076059644, 1000.6931472});
   CHECK(logsumexp(tensor({-INFINITY, -INFINITY}), 0).item() == -INFINITY);
   Tensor big = arange(0.0, 24.0, 1.0, DType::f32).reshape({2, 3, 4});
   check_close(sum_to(big, {3, 1}), {60, 92, 124});
@@ -201,11 +203,14 @@ TEST_CASE("reduce: kernel layouts match a naive reference for large inputs") {
   Tensor wide = normal({300, 1000}, 0.0, 1.0, {}, &gen);
   check_matches(sum(wide, {0}), naive_sum(wide.to_vector<float>(), wide.sizes(), 1u), 1e-6);
   check_matches(sum(wide, {1}), naive_sum(wide.to_vector<float>(), wide.sizes(), 2u), 1e-6);
-  check_matches(mean(wide.t(), {1}), [&] {
-    std::vector<double> s = naive_sum(wide.to_vector<float>(), wide.sizes(), 1u);
-    for (double& v : s) v /= 300.0;
-    return s;
-  }(), 1e-6);
+  check_matches(
+      mean(wide.t(), {1}),
+      [&] {
+        std::vector<double> s = naive_sum(wide.to_vector<float>(), wide.sizes(), 1u);
+        for (double& v : s) v /= 300.0;
+        return s;
+      }(),
+      1e-6);
   // Middle dim (generic path).
   Tensor cube = normal({40, 50, 30}, 0.0, 1.0, {}, &gen);
   check_matches(sum(cube, {0, 2}), naive_sum(cube.to_vector<float>(), cube.sizes(), 5u), 1e-6);
@@ -250,13 +255,15 @@ TEST_CASE("reduce: gradcheck of sum, mean and prod") {
   Tensor cube = random_param({2, 3, 4}, 12);
   CHECK(gradcheck([](const std::vector<Tensor>& in) { return sum(in[0], {0, 2}); }, {cube}) == "");
   CHECK(gradcheck([](const std::vector<Tensor>& in) { return mean(in[0], {0, 2}, true); }, {cube}) == "");
-  CHECK(gradcheck([](const std::vector<Tensor>& in) { return sum(in[0].slice(2, 0, 4, 2), {1}); }, {cube}) == "");
+  CHECK(gradcheck([](const std::vector<Tensor>& in) { return sum(in[0].slice(2, 0, 4, 2), {1}); }, {cube}) ==
+        "");
   Tensor p = spread_param({3, 4}, 13);
   CHECK(gradcheck([](const std::vector<Tensor>& in) { return prod(in[0], {1}); }, {p}) == "");
   CHECK(gradcheck([](const std::vector<Tensor>& in) { return prod(in[0].t(), {1}, true); }, {p}) == "");
   CHECK(gradcheck([](const std::vector<Tensor>& in) { return prod(in[0], {0, 1}); }, {p}) == "");
   CHECK(gradgradcheck([](const std::vector<Tensor>& in) { return prod(in[0], {1}); }, {p}) == "");
-  CHECK(gradgradcheck([](const std::vector<Tensor>& in) { return mul(sum(in[0], {0}), sum(in[0], {0})); }, {x}) == "");
+  CHECK(gradgradcheck([](const std::vector<Tensor>& in) { return mul(sum(in[0], {0}), sum(in[0], {0})); },
+                      {x}) == "");
 }
 
 TEST_CASE("reduce: prod gradient with zeros") {

@@ -35,7 +35,8 @@ TEST_CASE("softmax: forward values and stability") {
   Tensor x = tensor({1, 1, 2, 1, 3, 1}, {3, 2});
   check_close(softmax(x, 0), {0.09003057f, 1.0f / 3, 0.24472847f, 1.0f / 3, 0.66524096f, 1.0f / 3});
   check_close(softmax(x.t(), 1), {0.09003057f, 0.24472847f, 0.66524096f, 1.0f / 3, 1.0f / 3, 1.0f / 3});
-  check_close(log_softmax(x, -2), {-2.40760596f, -1.09861229f, -1.40760596f, -1.09861229f, -0.40760596f, -1.09861229f});
+  check_close(log_softmax(x, -2),
+              {-2.40760596f, -1.09861229f, -1.40760596f, -1.09861229f, -0.40760596f, -1.09861229f});
 }
 
 TEST_CASE("softmax: large rows and columns match a double reference") {
@@ -68,7 +69,8 @@ TEST_CASE("softmax: gradcheck and double backward") {
   CHECK(gradcheck([](const std::vector<Tensor>& in) { return log_softmax(in[0].t(), 1); }, {x}) == "");
   Tensor cube = random_param({2, 3, 4}, 6);
   CHECK(gradcheck([](const std::vector<Tensor>& in) { return softmax(in[0], 1); }, {cube}) == "");
-  CHECK(gradcheck([](const std::vector<Tensor>& in) { return log_softmax(in[0].slice(2, 1, 4), -1); }, {cube}) == "");
+  CHECK(gradcheck([](const std::vector<Tensor>& in) { return log_softmax(in[0].slice(2, 1, 4), -1); },
+                  {cube}) == "");
   CHECK(gradgradcheck([](const std::vector<Tensor>& in) { return softmax(in[0], 1); }, {x}) == "");
   CHECK(gradgradcheck([](const std::vector<Tensor>& in) { return log_softmax(in[0], 0); }, {x}) == "");
 }
@@ -76,10 +78,12 @@ TEST_CASE("softmax: gradcheck and double backward") {
 TEST_CASE("loss: cross entropy forward against hand-computed values") {
   Tensor logits = example_logits();
   Tensor target = labels({2, 0, 1});
-  check_close(F::cross_entropy(logits, target, 0.0, Reduction::None), {0.40760596f, 0.40760596f, 1.86898114f});
+  check_close(F::cross_entropy(logits, target, 0.0, Reduction::None),
+              {0.40760596f, 0.40760596f, 1.86898114f});
   check_close(F::cross_entropy(logits, target), {0.89473102f});
   // label smoothing 0.1: loss = 0.9 * (lse - x_t) + 0.1 * (lse - mean(x))
-  check_close(F::cross_entropy(logits, target, 0.1, Reduction::None), {0.50760596f, 0.50760596f, 1.81898114f});
+  check_close(F::cross_entropy(logits, target, 0.1, Reduction::None),
+              {0.50760596f, 0.50760596f, 1.81898114f});
   check_close(F::cross_entropy(logits, target, 0.1), {0.94473102f});
   check_close(F::cross_entropy(logits, target, 0.1, Reduction::Sum), {2.83419307f});
   // ignore_index: the row contributes 0 and the mean is over the 2 remaining rows
@@ -110,16 +114,22 @@ TEST_CASE("loss: cross entropy backward values, gradcheck and double backward") 
   Tensor t = labels({1, 4, 0, 2});
   for (double s : {0.0, 0.1})
     for (Reduction r : {Reduction::Mean, Reduction::Sum, Reduction::None}) {
-      CHECK(gradcheck([&](const std::vector<Tensor>& in) { return F::cross_entropy(in[0], t, s, r); }, {x}) == "");
+      CHECK(gradcheck([&](const std::vector<Tensor>& in) { return F::cross_entropy(in[0], t, s, r); }, {x}) ==
+            "");
     }
   Tensor with_ignored = labels({1, -100, 0, 2});
-  CHECK(gradcheck([&](const std::vector<Tensor>& in) { return F::cross_entropy(in[0], with_ignored, 0.1); }, {x}) ==
-        "");
-  CHECK(gradcheck([&](const std::vector<Tensor>& in) { return F::cross_entropy(in[0].t(), labels({0, 2, 1, 1, 0}), 0.1); },
+  CHECK(gradcheck([&](const std::vector<Tensor>& in) { return F::cross_entropy(in[0], with_ignored, 0.1); },
                   {x}) == "");
-  CHECK(gradcheck([&](const std::vector<Tensor>& in) { return F::cross_entropy(in[0].select(0, 1), labels({3})); },
-                  {x}) == "");
-  CHECK(gradgradcheck([&](const std::vector<Tensor>& in) { return F::cross_entropy(in[0], with_ignored, 0.1); }, {x}) ==
+  CHECK(gradcheck(
+            [&](const std::vector<Tensor>& in) {
+              return F::cross_entropy(in[0].t(), labels({0, 2, 1, 1, 0}), 0.1);
+            },
+            {x}) == "");
+  CHECK(gradcheck(
+            [&](const std::vector<Tensor>& in) { return F::cross_entropy(in[0].select(0, 1), labels({3})); },
+            {x}) == "");
+  CHECK(gradgradcheck(
+            [&](const std::vector<Tensor>& in) { return F::cross_entropy(in[0], with_ignored, 0.1); }, {x}) ==
         "");
 }
 
@@ -152,21 +162,29 @@ TEST_CASE("loss: nll_loss and mse_loss") {
   check_close(F::mse_loss(in, target, Reduction::None), {0, 4, 4, 0});
   Tensor x = random_param({3, 4}, 10), y = random_param({3, 4}, 11);
   CHECK(gradcheck([](const std::vector<Tensor>& v) { return F::mse_loss(v[0], v[1]); }, {x, y}) == "");
-  CHECK(gradcheck([](const std::vector<Tensor>& v) { return F::mse_loss(v[0].t(), v[1].t(), Reduction::None); },
-                  {x, y}) == "");
-  CHECK(gradcheck([](const std::vector<Tensor>& v) { return F::nll_loss(v[0], labels({0, 3, 1})); }, {x}) == "");
+  CHECK(
+      gradcheck([](const std::vector<Tensor>& v) { return F::mse_loss(v[0].t(), v[1].t(), Reduction::None); },
+                {x, y}) == "");
+  CHECK(gradcheck(
+            [](const std::vector<Tensor>& v) {
+              return F::nll_loss(v[0], labels({0, 3, 1}));
+            },
+            {x}) == "");
 }
 
 TEST_CASE("loss: bad input throws with the shapes in the message") {
   Tensor logits = zeros({4, 10});
-  CHECK_THROWS_WITH_AS(F::cross_entropy(logits, labels({1, 2, 3})),
-                       doctest::Contains("expected target of shape [4] (i64 class indices) for logits of shape "
-                                         "[4, 10], got i64[3]"),
-                       ValueError);
+  CHECK_THROWS_WITH_AS(
+      F::cross_entropy(logits, labels({1, 2, 3})),
+      doctest::Contains("expected target of shape [4] (i64 class indices) for logits of shape "
+                        "[4, 10], got i64[3]"),
+      ValueError);
   CHECK_THROWS_WITH_AS(F::cross_entropy(logits, zeros({4})), doctest::Contains("f32[4]"), ValueError);
-  CHECK_THROWS_WITH_AS(F::cross_entropy(logits, labels({1, 2, 10, 3})), doctest::Contains("target 10"), IndexError);
+  CHECK_THROWS_WITH_AS(F::cross_entropy(logits, labels({1, 2, 10, 3})), doctest::Contains("target 10"),
+                       IndexError);
   CHECK_THROWS_AS(F::cross_entropy(logits, labels({1, 2, -1, 3})), IndexError);
-  CHECK_THROWS_WITH_AS(F::cross_entropy(zeros({2, 3, 4}), labels({1, 2})), doctest::Contains("[2, 3, 4]"), ValueError);
+  CHECK_THROWS_WITH_AS(F::cross_entropy(zeros({2, 3, 4}), labels({1, 2})), doctest::Contains("[2, 3, 4]"),
+                       ValueError);
   CHECK_THROWS_AS(F::cross_entropy(logits, labels({1, 2, 3, 4}), 1.5), ValueError);
   CHECK_THROWS_WITH_AS(F::nll_loss(zeros({2, 3}), labels({0, 3})), doctest::Contains("target 3"), IndexError);
   CHECK_THROWS_WITH_AS(F::mse_loss(zeros({2, 3}), zeros({3, 2})), doctest::Contains("[3, 2]"), ValueError);

@@ -81,9 +81,10 @@ Tensor sum(const Tensor& x, const std::vector<int64_t>& dims, bool keepdim) {
   const uint32_t mask = detail::dim_mask(dims, x.dim());
   Tensor out = drop_reduced(reduce_keepdim(ReduceOp::Sum, x, mask), x.sizes(), mask, keepdim);
   if (autograd::needs_grad({&x}))
-    autograd::record("SumBackward", {&x}, {&out}, [in = x.sizes(), mask, keepdim](const GradContext& c) -> TensorList {
-      return {broadcast_grad(c.grad(), in, mask, keepdim)};
-    });
+    autograd::record("SumBackward", {&x}, {&out},
+                     [in = x.sizes(), mask, keepdim](const GradContext& c) -> TensorList {
+                       return {broadcast_grad(c.grad(), in, mask, keepdim)};
+                     });
   return out;
 }
 
@@ -94,10 +95,11 @@ Tensor mean(const Tensor& x, const std::vector<int64_t>& dims, bool keepdim) {
   const uint32_t mask = detail::dim_mask(dims, x.dim());
   Tensor out = drop_reduced(reduce_keepdim(ReduceOp::Mean, x, mask), x.sizes(), mask, keepdim);
   if (autograd::needs_grad({&x}))
-    autograd::record("MeanBackward", {&x}, {&out}, [in = x.sizes(), mask, keepdim](const GradContext& c) -> TensorList {
-      const double n = static_cast<double>(reduced_count(in, mask));
-      return {div(broadcast_grad(c.grad(), in, mask, keepdim), n)};
-    });
+    autograd::record("MeanBackward", {&x}, {&out},
+                     [in = x.sizes(), mask, keepdim](const GradContext& c) -> TensorList {
+                       const double n = static_cast<double>(reduced_count(in, mask));
+                       return {div(broadcast_grad(c.grad(), in, mask, keepdim), n)};
+                     });
   return out;
 }
 
@@ -138,7 +140,8 @@ Tensor extreme_all(const Tensor& x, bool is_max) {
   MN_CHECK(x.numel() > 0, ValueError, name, ": cannot reduce an empty tensor of shape ", x.sizes(),
            " (there is no identity for ", name, ")");
   const uint32_t mask = detail::dim_mask({}, x.dim());
-  Tensor out = drop_reduced(reduce_keepdim(is_max ? ReduceOp::Max : ReduceOp::Min, x, mask), x.sizes(), mask, false);
+  Tensor out =
+      drop_reduced(reduce_keepdim(is_max ? ReduceOp::Max : ReduceOp::Min, x, mask), x.sizes(), mask, false);
   if (autograd::needs_grad({&x}))
     autograd::record(
         is_max ? "MaxBackward" : "MinBackward", {&x}, {&out},
@@ -171,7 +174,8 @@ std::pair<Tensor, Tensor> extreme_along(const Tensor& x, int64_t dim, bool keepd
   indices = drop_reduced(indices, x.sizes(), mask, keepdim);
   if (autograd::needs_grad({&x}))
     autograd::record(is_max ? "MaxDimBackward" : "MinDimBackward", {&x}, {&values},
-                     [in = x.sizes(), si = SavedTensor::input(indices), d, mask, keepdim](const GradContext& c) -> TensorList {
+                     [in = x.sizes(), si = SavedTensor::input(indices), d, mask,
+                      keepdim](const GradContext& c) -> TensorList {
                        // The gradient goes to the selected element of each slice: a one-hot mask
                        // along d, built by comparing positions with the saved indices.
                        Tensor idx = keepdim_form(si.unpack(), in, mask, keepdim);
@@ -190,8 +194,12 @@ Tensor arg_extreme(const Tensor& x, int64_t dim, bool keepdim, bool is_max) {
 
 Tensor max(const Tensor& x) { return extreme_all(x, true); }
 Tensor min(const Tensor& x) { return extreme_all(x, false); }
-std::pair<Tensor, Tensor> max(const Tensor& x, int64_t dim, bool keepdim) { return extreme_along(x, dim, keepdim, true); }
-std::pair<Tensor, Tensor> min(const Tensor& x, int64_t dim, bool keepdim) { return extreme_along(x, dim, keepdim, false); }
+std::pair<Tensor, Tensor> max(const Tensor& x, int64_t dim, bool keepdim) {
+  return extreme_along(x, dim, keepdim, true);
+}
+std::pair<Tensor, Tensor> min(const Tensor& x, int64_t dim, bool keepdim) {
+  return extreme_along(x, dim, keepdim, false);
+}
 Tensor argmax(const Tensor& x, int64_t dim, bool keepdim) { return arg_extreme(x, dim, keepdim, true); }
 Tensor argmin(const Tensor& x, int64_t dim, bool keepdim) { return arg_extreme(x, dim, keepdim, false); }
 
@@ -205,16 +213,17 @@ Tensor var(const Tensor& x, const std::vector<int64_t>& dims, double correction,
   kernels::var(x.device(), x, mask, correction, kept);
   Tensor out = drop_reduced(kept, x.sizes(), mask, keepdim);
   if (autograd::needs_grad({&x}))
-    autograd::record("VarBackward", {&x}, {&out},
-                     [sx = SavedTensor::input(x), mask, keepdim, correction](const GradContext& c) -> TensorList {
-                       // d var / d x_i = 2 (x_i - mean) / (n - correction)
-                       Tensor x = sx.unpack("VarBackward");
-                       const double n = static_cast<double>(reduced_count(x.sizes(), mask));
-                       const std::vector<int64_t> dims = dims_of(mask, x.dim());
-                       Tensor centered = dims.empty() ? zeros_like(x) : sub(x, mean(x, dims, true));
-                       Tensor g = broadcast_grad(c.grad(), x.sizes(), mask, keepdim);
-                       return {mul(mul(centered, g), 2.0 / std::max(0.0, n - correction))};
-                     });
+    autograd::record(
+        "VarBackward", {&x}, {&out},
+        [sx = SavedTensor::input(x), mask, keepdim, correction](const GradContext& c) -> TensorList {
+          // d var / d x_i = 2 (x_i - mean) / (n - correction)
+          Tensor x = sx.unpack("VarBackward");
+          const double n = static_cast<double>(reduced_count(x.sizes(), mask));
+          const std::vector<int64_t> dims = dims_of(mask, x.dim());
+          Tensor centered = dims.empty() ? zeros_like(x) : sub(x, mean(x, dims, true));
+          Tensor g = broadcast_grad(c.grad(), x.sizes(), mask, keepdim);
+          return {mul(mul(centered, g), 2.0 / std::max(0.0, n - correction))};
+        });
   return out;
 }
 
@@ -284,7 +293,8 @@ Tensor logsumexp(const Tensor& x, int64_t dim, bool keepdim) {
 Tensor sum_to(const Tensor& x, const Shape& shape) {
   if (x.sizes() == shape) return x;
   const int lead = x.dim() - shape.size();
-  MN_CHECK(lead >= 0, ValueError, "sum_to: cannot sum shape ", x.sizes(), " down to the larger rank shape ", shape);
+  MN_CHECK(lead >= 0, ValueError, "sum_to: cannot sum shape ", x.sizes(), " down to the larger rank shape ",
+           shape);
   std::vector<int64_t> dims;
   for (int i = 0; i < x.dim(); ++i) {
     const int64_t have = x.sizes()[i];
@@ -293,8 +303,8 @@ Tensor sum_to(const Tensor& x, const Shape& shape) {
       continue;
     }
     const int64_t want = shape[i - lead];
-    MN_CHECK(want == have || want == 1, ValueError, "sum_to: shape ", x.sizes(), " cannot be summed down to ", shape,
-             " (dimension ", i, ": ", have, " vs ", want, ")");
+    MN_CHECK(want == have || want == 1, ValueError, "sum_to: shape ", x.sizes(), " cannot be summed down to ",
+             shape, " (dimension ", i, ": ", have, " vs ", want, ")");
     if (want == 1 && have != 1) dims.push_back(i);
   }
   Tensor reduced = dims.empty() ? x : sum(x, dims, true);

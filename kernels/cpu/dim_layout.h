@@ -29,9 +29,12 @@ struct DimSplit {
 inline DimSplit split_at(const Shape& sizes, int dim) {
   DimSplit s;
   for (int d = 0; d < sizes.size(); ++d) {
-    if (d < dim) s.outer *= sizes[d];
-    else if (d == dim) s.n = sizes[d];
-    else s.inner *= sizes[d];
+    if (d < dim)
+      s.outer *= sizes[d];
+    else if (d == dim)
+      s.n = sizes[d];
+    else
+      s.inner *= sizes[d];
   }
   return s;
 }

@@ -29,14 +29,14 @@ Tensor checked_index(const char* op, const Tensor& index, int64_t dim_size, int 
 int64_t dim_size(const Tensor& t, int dim) { return t.dim() == 0 ? 1 : t.sizes()[dim]; }
 
 // Shapes of `a` and `b` agree everywhere except dim, where b has `count`.
-void check_slices(const char* op, const Tensor& a, const Tensor& b, int dim, int64_t count, const char* a_name,
-                  const char* b_name) {
+void check_slices(const char* op, const Tensor& a, const Tensor& b, int dim, int64_t count,
+                  const char* a_name, const char* b_name) {
   bool ok = a.dim() == b.dim() && dim_size(b, dim) == count;
   for (int d = 0; ok && d < a.dim(); ++d) ok = d == dim || a.sizes()[d] == b.sizes()[d];
-  MN_CHECK(ok, ValueError, op, ": '", b_name, "' of shape ", b.sizes(), " does not match '", a_name, "' of shape ",
-           a.sizes(), " with ", count, " indices along dimension ", dim);
-  MN_CHECK(a.dtype() == b.dtype(), TypeError, op, ": '", a_name, "' is ", a.dtype(), " but '", b_name, "' is ",
-           b.dtype());
+  MN_CHECK(ok, ValueError, op, ": '", b_name, "' of shape ", b.sizes(), " does not match '", a_name,
+           "' of shape ", a.sizes(), " with ", count, " indices along dimension ", dim);
+  MN_CHECK(a.dtype() == b.dtype(), TypeError, op, ": '", a_name, "' is ", a.dtype(), " but '", b_name,
+           "' is ", b.dtype());
 }
 
 template <class T>
@@ -47,8 +47,10 @@ void gather(const T* src, const int64_t* idx, int64_t count, const cpu::DimSplit
     const int64_t o = task / count, j = task % count;
     const T* from = src + (o * s.n + idx[j]) * s.inner;
     T* to = out + task * s.inner;
-    if (s.inner == 1) *to = *from;
-    else std::memcpy(to, from, static_cast<size_t>(s.inner) * sizeof(T));
+    if (s.inner == 1)
+      *to = *from;
+    else
+      std::memcpy(to, from, static_cast<size_t>(s.inner) * sizeof(T));
   }
 }
 
@@ -60,10 +62,12 @@ void index_select_cpu(const Tensor& in, int dim, const Tensor& index, Tensor& ou
   if (in.dim() > 0) check_slices("index_select", in, out, dim, idx.numel(), "input", "out");
   const Tensor src = cpu::dense(in);
   const cpu::DimSplit s = cpu::split_at(src.sizes(), dim);
-  MN_CHECK(out.numel() == s.outer * idx.numel() * s.inner, ValueError, "index_select: output of shape ", out.sizes(),
-           " cannot hold ", idx.numel(), " slices of input ", in.sizes(), " along dimension ", dim);
+  MN_CHECK(out.numel() == s.outer * idx.numel() * s.inner, ValueError, "index_select: output of shape ",
+           out.sizes(), " cannot hold ", idx.numel(), " slices of input ", in.sizes(), " along dimension ",
+           dim);
   if (out.numel() == 0) return;
-  if (in.dtype() == DType::f32) return gather(src.data<float>(), idx.data<int64_t>(), idx.numel(), s, out.data<float>());
+  if (in.dtype() == DType::f32)
+    return gather(src.data<float>(), idx.data<int64_t>(), idx.numel(), s, out.data<float>());
   gather(src.data<int64_t>(), idx.data<int64_t>(), idx.numel(), s, out.data<int64_t>());
 }
 
@@ -91,8 +95,9 @@ void index_add_cpu(Tensor& out, int dim, const Tensor& index, const Tensor& src)
   const Tensor values = cpu::dense(src);
   Tensor target = cpu::dense(out);  // accumulate into a dense copy when out is strided, then write back
   const cpu::DimSplit s = cpu::split_at(target.sizes(), dim);
-  MN_CHECK(values.numel() == s.outer * idx.numel() * s.inner, ValueError, "index_add: src of shape ", src.sizes(),
-           " does not hold ", idx.numel(), " slices of out ", out.sizes(), " along dimension ", dim);
+  MN_CHECK(values.numel() == s.outer * idx.numel() * s.inner, ValueError, "index_add: src of shape ",
+           src.sizes(), " does not hold ", idx.numel(), " slices of out ", out.sizes(), " along dimension ",
+           dim);
   if (out.dtype() == DType::f32)
     scatter_add(target.data<float>(), idx.data<int64_t>(), idx.numel(), s, values.data<float>());
   else

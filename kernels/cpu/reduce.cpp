@@ -73,8 +73,10 @@ struct ExtremeFold {
   static bool takes(T x, T best) { return (kMax ? x > best : x < best) || x != x; }
   static T value(T x) { return kAbs && x < 0 ? -x : x; }
   Acc identity() const {
-    if constexpr (std::is_same_v<T, float>) return kMax ? -INFINITY : INFINITY;
-    else return kMax ? std::numeric_limits<T>::lowest() : std::numeric_limits<T>::max();
+    if constexpr (std::is_same_v<T, float>)
+      return kMax ? -INFINITY : INFINITY;
+    else
+      return kMax ? std::numeric_limits<T>::lowest() : std::numeric_limits<T>::max();
   }
   Acc step(Acc a, T x) const { return takes(value(x), a) ? value(x) : a; }
   Acc merge(Acc a, Acc b) const { return takes(b, a) ? b : a; }
@@ -82,8 +84,10 @@ struct ExtremeFold {
     if (n == 0) return identity();
     if constexpr (std::is_same_v<T, float>) {
       const Eigen::Map<const Eigen::ArrayXf> run(p, n);
-      if constexpr (kAbs) return extreme(run.abs());
-      else return extreme(run);
+      if constexpr (kAbs)
+        return extreme(run.abs());
+      else
+        return extreme(run);
     } else {
       Acc best = identity();
       for (int64_t i = 0; i < n; ++i) best = step(best, p[i]);
@@ -92,8 +96,10 @@ struct ExtremeFold {
   }
   template <class E>
   static float extreme(const E& values) {
-    if constexpr (kMax) return values.template maxCoeff<Eigen::PropagateNaN>();
-    else return values.template minCoeff<Eigen::PropagateNaN>();
+    if constexpr (kMax)
+      return values.template maxCoeff<Eigen::PropagateNaN>();
+    else
+      return values.template minCoeff<Eigen::PropagateNaN>();
   }
 };
 
@@ -141,7 +147,8 @@ void for_rows(int64_t rows, int64_t len, Run run, Merge merge, Finish finish) {
 // narrow inputs are also cut into row blocks whose partials merge in block order.
 template <class Acc, class Step, class Merge, class Finish>
 void for_columns(int64_t rows, int64_t cols, Acc identity, Step step, Merge merge, Finish finish) {
-  const int64_t blocks = (cols >= 2 * kColumnTile || rows <= kColumnRowBlock) ? 1 : ceil_div(rows, kColumnRowBlock);
+  const int64_t blocks =
+      (cols >= 2 * kColumnTile || rows <= kColumnRowBlock) ? 1 : ceil_div(rows, kColumnRowBlock);
   const int64_t block_rows = blocks == 1 ? rows : kColumnRowBlock;
   const int64_t tiles = ceil_div(cols, kColumnTile);
   std::vector<Acc> partial(blocks > 1 ? static_cast<size_t>(blocks * cols) : 0);
@@ -155,8 +162,10 @@ void for_columns(int64_t rows, int64_t cols, Acc identity, Step step, Merge merg
     for (int64_t r = r0; r < r1; ++r)
       for (int64_t j = 0; j < width; ++j) acc[j] = step(acc[j], r, c0 + j);
     for (int64_t j = 0; j < width; ++j) {
-      if (blocks == 1) finish(c0 + j, acc[j]);
-      else partial[b * cols + c0 + j] = acc[j];
+      if (blocks == 1)
+        finish(c0 + j, acc[j]);
+      else
+        partial[b * cols + c0 + j] = acc[j];
     }
   }
   if (blocks == 1) return;
@@ -192,11 +201,15 @@ ReducePlan plan_reduction(const Tensor& in, uint32_t mask) {
   int kept[kMaxDims], reduced[kMaxDims], nk = 0, nr = 0;
   ReducePlan plan;
   for (int d = 0; d < sizes.size(); ++d) {
-    if (mask & (1u << d)) plan.len *= sizes[d];
-    else plan.outputs *= sizes[d];
+    if (mask & (1u << d))
+      plan.len *= sizes[d];
+    else
+      plan.outputs *= sizes[d];
     if (sizes[d] == 1) continue;  // a size-1 dim has no layout
-    if (mask & (1u << d)) reduced[nr++] = d;
-    else kept[nk++] = d;
+    if (mask & (1u << d))
+      reduced[nr++] = d;
+    else
+      kept[nk++] = d;
   }
   plan.src = in;
   if (in.numel() == 0) return plan;
@@ -216,7 +229,8 @@ ReducePlan plan_reduction(const Tensor& in, uint32_t mask) {
     permuted_sizes.push_back(sizes[order[i]]);
     permuted_strides.push_back(strides[order[i]]);
   }
-  plan.src = cpu::dense(make_view(in.storage(), permuted_sizes, permuted_strides, in.storage_offset(), in.dtype()));
+  plan.src =
+      cpu::dense(make_view(in.storage(), permuted_sizes, permuted_strides, in.storage_offset(), in.dtype()));
   return plan;
 }
 
@@ -232,7 +246,8 @@ void run_fold(const ReducePlan& plan, const Fold& fold, Finish finish, T* out) {
         [&](Acc a, Acc b) { return fold.merge(a, b); }, [&](int64_t r, Acc acc) { out[r] = finish(acc); });
   } else {
     for_columns<Acc>(
-        len, outputs, fold.identity(), [&](Acc a, int64_t r, int64_t c) { return fold.step(a, x[r * outputs + c]); },
+        len, outputs, fold.identity(),
+        [&](Acc a, int64_t r, int64_t c) { return fold.step(a, x[r * outputs + c]); },
         [&](Acc a, Acc b) { return fold.merge(a, b); }, [&](int64_t c, Acc acc) { out[c] = finish(acc); });
   }
 }
@@ -253,12 +268,13 @@ void reduce_typed(ReduceOp op, const ReducePlan& plan, double p, T* out) {
     auto to_double = [](float x) { return static_cast<double>(x); };
     auto abs_value = [](float x) { return static_cast<double>(std::fabs(x)); };
     if (op == ReduceOp::Mean)
-      return run_fold<T>(plan, SumFold<T, decltype(to_double)>{to_double}, [n](double s) { return float(s / n); }, out);
+      return run_fold<T>(
+          plan, SumFold<T, decltype(to_double)>{to_double}, [n](double s) { return float(s / n); }, out);
     // p-norms
     if (p == 2.0) {
       auto square = [](float x) { return static_cast<double>(x) * x; };
-      return run_fold<T>(plan, SumFold<T, decltype(square)>{square}, [](double s) { return float(std::sqrt(s)); },
-                         out);
+      return run_fold<T>(
+          plan, SumFold<T, decltype(square)>{square}, [](double s) { return float(std::sqrt(s)); }, out);
     }
     if (p == 1.0) return run_fold<T>(plan, SumFold<T, decltype(abs_value)>{abs_value}, as_is, out);
     if (std::isinf(p)) {
@@ -270,19 +286,21 @@ void reduce_typed(ReduceOp op, const ReducePlan& plan, double p, T* out) {
       return run_fold<T>(plan, SumFold<T, decltype(nonzero)>{nonzero}, as_is, out);
     }
     auto abs_pow = [p](float x) { return std::pow(std::fabs(static_cast<double>(x)), p); };
-    return run_fold<T>(plan, SumFold<T, decltype(abs_pow)>{abs_pow}, [p](double s) { return float(std::pow(s, 1.0 / p)); },
-                       out);
+    return run_fold<T>(
+        plan, SumFold<T, decltype(abs_pow)>{abs_pow}, [p](double s) { return float(std::pow(s, 1.0 / p)); },
+        out);
   }
-  throw TypeError(str("reduce: ", op == ReduceOp::Mean ? "mean" : "norm", " needs a floating-point input, got i64"));
+  throw TypeError(
+      str("reduce: ", op == ReduceOp::Mean ? "mean" : "norm", " needs a floating-point input, got i64"));
 }
 
 void reduce_cpu(ReduceOp op, const Tensor& in, uint32_t dim_mask, Tensor& out, double param) {
   cpu::require_contiguous_output(out, "reduce", "out");
   const ReducePlan plan = plan_reduction(in, dim_mask);
-  MN_CHECK(out.numel() == plan.outputs, ValueError, "reduce: output of shape ", out.sizes(), " does not match input ",
-           in.sizes(), " reduced with dim mask ", dim_mask);
-  MN_CHECK(out.dtype() == in.dtype(), TypeError, "reduce: output dtype ", out.dtype(), " differs from input dtype ",
-           in.dtype());
+  MN_CHECK(out.numel() == plan.outputs, ValueError, "reduce: output of shape ", out.sizes(),
+           " does not match input ", in.sizes(), " reduced with dim mask ", dim_mask);
+  MN_CHECK(out.dtype() == in.dtype(), TypeError, "reduce: output dtype ", out.dtype(),
+           " differs from input dtype ", in.dtype());
   if (in.dtype() == DType::f32) return reduce_typed<float>(op, plan, param, out.data<float>());
   reduce_typed<int64_t>(op, plan, param, out.data<int64_t>());
 }
@@ -334,9 +352,10 @@ void arg_reduce_typed(const Tensor& in, int dim, T* values, int64_t* indices) {
 }
 
 void arg_reduce_cpu(ReduceOp op, const Tensor& in, int dim, Tensor& values, Tensor& indices) {
-  MN_CHECK(op == ReduceOp::Max || op == ReduceOp::Min, ValueError, "arg_reduce: only max and min are supported");
-  MN_CHECK(dim >= 0 && dim < std::max(in.dim(), 1), IndexError, "arg_reduce: dim ", dim, " is out of range for shape ",
-           in.sizes());
+  MN_CHECK(op == ReduceOp::Max || op == ReduceOp::Min, ValueError,
+           "arg_reduce: only max and min are supported");
+  MN_CHECK(dim >= 0 && dim < std::max(in.dim(), 1), IndexError, "arg_reduce: dim ", dim,
+           " is out of range for shape ", in.sizes());
   MN_CHECK(in.numel() > 0 && (in.dim() == 0 || in.sizes()[dim] > 0), ValueError,
            "arg_reduce: cannot take the max/min of an empty dimension (input shape ", in.sizes(), ")");
   cpu::require_contiguous_output(values, "arg_reduce", "values");
@@ -351,19 +370,20 @@ void arg_reduce_cpu(ReduceOp op, const Tensor& in, int dim, Tensor& values, Tens
     if (is_max) return arg_reduce_typed<float, true>(in, dim, values.data<float>(), indices.data<int64_t>());
     return arg_reduce_typed<float, false>(in, dim, values.data<float>(), indices.data<int64_t>());
   }
-  if (is_max) return arg_reduce_typed<int64_t, true>(in, dim, values.data<int64_t>(), indices.data<int64_t>());
+  if (is_max)
+    return arg_reduce_typed<int64_t, true>(in, dim, values.data<int64_t>(), indices.data<int64_t>());
   arg_reduce_typed<int64_t, false>(in, dim, values.data<int64_t>(), indices.data<int64_t>());
 }
 
 // ---------------- variance (two passes in double) ----------------
 
 void var_cpu(const Tensor& in, uint32_t dim_mask, double correction, Tensor& out) {
-  MN_CHECK(in.dtype() == DType::f32 && out.dtype() == DType::f32, TypeError, "var: expected f32 tensors, got input ",
-           in.dtype(), in.sizes());
+  MN_CHECK(in.dtype() == DType::f32 && out.dtype() == DType::f32, TypeError,
+           "var: expected f32 tensors, got input ", in.dtype(), in.sizes());
   cpu::require_contiguous_output(out, "var", "out");
   const ReducePlan plan = plan_reduction(in, dim_mask);
-  MN_CHECK(out.numel() == plan.outputs, ValueError, "var: output of shape ", out.sizes(), " does not match input ",
-           in.sizes(), " reduced with dim mask ", dim_mask);
+  MN_CHECK(out.numel() == plan.outputs, ValueError, "var: output of shape ", out.sizes(),
+           " does not match input ", in.sizes(), " reduced with dim mask ", dim_mask);
   const float* x = plan.src.numel() ? plan.src.data<float>() : nullptr;
   float* y = out.data<float>();
   const int64_t len = plan.len, outputs = plan.outputs;
@@ -375,7 +395,8 @@ void var_cpu(const Tensor& in, uint32_t dim_mask, double correction, Tensor& out
   auto store_var = [&](int64_t i, double m2) { y[i] = static_cast<float>(m2 / divisor); };
   if (!plan.columns) {
     for_rows<double>(
-        outputs, len, [&](int64_t r, int64_t b, int64_t n) { return lane_sum(x + r * len + b, n, to_double); }, add,
+        outputs, len,
+        [&](int64_t r, int64_t b, int64_t n) { return lane_sum(x + r * len + b, n, to_double); }, add,
         store_mean);
     for_rows<double>(
         outputs, len,
@@ -386,7 +407,8 @@ void var_cpu(const Tensor& in, uint32_t dim_mask, double correction, Tensor& out
         add, store_var);
   } else {
     for_columns<double>(
-        len, outputs, 0.0, [&](double a, int64_t r, int64_t c) { return a + x[r * outputs + c]; }, add, store_mean);
+        len, outputs, 0.0, [&](double a, int64_t r, int64_t c) { return a + x[r * outputs + c]; }, add,
+        store_mean);
     for_columns<double>(
         len, outputs, 0.0,
         [&](double a, int64_t r, int64_t c) {

@@ -33,8 +33,10 @@ void softmax_rows(const float* x, float* y, int64_t rows, int64_t n, bool log) {
     const float m = in.maxCoeff();
     out = (in - m).exp();
     const float total = out.sum();
-    if (log) out = in - (m + std::log(total));
-    else out *= 1.0f / total;
+    if (log)
+      out = in - (m + std::log(total));
+    else
+      out *= 1.0f / total;
   }
 }
 
@@ -51,12 +53,12 @@ void softmax_tiles(const float* x, float* y, const cpu::DimSplit& s, bool log) {
     for (int64_t k = 1; k < s.n; ++k) m = m.max(in(k));
     TileArray total = TileArray::Zero(width);
     for (int64_t k = 0; k < s.n; ++k) {
-      out(k) = (in(k) - m).exp();
+      out(k) = (in(k)-m).exp();
       total += out(k);
     }
     if (log) {
       const TileArray shift = m + total.log();
-      for (int64_t k = 0; k < s.n; ++k) out(k) = in(k) - shift;
+      for (int64_t k = 0; k < s.n; ++k) out(k) = in(k)-shift;
     } else {
       const TileArray scale = total.inverse();
       for (int64_t k = 0; k < s.n; ++k) out(k) *= scale;
@@ -67,8 +69,8 @@ void softmax_tiles(const float* x, float* y, const cpu::DimSplit& s, bool log) {
 void softmax_cpu(const Tensor& in, int dim, bool log, Tensor& out) {
   MN_CHECK(in.dtype() == DType::f32 && out.dtype() == DType::f32, TypeError, "softmax: expected f32, got ",
            in.dtype(), in.sizes());
-  MN_CHECK(out.sizes() == in.sizes(), ValueError, "softmax: output shape ", out.sizes(), " differs from input ",
-           in.sizes());
+  MN_CHECK(out.sizes() == in.sizes(), ValueError, "softmax: output shape ", out.sizes(),
+           " differs from input ", in.sizes());
   cpu::require_contiguous_output(out, "softmax", "out");
   if (in.numel() == 0) return;
   const Tensor x = cpu::dense(in);
@@ -86,8 +88,10 @@ void softmax_backward_rows(const float* g, const float* y, float* gi, int64_t ro
   for (int64_t r = 0; r < rows; ++r) {
     const ConstValues grad(g + r * n, n), out(y + r * n, n);
     Values result(gi + r * n, n);
-    if (log) result = grad - out.exp() * grad.sum();
-    else result = out * (grad - (grad * out).sum());
+    if (log)
+      result = grad - out.exp() * grad.sum();
+    else
+      result = out * (grad - (grad * out).sum());
   }
 }
 
@@ -102,21 +106,25 @@ void softmax_backward_tiles(const float* g, const float* y, float* gi, const cpu
     auto out = [&](int64_t k) { return ConstValues(y + base + k * s.inner, width); };
     TileArray total = TileArray::Zero(width);
     for (int64_t k = 0; k < s.n; ++k) {
-      if (log) total += grad(k);
-      else total += grad(k) * out(k);
+      if (log)
+        total += grad(k);
+      else
+        total += grad(k) * out(k);
     }
     for (int64_t k = 0; k < s.n; ++k) {
       Values result(gi + base + k * s.inner, width);
-      if (log) result = grad(k) - out(k).exp() * total;
-      else result = out(k) * (grad(k) - total);
+      if (log)
+        result = grad(k) - out(k).exp() * total;
+      else
+        result = out(k) * (grad(k) - total);
     }
   }
 }
 
 void softmax_backward_cpu(const Tensor& grad_out, const Tensor& out, int dim, bool log, Tensor& grad_in) {
   MN_CHECK(grad_out.sizes() == out.sizes() && grad_in.sizes() == out.sizes(), ValueError,
-           "softmax_backward: shapes differ: grad_out ", grad_out.sizes(), ", out ", out.sizes(), ", grad_in ",
-           grad_in.sizes());
+           "softmax_backward: shapes differ: grad_out ", grad_out.sizes(), ", out ", out.sizes(),
+           ", grad_in ", grad_in.sizes());
   cpu::require_contiguous_output(grad_in, "softmax_backward", "grad_in");
   if (out.numel() == 0) return;
   const Tensor g = cpu::dense(grad_out), y = cpu::dense(out);
@@ -128,9 +136,10 @@ void softmax_backward_cpu(const Tensor& grad_out, const Tensor& out, int dim, bo
 
 // ---------------- cross entropy ----------------
 
-void check_cross_entropy_args(const char* op, const Tensor& logits, const Tensor& target, int64_t ignore_index) {
-  MN_CHECK(logits.dtype() == DType::f32 && logits.dim() == 2, ValueError, op, ": expected f32 logits [N, C], got ",
-           logits.dtype(), logits.sizes());
+void check_cross_entropy_args(const char* op, const Tensor& logits, const Tensor& target,
+                              int64_t ignore_index) {
+  MN_CHECK(logits.dtype() == DType::f32 && logits.dim() == 2, ValueError, op,
+           ": expected f32 logits [N, C], got ", logits.dtype(), logits.sizes());
   const int64_t rows = logits.sizes()[0], classes = logits.sizes()[1];
   MN_CHECK(classes > 0, ValueError, op, ": logits of shape ", logits.sizes(), " have no classes");
   MN_CHECK(target.dtype() == DType::i64 && target.dim() == 1 && target.sizes()[0] == rows, ValueError, op,
@@ -140,7 +149,8 @@ void check_cross_entropy_args(const char* op, const Tensor& logits, const Tensor
   const int64_t* p = t.data<int64_t>();
   for (int64_t i = 0; i < rows; ++i)
     MN_CHECK(p[i] == ignore_index || (p[i] >= 0 && p[i] < classes), IndexError, op, ": target ", p[i],
-             " at position ", i, " is out of range for ", classes, " classes (logits of shape ", logits.sizes(), ")");
+             " at position ", i, " is out of range for ", classes, " classes (logits of shape ",
+             logits.sizes(), ")");
 }
 
 void cross_entropy_cpu(const Tensor& logits, const Tensor& target, double smoothing, int64_t ignore_index,
@@ -177,12 +187,13 @@ void cross_entropy_cpu(const Tensor& logits, const Tensor& target, double smooth
 }
 
 void cross_entropy_backward_cpu(const Tensor& grad_loss, const Tensor& logits, const Tensor& target,
-                                const Tensor& lse, double smoothing, int64_t ignore_index, Tensor& grad_logits) {
+                                const Tensor& lse, double smoothing, int64_t ignore_index,
+                                Tensor& grad_logits) {
   check_cross_entropy_args("cross_entropy_backward", logits, target, ignore_index);
   const int64_t rows = logits.sizes()[0], classes = logits.sizes()[1];
-  MN_CHECK(grad_loss.numel() == rows && lse.numel() == rows && grad_logits.sizes() == logits.sizes(), ValueError,
-           "cross_entropy_backward: grad_loss ", grad_loss.sizes(), ", lse ", lse.sizes(), " and grad_logits ",
-           grad_logits.sizes(), " do not fit logits ", logits.sizes());
+  MN_CHECK(grad_loss.numel() == rows && lse.numel() == rows && grad_logits.sizes() == logits.sizes(),
+           ValueError, "cross_entropy_backward: grad_loss ", grad_loss.sizes(), ", lse ", lse.sizes(),
+           " and grad_logits ", grad_logits.sizes(), " do not fit logits ", logits.sizes());
   cpu::require_contiguous_output(grad_logits, "cross_entropy_backward", "grad_logits");
   const Tensor x = cpu::dense(logits), t = cpu::dense(target), g = cpu::dense(grad_loss), l = cpu::dense(lse);
   const float* xp = x.numel() ? x.data<float>() : nullptr;

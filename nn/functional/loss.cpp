@@ -23,7 +23,8 @@ Tensor reduce_loss(const Tensor& per_item, Reduction reduction) {
 // f32 [N, C] mask with a 1 at (n, target[n]); rows whose target is outside [0, C) stay all zero.
 Tensor one_hot(const Tensor& target, int64_t classes) {
   const int64_t rows = target.numel();
-  Tensor positions = arange(classes, TensorOptions(DType::i64).with_device(target.device())).reshape({1, classes});
+  Tensor positions =
+      arange(classes, TensorOptions(DType::i64).with_device(target.device())).reshape({1, classes});
   return eq(positions, target.reshape({rows, 1}));
 }
 
@@ -33,11 +34,11 @@ Tensor checked_target(const char* op, const Tensor& input, const char* input_nam
   detail::check_same_device(op, input, target);
   const bool single = input.dim() == 1;
   const int64_t rows = single ? 1 : input.sizes()[0];
-  const bool ok = target.dtype() == DType::i64 &&
-                  (single ? target.numel() == 1 && target.dim() <= 1 : target.dim() == 1 && target.sizes()[0] == rows);
+  const bool ok = target.dtype() == DType::i64 && (single ? target.numel() == 1 && target.dim() <= 1
+                                                          : target.dim() == 1 && target.sizes()[0] == rows);
   MN_CHECK(ok, ValueError, op, ": expected target of shape ", single ? Shape{} : Shape{rows},
-           " (i64 class indices) for ", input_name, " of shape ", input.sizes(), ", got ",
-           target.dtype(), target.sizes());
+           " (i64 class indices) for ", input_name, " of shape ", input.sizes(), ", got ", target.dtype(),
+           target.sizes());
   if (!single) return target;
   return target.dim() == 0 ? target.unsqueeze(0) : target;
 }
@@ -45,8 +46,8 @@ Tensor checked_target(const char* op, const Tensor& input, const char* input_nam
 void check_class_input(const char* op, const Tensor& input, const char* what) {
   detail::check_defined(op, input, what);
   detail::check_float(op, input, what);
-  MN_CHECK(input.dim() == 1 || input.dim() == 2, ValueError, op, ": expected ", what, " of shape [N, C] or [C], got ",
-           input.sizes());
+  MN_CHECK(input.dim() == 1 || input.dim() == 2, ValueError, op, ": expected ", what,
+           " of shape [N, C] or [C], got ", input.sizes());
 }
 
 // The gradient of the per-row loss written with differentiable ops (used under create_graph):
@@ -82,9 +83,10 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& target, double label_sm
                        Tensor t = st.unpack("CrossEntropyBackward");
                        if (autograd::grad_mode_enabled())
                          return {cross_entropy_grad(c.grad(), logits, t, label_smoothing, ignore_index)};
-                       Tensor grad = empty(logits.sizes(), TensorOptions(DType::f32).with_device(logits.device()));
-                       kernels::cross_entropy_backward(logits.device(), c.grad(), logits, t, lse, label_smoothing,
-                                                       ignore_index, grad);
+                       Tensor grad =
+                           empty(logits.sizes(), TensorOptions(DType::f32).with_device(logits.device()));
+                       kernels::cross_entropy_backward(logits.device(), c.grad(), logits, t, lse,
+                                                       label_smoothing, ignore_index, grad);
                        return {grad};
                      });
   switch (reduction) {
@@ -107,8 +109,9 @@ Tensor nll_loss(const Tensor& log_probs, const Tensor& target, Reduction reducti
   const int64_t classes = x.sizes()[1];
   const std::vector<int64_t> values = rows_target.to_vector<int64_t>();
   for (size_t i = 0; i < values.size(); ++i)
-    MN_CHECK(values[i] >= 0 && values[i] < classes, IndexError, "nll_loss: target ", values[i], " at position ", i,
-             " is out of range for ", classes, " classes (log_probs of shape ", log_probs.sizes(), ")");
+    MN_CHECK(values[i] >= 0 && values[i] < classes, IndexError, "nll_loss: target ", values[i],
+             " at position ", i, " is out of range for ", classes, " classes (log_probs of shape ",
+             log_probs.sizes(), ")");
   // Picking log_probs[n, target[n]] as a masked row sum keeps the op differentiable to any order.
   Tensor per_row = neg(sum(mul(x, one_hot(rows_target, classes)), {1}));
   if (reduction == Reduction::None && single) return per_row.reshape({});
