@@ -100,7 +100,8 @@ TensorList AccumulateGrad::apply(TensorList&& grads) {
   } else if (!m.grad.defined()) {
     // Steal the incoming buffer when nothing else refers to it; otherwise copy, because later
     // accumulation happens in place.
-    const bool sole_owner = g.impl_ptr().use_count() == 1 && g.storage().use_count() == 1 && !g.requires_grad();
+    const bool sole_owner = g.impl_ptr().use_count() == 1 && g.storage().use_count() == 1 && !g.requires_grad() &&
+                            g.is_contiguous() && g.storage_offset() == 0;
     m.grad = sole_owner ? g : g.detach().clone();
   } else {
     Tensor acc = m.grad;

@@ -2,6 +2,7 @@
 // MN_NO_CACHING is set), and a registry that non-CPU backends (CUDA) fill with a factory. Allocators
 // are created on first use and never destroyed, so tensors freed during static destruction still
 // find theirs.
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include <array>
@@ -20,19 +21,28 @@ namespace mn {
 namespace {
 
 constexpr size_t kCpuAlignment = 64;  // one cache line; what AVX-512 loads want
+constexpr size_t kHugePage = size_t{2} << 20;
+
+size_t alignment_for(size_t bytes) { return bytes >= kHugePage ? kHugePage : kCpuAlignment; }
 
 class CpuRawBackend final : public RawBackend {
  public:
   void* raw_alloc(size_t bytes) override {
-    const size_t size = (bytes + kCpuAlignment - 1) / kCpuAlignment * kCpuAlignment;
+    const size_t align = alignment_for(bytes);
+    const size_t size = (bytes + align - 1) / align * align;
     if (cap_ != 0 && held_ + size > cap_) return nullptr;
-    void* ptr = std::aligned_alloc(kCpuAlignment, size);
-    if (ptr != nullptr) held_ += size;
+    void* ptr = std::aligned_alloc(align, size);
+    if (ptr == nullptr) return nullptr;
+    held_ += size;
+    // Large segments on transparent huge pages: first touch of fresh memory costs one fault per
+    // 2 MiB instead of per 4 KiB (the Fashion-MNIST load measured ~2x faster).
+    if (align == kHugePage) madvise(ptr, size, MADV_HUGEPAGE);
     return ptr;
   }
   void raw_free(void* ptr, size_t bytes) override {
     std::free(ptr);
-    held_ -= (bytes + kCpuAlignment - 1) / kCpuAlignment * kCpuAlignment;
+    const size_t align = alignment_for(bytes);
+    held_ -= (bytes + align - 1) / align * align;
   }
   // The CPU runs one stream in program order: any earlier use has finished by the time of a free.
   uint64_t record_event(StreamId) override { return 0; }

@@ -1,10 +1,10 @@
 #pragma once
 // Umbrella header: one include for applications that embed mapping_networks.
 //   #include "mapping/mapping_networks.h"
-// It pulls in the public API that exists today (tensors, allocator statistics, random numbers,
-// differentiable ops, the autograd engine, NoGradGuard, gradient checks and nn::functional).
-// The nn layers and optimizers, the mapping generators/models/trainer and the dist headers join it
-// as they land.
+// Tensors and the autograd engine, nn layers/optimizers/data/safetensors, and the mapping-network
+// API (specs, mappers, generators, MappingModel). Training loops, checkpoints and profilers have
+// their own headers under mapping/ (trainer.h, checkpoint.h, profiler.h); dist/ headers are
+// available when the library was built with Gloo.
 #include "core/allocator.h"
 #include "core/random.h"
 #include "core/tensor.h"
@@ -15,3 +15,15 @@
 #include "autograd/ops.h"
 
 #include "nn/functional.h"
+#include "nn/functional_call.h"
+#include "nn/init.h"
+#include "nn/layers.h"
+#include "nn/module.h"
+#include "nn/optim.h"
+#include "nn/safetensors.h"
+
+#include "mapping/generator.h"
+#include "mapping/mapper.h"
+#include "mapping/mapping_model.h"
+#include "mapping/orthogonal.h"
+#include "mapping/parameter_spec.h"

@@ -1,0 +1,169 @@
+#!/usr/bin/python3
+"""Side-by-side training-step timings: mapping_networks (C++) against Debian's PyTorch 1.13.
+
+Usage:  /usr/bin/python3 bench/compare_torch.py [--build build] [--threads 2] [--repeats 7]
+
+Runs, in this one invocation and with the same thread count:
+  * our Google Benchmark binary build/bench/mn_bench_train_step (median of --repeats runs), and
+  * the same steps in PyTorch (median over --repeats timed blocks after warm-up),
+then prints one table of medians and ratios (ours / PyTorch; < 1 means we are faster).
+
+PyTorch variants of the mapped steps:
+  same     the same math as ours: per group theta = s * (W z + alpha |z|^2), with W in the same
+           block-orthogonal form (a [k-1, L] x [L, L] GEMM plus a small tail GEMV);
+  dense    W stored explicitly (n x L) and applied as a GEMV, no modulated matrix;
+  literal  the reference library's computation: W' = W + alpha 1 z^T materialised every step, then
+           theta = W' z (what marn does).
+"""
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+def cnn2():
+    return nn.Sequential(nn.Conv2d(1, 16, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(16, 32, 3), nn.ReLU(),
+                         nn.MaxPool2d(2), nn.Flatten(), nn.Linear(800, 128), nn.ReLU(), nn.Linear(128, 10))
+
+
+def mlp():
+    return nn.Sequential(nn.Flatten(), nn.Linear(784, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
+                         nn.Linear(256, 10))
+
+
+def time_steps(step, repeats, inner):
+    for _ in range(3):
+        step()
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            step()
+        samples.append((time.perf_counter() - t0) / inner * 1e3)
+    return statistics.median(samples)
+
+
+def direct_step(batch):
+    net = cnn2()
+    opt = torch.optim.Adam(net.parameters(), lr=1e-3)
+    x, y = torch.randn(batch, 1, 28, 28), torch.randint(0, 10, (batch,))
+
+    def step():
+        loss = F.cross_entropy(net(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return step
+
+
+class Group:
+    """One layer-wise group: latent z, fixed map W (n x L), per-element scale s."""
+
+    def __init__(self, names, shapes, latent, mode, alpha=0.01):
+        self.names, self.shapes, self.mode, self.alpha = names, shapes, mode, alpha
+        self.n = sum(math.prod(s) for s in shapes)
+        n, L = self.n, latent
+        self.z = (torch.randn(L) / math.sqrt(L)).requires_grad_(True)
+        self.s = torch.rand(n) * 0.1 + 0.01
+        if mode == "same" and n >= 2 * L:
+            k = n // L
+            self.q = torch.linalg.qr(torch.randn(L, L))[0]
+            self.signs = torch.randint(0, 2, (k - 1, L)).float() * 2 - 1
+            self.tail = torch.linalg.qr(torch.randn(n - (k - 1) * L, L))[0]
+            self.scale = math.sqrt(n / k)
+        else:
+            w = torch.linalg.qr(torch.randn(max(n, L), min(n, L)))[0]
+            self.w = (w if n >= L else w.t()).contiguous() * math.sqrt(max(n, L))
+            self.q = None
+
+    def theta(self):
+        z = self.z
+        if self.mode == "literal":
+            w_mod = self.w + self.alpha * z.unsqueeze(0)  # W' = W + alpha 1 z^T, materialised
+            out = w_mod @ z
+        elif self.q is not None:
+            rep = ((self.signs * z) @ self.q.t()).reshape(-1)
+            out = torch.cat([rep, self.tail @ z]) * self.scale + self.alpha * (z * z).sum()
+        else:
+            out = self.w @ z + self.alpha * (z * z).sum()
+        return self.s * out
+
+    def tensors(self):
+        flat, out, offset = self.theta(), {}, 0
+        for name, shape in zip(self.names, self.shapes):
+            size = math.prod(shape)
+            out[name] = flat[offset:offset + size].view(shape)
+            offset += size
+        return out
+
+
+def mapped_step(make_target, latent, input_shape, mode):
+    target = make_target()
+    groups = {}
+    for name, p in target.named_parameters():
+        groups.setdefault(name.rsplit(".", 1)[0], []).append((name, tuple(p.shape)))
+    gens = [Group([n for n, _ in g], [s for _, s in g], latent, mode) for g in groups.values()]
+    opt = torch.optim.Adam([g.z for g in gens], lr=1e-2)
+    x, y = torch.randn(*input_shape), torch.randint(0, 10, (input_shape[0],))
+
+    def step():
+        params = {}
+        for g in gens:
+            params.update(g.tensors())
+        logits = torch.func.functional_call(target, params, (x,)) if hasattr(torch, "func") else \
+            torch.nn.utils.stateless.functional_call(target, params, (x,))
+        loss = F.cross_entropy(logits, y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return step
+
+
+def ours(build, threads, repeats):
+    binary = os.path.join(build, "bench", "mn_bench_train_step")
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    out = subprocess.run([binary, f"--benchmark_repetitions={repeats}", "--benchmark_report_aggregates_only=true",
+                          "--benchmark_format=json"], env=env, check=True, capture_output=True, text=True).stdout
+    medians = {}
+    for b in json.loads(out)["benchmarks"]:
+        if b.get("aggregate_name") == "median":
+            medians[b["run_name"].split("/")[0]] = b["real_time"]
+    return medians
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--build", default="build")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=7)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    mine = ours(args.build, args.threads, args.repeats)
+    rows = [
+        ("CNN2 direct, batch 128, Adam", mine.get("BM_CNN2_DirectStep"),
+         {"torch": time_steps(direct_step(128), args.repeats, 5)}),
+        ("CNN2 layerwise 4x672, batch 256", mine.get("BM_CNN2_LayerwiseStep"),
+         {m: time_steps(mapped_step(cnn2, 672, (256, 1, 28, 28), m), args.repeats, 3)
+          for m in ("same", "dense", "literal")}),
+        ("MLP 784-256-256-10 layerwise L=64, batch 64", mine.get("BM_MLP_LayerwiseStep"),
+         {m: time_steps(mapped_step(mlp, 64, (64, 784), m), args.repeats, 10) for m in ("same", "dense", "literal")}),
+    ]
+    print(f"threads={args.threads} torch={torch.__version__} (medians, ms per step; ratio = ours / torch)")
+    print(f"{'step':46s} {'ours':>9s}  {'torch variant':>14s} {'torch':>9s} {'ratio':>7s}")
+    for label, ours_ms, theirs in rows:
+        for variant, ms in theirs.items():
+            ratio = f"{ours_ms / ms:7.2f}" if ours_ms else "    n/a"
+            ours_txt = f"{ours_ms:9.2f}" if ours_ms else "      n/a"
+            print(f"{label:46s} {ours_txt}  {variant:>14s} {ms:9.2f} {ratio}")
+
+
+if __name__ == "__main__":
+    main()
