@@ -4,6 +4,7 @@
 #include <stdexcept>
 #include <string>
 #include <sstream>
+#include <vector>
 
 namespace mn {
 
@@ -35,6 +36,15 @@ template <class... A>
 std::string str(const A&... a) {
   std::ostringstream os;
   detail::cat_to(os, a...);
+  return os.str();
+}
+
+// "[a, b, c]": how error messages list names.
+inline std::string bracket_list(const std::vector<std::string>& names) {
+  std::ostringstream os;
+  os << '[';
+  for (size_t i = 0; i < names.size(); ++i) os << (i ? ", " : "") << names[i];
+  os << ']';
   return os.str();
 }
 

@@ -14,14 +14,6 @@ namespace mn::mapping {
 
 namespace {
 
-std::string list(const std::vector<std::string>& names) {
-  std::ostringstream os;
-  os << '[';
-  for (size_t i = 0; i < names.size(); ++i) os << (i ? ", " : "") << names[i];
-  os << ']';
-  return os.str();
-}
-
 std::string thousands(int64_t v) {
   std::string s = std::to_string(v);
   for (int i = static_cast<int>(s.size()) - 3; i > 0; i -= 3) s.insert(static_cast<size_t>(i), ",");
@@ -111,7 +103,7 @@ ParameterGenerator::ParameterGenerator(ParameterSpec spec,
   for (const auto& e : spec_.entries())
     if (!covered.count(e.name)) missing.push_back(e.name);
   MN_CHECK(missing.empty() && unexpected.empty(), ValueError, "Groups must cover the spec exactly; missing=",
-           list(missing), ", unexpected=", list(unexpected));
+           bracket_list(missing), ", unexpected=", bracket_list(unexpected));
   // Projection guard before anything is allocated.
   int64_t projection = 0;
   for (const auto& [gname, names] : groups) {
@@ -205,7 +197,7 @@ void ParameterGenerator::check_overrides(const LatentOverrides& latents) const {
     const Group* g = nullptr;
     for (const auto& candidate : groups_)
       if (candidate.name == name) g = &candidate;
-    MN_CHECK(g != nullptr, KeyError, "latent override for unknown group '", name, "'; groups: ", list(group_names()));
+    MN_CHECK(g != nullptr, KeyError, "latent override for unknown group '", name, "'; groups: ", bracket_list(group_names()));
     MN_CHECK(z.defined() && z.dim() == 1 && z.size(0) == g->latent_dim, ValueError, "latent override for group '", name,
              "' must have shape [", g->latent_dim, "], got ", z.defined() ? z.sizes().str() : "undefined");
   }

@@ -9,13 +9,6 @@
 namespace mn::mapping {
 
 namespace {
-std::string list(const std::vector<std::string>& names) {
-  std::ostringstream os;
-  os << '[';
-  for (size_t i = 0; i < names.size(); ++i) os << (i ? ", " : "") << names[i];
-  os << ']';
-  return os.str();
-}
 }  // namespace
 
 ParameterTree::ParameterTree(std::vector<std::pair<std::string, Tensor>> items) : items_(std::move(items)) {
@@ -29,7 +22,7 @@ ParameterTree::ParameterTree(std::vector<std::pair<std::string, Tensor>> items) 
 
 const Tensor& ParameterTree::at(const std::string& name) const {
   auto it = index_.find(name);
-  MN_CHECK(it != index_.end(), KeyError, "ParameterTree has no parameter '", name, "'; known: ", list(names()));
+  MN_CHECK(it != index_.end(), KeyError, "ParameterTree has no parameter '", name, "'; known: ", bracket_list(names()));
   return items_[it->second].second;
 }
 
@@ -89,7 +82,7 @@ std::vector<std::string> ParameterSpec::names() const {
 
 const ParameterEntry& ParameterSpec::entry(const std::string& name) const {
   auto it = index_.find(name);
-  MN_CHECK(it != index_.end(), KeyError, "ParameterSpec has no parameter '", name, "'; known: ", list(names()));
+  MN_CHECK(it != index_.end(), KeyError, "ParameterSpec has no parameter '", name, "'; known: ", bracket_list(names()));
   return entries_[it->second];
 }
 
@@ -112,7 +105,7 @@ void ParameterSpec::validate_names_and_shapes(const std::vector<std::pair<std::s
   for (const auto& e : entries_)
     if (!given.count(e.name)) missing.push_back(e.name);
   MN_CHECK(missing.empty() && unexpected.empty(), ValueError, "Parameter names do not match spec; missing=",
-           list(missing), ", unexpected=", list(unexpected));
+           bracket_list(missing), ", unexpected=", bracket_list(unexpected));
   for (const auto& [name, shape] : items) {
     const ParameterEntry& e = entry(name);
     MN_CHECK(shape == e.shape, ValueError, "Expected shape ", e.shape, " for '", name, "', got ", shape);

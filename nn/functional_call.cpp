@@ -15,14 +15,6 @@ struct Frame {
 
 thread_local std::vector<Frame*> g_frames;
 
-std::string join(const std::vector<std::string>& names) {
-  std::ostringstream os;
-  os << '[';
-  for (size_t i = 0; i < names.size(); ++i) os << (i ? ", " : "") << names[i];
-  os << ']';
-  return os.str();
-}
-
 }  // namespace
 
 namespace detail {
@@ -83,7 +75,7 @@ FunctionalCallGuard::FunctionalCallGuard(const Module& module, const std::map<st
     if (!used.count(name)) unexpected.push_back(name);
   if (!missing.empty() || !unexpected.empty())
     throw KeyError(str("functional_call on ", module.type_name(), ": names do not match the module's parameters; missing=",
-                       join(missing), ", unexpected=", join(unexpected)));
+                       bracket_list(missing), ", unexpected=", bracket_list(unexpected)));
   g_frames.push_back(frame.release());
 }
 

@@ -19,13 +19,6 @@ const Tensor* find_in(const NamedTensors& list, const std::string& name) {
     if (n == name) return &t;
   return nullptr;
 }
-std::string join(const std::vector<std::string>& names) {
-  std::ostringstream os;
-  os << '[';
-  for (size_t i = 0; i < names.size(); ++i) os << (i ? ", " : "") << names[i];
-  os << ']';
-  return os.str();
-}
 std::string qualified(const std::string& prefix, const std::string& name) {
   return prefix.empty() ? name : prefix + "." + name;
 }
@@ -207,8 +200,8 @@ void Module::load_state_dict(const StateDict& state, bool strict) {
   for (auto& [n, t] : state)
     if (!targets.count(n)) unexpected.push_back(n);
   if (!mismatched.empty() || (strict && (!missing.empty() || !unexpected.empty())))
-    throw ValueError(str("load_state_dict for ", type_name_, ": missing=", join(missing), ", unexpected=",
-                         join(unexpected), ", mismatched=", join(mismatched)));
+    throw ValueError(str("load_state_dict for ", type_name_, ": missing=", bracket_list(missing), ", unexpected=",
+                         bracket_list(unexpected), ", mismatched=", bracket_list(mismatched)));
   autograd::NoGradGuard no_grad;
   for (auto& [n, t] : targets) {
     auto it = state.find(n);
