@@ -381,6 +381,7 @@ TrainerState MappingTrainer::state() const {
   s.epoch = epoch_;
   s.should_stop = should_stop_;
   s.optimizer = optimizer_->state_dict();
+  s.learning_rate = optimizer_->lr();
   // Captured from on_epoch_end, the finished epoch's scheduler step is still to come: count it.
   s.scheduler_epoch = scheduler_ ? scheduler_->epoch() + (scheduler_step_pending_ ? 1 : 0) : 0;
   s.history = history_;
@@ -395,6 +396,7 @@ void MappingTrainer::load_state(const TrainerState& s) {
   MN_CHECK(s.epoch >= 0 && s.scheduler_epoch >= 0, ValueError, "TrainerState: epoch (", s.epoch,
            ") and scheduler_epoch (", s.scheduler_epoch, ") must be non-negative");
   if (!s.optimizer.empty()) optimizer_->load_state_dict(s.optimizer);
+  if (s.learning_rate) optimizer_->set_lr(*s.learning_rate);
   // After the optimizer: a time-based schedule then sets the lr of the restored epoch, a plateau
   // scheduler keeps the restored one.
   if (scheduler_) scheduler_->set_epoch(s.scheduler_epoch);
@@ -645,6 +647,7 @@ LRFinderResult MappingTrainer::lr_find(double min_lr, double max_lr, int64_t num
     saved_grads.push_back(p.grad().defined() ? p.grad().detach().clone() : Tensor());
   }
   const optim::OptimizerState saved_optimizer = optimizer_->state_dict();
+  const double saved_lr = optimizer_->lr();
   nn::StateDict saved_buffers;
   for (const auto& [name, t] : model_.buffers()) saved_buffers[name] = t.detach().clone();
   const uint64_t trainer_seed = generator_.seed(), trainer_offset = generator_.offset();
@@ -663,7 +666,8 @@ LRFinderResult MappingTrainer::lr_find(double min_lr, double max_lr, int64_t num
         p.set_grad(saved_grads[i]);
       }
     }
-    optimizer_->load_state_dict(saved_optimizer);  // also the learning rate
+    optimizer_->load_state_dict(saved_optimizer);
+    optimizer_->set_lr(saved_lr);  // the state dict keeps it only as f32
     model_.set_buffers(saved_buffers);
     generator_.manual_seed(trainer_seed);
     generator_.set_offset(trainer_offset);

@@ -133,6 +133,8 @@ struct TrainerState {
   int64_t epoch = 0;  // completed epochs: the next fit() starts here
   bool should_stop = false;
   nn::optim::OptimizerState optimizer;
+  // The optimizer's lr in full precision (the optimizer state holds it as an f32 tensor).
+  std::optional<double> learning_rate;
   int64_t scheduler_epoch = 0;  // (a plateau scheduler's best/patience counters are not included)
   History history;
   RngState rng;

@@ -39,7 +39,8 @@ TrainingContext linked_context(uint64_t seed = 3) {
   c.predictions = random_param({2, 2}, seed + 20);
   c.targets = randn({2, 2}, {}, &gen);
   c.latent_vectors["layer0"] = z;
-  c.generated_parameters = ParameterTree({{"weight", flat.narrow(0, 0, 4).view({2, 2})}, {"bias", flat.narrow(0, 4, 2)}});
+  c.generated_parameters =
+      ParameterTree({{"weight", flat.narrow(0, 0, 4).view({2, 2})}, {"bias", flat.narrow(0, 4, 2)}});
   return c;
 }
 
@@ -55,7 +56,9 @@ std::string error_message(F&& f) {
   return "";
 }
 
-bool contains(const std::string& haystack, const std::string& needle) { return haystack.find(needle) != std::string::npos; }
+bool contains(const std::string& haystack, const std::string& needle) {
+  return haystack.find(needle) != std::string::npos;
+}
 
 }  // namespace
 
@@ -349,7 +352,8 @@ TrainingContext full_context() {
   c.targets = randn({4, 3}, {}, &gen);
   c.perturbed_predictions = add(c.predictions, mul(randn({4, 3}, {}, &gen), 0.1));
   c.latent_vectors = {{"layer0", z}};
-  c.generated_parameters = ParameterTree({{"weight", flat.narrow(0, 0, 4).view({2, 2})}, {"bias", flat.narrow(0, 4, 2)}});
+  c.generated_parameters =
+      ParameterTree({{"weight", flat.narrow(0, 0, 4).view({2, 2})}, {"bias", flat.narrow(0, 4, 2)}});
   c.mapper_column_means = {{"layer0", randn({4}, {}, &gen)}};
   return c;
 }
@@ -433,7 +437,8 @@ TEST_CASE("mapping loss: trainable coefficients are softplus(rho) and descent sh
   CHECK(fixed.coefficient_parameters().empty());
   CHECK_FALSE(fixed.trainable_coefficients());
 
-  MappingLoss trainable(task, {.smoothness = std::make_shared<SmoothnessLoss>("exact"), .trainable_coefficients = true});
+  MappingLoss trainable(task,
+                        {.smoothness = std::make_shared<SmoothnessLoss>("exact"), .trainable_coefficients = true});
   auto named = trainable.named_coefficient_parameters();
   REQUIRE(named.size() == 3);
   CHECK(named[0].first == "raw_lambda_stability");
@@ -467,13 +472,14 @@ TEST_CASE("mapping loss: trainable coefficients are softplus(rho) and descent sh
 TEST_CASE("mapping loss: inverse softplus") {
   CHECK(inverse_softplus(std::log1p(std::exp(0.3))) == doctest::Approx(0.3));
   CHECK(inverse_softplus(25.0) == 25.0);
-  CHECK(contains(error_message([] { inverse_softplus(0.0); }), "Cannot compute inverse softplus of non-positive value"));
+  CHECK(contains(error_message([] { inverse_softplus(0.0); }),
+                 "Cannot compute inverse softplus of non-positive value"));
   CHECK(contains(error_message([] { MappingLoss(std::make_shared<RegressionLoss>(),
                                                 {.lambda_alignment = 0.0, .trainable_coefficients = true}); }),
                  "Cannot compute inverse softplus of non-positive value"));
 }
 
-TEST_CASE("mapping loss: gradients flow through every term (task, stability -> predictions; smoothness, alignment -> z)") {
+TEST_CASE("mapping loss: gradients reach predictions (task, stability) and latents (smoothness, alignment)") {
   auto task = std::make_shared<RegressionLoss>();
   SUBCASE("task") {
     TrainingContext c = full_context();

@@ -59,7 +59,9 @@ std::string error_message(F&& f) {
   return "";
 }
 
-bool contains(const std::string& haystack, const std::string& needle) { return haystack.find(needle) != std::string::npos; }
+bool contains(const std::string& haystack, const std::string& needle) {
+  return haystack.find(needle) != std::string::npos;
+}
 
 // Records every hook as one string.
 class Recorder : public Callback {
@@ -528,7 +530,8 @@ TEST_CASE("trainer: k accumulated batches of one equal one batch of k, a partial
     INFO("samples " << samples);
     REQUIRE(whole.size() == accumulated.size());
     for (size_t g = 0; g < whole.size(); ++g)
-      for (size_t i = 0; i < whole[g].size(); ++i) CHECK(accumulated[g][i] == doctest::Approx(whole[g][i]).epsilon(1e-5));
+      for (size_t i = 0; i < whole[g].size(); ++i)
+        CHECK(accumulated[g][i] == doctest::Approx(whole[g][i]).epsilon(1e-5));
   }
 }
 
@@ -607,6 +610,7 @@ TEST_CASE("trainer: a restored should_stop does not abort the next fit; a finish
   state.should_stop = true;
   trainer.load_state(state);
   CHECK(trainer.should_stop());
+  CHECK(trainer.learning_rate() == 1e-3);  // full precision, not the optimizer state's f32
   CHECK(trainer.fit().epochs() == 2);
 
   CHECK(trainer.fit().epochs() == 2);  // already at max_epochs
