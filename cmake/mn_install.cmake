@@ -5,9 +5,8 @@
 include(GNUInstallDirs)
 include(CMakePackageConfigHelpers)
 
-# Consumers compile our headers, so C++20 is a usage requirement of the target, not only a setting
-# of this build (CMAKE_CXX_STANDARD does not travel with the exported target).
-target_compile_features(mapping_networks PUBLIC cxx_std_20)
+
+
 
 set(MN_INSTALL_CMAKEDIR ${CMAKE_INSTALL_LIBDIR}/cmake/mapping_networks)
 
