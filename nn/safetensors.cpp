@@ -123,12 +123,12 @@ class HeaderBuilder {
   std::vector<std::string> top_level_keys;  // in header order
   std::string error;                        // why parsing stopped, empty on success
 
-  bool null() { return add(json(nullptr)) != nullptr; }
-  bool boolean(bool v) { return add(json(v)) != nullptr; }
-  bool number_integer(json::number_integer_t v) { return add(json(v)) != nullptr; }
-  bool number_unsigned(json::number_unsigned_t v) { return add(json(v)) != nullptr; }
-  bool number_float(json::number_float_t v, const std::string&) { return add(json(v)) != nullptr; }
-  bool string(std::string& v) { return add(json(std::move(v))) != nullptr; }
+  bool null() { return add_scalar(json(nullptr)); }
+  bool boolean(bool v) { return add_scalar(json(v)); }
+  bool number_integer(json::number_integer_t v) { return add_scalar(json(v)); }
+  bool number_unsigned(json::number_unsigned_t v) { return add_scalar(json(v)); }
+  bool number_float(json::number_float_t v, const std::string&) { return add_scalar(json(v)); }
+  bool string(std::string& v) { return add_scalar(json(std::move(v))); }
   bool binary(json::binary_t&) {
     error = "binary values are not JSON";
     return false;
@@ -174,6 +174,11 @@ class HeaderBuilder {
     json& slot = parent[pending_key_];
     slot = std::move(v);
     return &slot;
+  }
+
+  bool add_scalar(json&& v) {
+    add(std::move(v));
+    return true;
   }
 
   bool open(json::value_t kind) {
