@@ -9,6 +9,7 @@
 //   scales               [K] per-tensor init scales, one per spec entry (when scaling is on)
 //   buffer/<name>        the model's carried buffers (e.g. BatchNorm running statistics)
 //   optimizer/<key>      optimizer state (nn::optim::Optimizer::state_dict) when a trainer state is given
+//   loss/<name>          trainable loss coefficients (MappingLoss rho's), when there are any
 // Metadata (every value is a JSON document, as safetensors metadata must be strings):
 //   format "mapping_networks.checkpoint", schema_version 1, package_version, strategy, seed,
 //   latent_dims {group: L}, groups [[group, [parameter names]]...], parameter_scaling,
@@ -49,12 +50,19 @@ inline constexpr const char* kPackageVersion = "0.1.0";
 struct CheckpointExtras {
   // Optimizer tensors, epoch, should_stop, scheduler epoch, history and RNG positions.
   std::optional<TrainerState> trainer_state;
+  // The optimizer's exact learning rate: its state dict stores the lr as an f32 tensor, and resuming
+  // bit for bit needs the double (checkpoint_extras fills it).
+  std::optional<double> optimizer_lr;
+  // Trainable loss coefficients (MappingLoss rho's), stored as loss/<name>; restored in place when
+  // load_checkpoint is given a trainer.
+  std::vector<std::pair<std::string, Tensor>> loss_parameters;
   std::map<std::string, std::string> metadata;  // free-form user key/values, round-tripped
   std::string config;                           // optional JSON text (e.g. the run's options)
 };
 
 // trainer.state() plus the given metadata.
-CheckpointExtras checkpoint_extras(const MappingTrainer& trainer, std::map<std::string, std::string> metadata = {});
+CheckpointExtras checkpoint_extras(const MappingTrainer& trainer,
+                                   std::map<std::string, std::string> metadata = {});
 
 struct CheckpointInfo {
   int64_t schema_version = 0;

@@ -2,9 +2,8 @@
 // Umbrella header: one include for applications that embed mapping_networks.
 //   #include "mapping/mapping_networks.h"
 // Tensors and the autograd engine, nn layers/optimizers/data/safetensors, and the mapping-network
-// API (specs, mappers, generators, MappingModel). Training loops, checkpoints and profilers have
-// their own headers under mapping/ (trainer.h, checkpoint.h, profiler.h); dist/ headers are
-// available when the library was built with Gloo.
+// API (specs, mappers, generators, MappingModel, losses, trainer, checkpoints, profilers, built-in
+// targets). dist/ headers are available when the library was built with Gloo.
 #include "core/allocator.h"
 #include "core/random.h"
 #include "core/tensor.h"
@@ -22,8 +21,13 @@
 #include "nn/optim.h"
 #include "nn/safetensors.h"
 
+#include "mapping/checkpoint.h"
 #include "mapping/generator.h"
+#include "mapping/losses.h"
 #include "mapping/mapper.h"
 #include "mapping/mapping_model.h"
 #include "mapping/orthogonal.h"
 #include "mapping/parameter_spec.h"
+#include "mapping/profiler.h"
+#include "mapping/targets.h"
+#include "mapping/trainer.h"

@@ -21,16 +21,16 @@ nn::ModulePtr layer(A&&... args) {
 
 std::shared_ptr<nn::Sequential> cnn2() {
   return std::make_shared<nn::Sequential>(std::vector<nn::ModulePtr>{
-      layer<Conv2d>(1, 16, 3), layer<ReLU>(), layer<MaxPool2d>(2),     // 16x13x13
-      layer<Conv2d>(16, 32, 3), layer<ReLU>(), layer<MaxPool2d>(2),    // 32x5x5
+      layer<Conv2d>(1, 16, 3), layer<ReLU>(), layer<MaxPool2d>(2),   // 16x13x13
+      layer<Conv2d>(16, 32, 3), layer<ReLU>(), layer<MaxPool2d>(2),  // 32x5x5
       layer<Flatten>(), layer<Linear>(800, 128), layer<ReLU>(), layer<Linear>(128, 10)});
 }
 
 std::shared_ptr<nn::Sequential> cnn1() {
   return std::make_shared<nn::Sequential>(std::vector<nn::ModulePtr>{
-      layer<Conv2d>(1, 32, 3, 1, 1), layer<ReLU>(), layer<MaxPool2d>(2),    // 32x14x14
-      layer<Conv2d>(32, 64, 3, 1, 1), layer<ReLU>(), layer<MaxPool2d>(2),   // 64x7x7
-      layer<Conv2d>(64, 128, 3, 1, 1), layer<ReLU>(),                       // 128x7x7
+      layer<Conv2d>(1, 32, 3, 1, 1), layer<ReLU>(), layer<MaxPool2d>(2),     // 32x14x14
+      layer<Conv2d>(32, 64, 3, 1, 1), layer<ReLU>(), layer<MaxPool2d>(2),    // 64x7x7
+      layer<Conv2d>(64, 128, 3, 1, 1), layer<ReLU>(),                        // 128x7x7
       layer<Conv2d>(128, 128, 3, 1, 1), layer<ReLU>(), layer<MaxPool2d>(2),  // 128x3x3 (floor)
       layer<Flatten>(), layer<Linear>(1152, 256), layer<ReLU>(), layer<Linear>(256, 10)});
 }
@@ -51,11 +51,11 @@ std::shared_ptr<nn::Sequential> mlp(const std::vector<int64_t>& hidden) {
 }
 
 std::shared_ptr<nn::Sequential> lenet() {
-  return std::make_shared<nn::Sequential>(std::vector<nn::ModulePtr>{
-      layer<Conv2d>(1, 6, 5, 1, 2), layer<ReLU>(), layer<MaxPool2d>(2),  // 6x14x14
-      layer<Conv2d>(6, 16, 5), layer<ReLU>(), layer<MaxPool2d>(2),       // 16x5x5
-      layer<Flatten>(), layer<Linear>(400, 120), layer<ReLU>(), layer<Linear>(120, 84), layer<ReLU>(),
-      layer<Linear>(84, 10)});
+  return std::make_shared<nn::Sequential>(
+      std::vector<nn::ModulePtr>{layer<Conv2d>(1, 6, 5, 1, 2), layer<ReLU>(), layer<MaxPool2d>(2),  // 6x14x14
+                                 layer<Conv2d>(6, 16, 5), layer<ReLU>(), layer<MaxPool2d>(2),       // 16x5x5
+                                 layer<Flatten>(), layer<Linear>(400, 120), layer<ReLU>(),
+                                 layer<Linear>(120, 84), layer<ReLU>(), layer<Linear>(84, 10)});
 }
 
 std::string joined(const std::vector<std::string>& names) {

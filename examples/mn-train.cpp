@@ -1,0 +1,486 @@
+// mn-train: trains a built-in target on Fashion-MNIST, either directly (--strategy direct: the
+// target's own parameters with the chosen optimizer, like mn_demo) or as a mapping network (the
+// target frozen, its parameters generated from trainable latents by the MappingTrainer).
+//
+//   mn-train --target cnn2 --strategy layerwise --latent-dim 672 --epochs 10 --out runs/cnn2-lwt
+//   mn-train --target cnn2 --strategy layerwise --latent-dim 672 --epochs 15 --out runs/cnn2-lwt --resume
+//
+// --resume continues the run to --epochs in total; the options that define the run (target, strategy,
+// latent dim, batch size, optimizer, seed, limit, loss, scheduler) must be the ones it started with.
+// Every epoch writes DIR/metrics.csv and DIR/checkpoint.safetensors (atomically), and DIR/curves.png
+// when gnuplot is installed. --resume continues from the checkpoint's epoch with the stored latents,
+// optimizer state, history and random-number positions, so 1 + 1 epochs give the same latents as 2.
+// With --json the last line on stdout is one JSON object summarising the run: test_accuracy (after
+// the last epoch), train_accuracy (running accuracy over the last epoch's batches), trainable_params,
+// target_params, compression_ratio, epochs (completed in total), seconds and steps_per_second (of
+// this invocation's training, validation included).
+#include <CLI/CLI.hpp>
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "autograd/node.h"
+#include "core/random.h"
+#include "mapping/checkpoint.h"
+#include "mapping/targets.h"
+#include "mapping/trainer.h"
+#include "nn/data/dataloader.h"
+#include "nn/data/fashion_mnist.h"
+#include "nn/functional.h"
+#include "nn/optim.h"
+#include "nn/progress.h"
+#include "nn/safetensors.h"
+
+using namespace mn;
+using json = nlohmann::json;
+namespace fs = std::filesystem;
+
+namespace {
+
+struct Options {
+  std::string target = "cnn2";
+  std::vector<int64_t> mlp_hidden{256, 256};
+  std::string strategy = "layerwise";
+  int64_t latent_dim = 256;
+  int64_t epochs = 5;
+  int64_t batch_size = 128;
+  double lr = 0;  // 0: 1e-3 for direct training, 1e-2 for latents
+  std::string optimizer = "adam";
+  std::string scheduler;
+  uint64_t seed = 0;
+  std::string device = "cpu";
+  std::string out = "out/mn-train";
+  std::string data = data::default_fashion_mnist_root();
+  bool resume = false;
+  bool mapping_loss = false;
+  bool allow_large = false;
+  int64_t limit = 0;
+  bool json = false;
+};
+
+// The options that must agree between a run and its resumption (the others may change).
+json run_identity(const Options& o) {
+  return {{"target", o.target},
+          {"mlp_hidden", o.target == "mlp" ? json(o.mlp_hidden) : json(nullptr)},
+          {"strategy", o.strategy},
+          {"latent_dim", o.strategy == "direct" ? json(nullptr) : json(o.latent_dim)},
+          {"batch_size", o.batch_size},
+          {"optimizer", o.optimizer},
+          {"seed", o.seed},
+          {"mapping_loss", o.mapping_loss},
+          {"limit", o.limit},
+          {"scheduler", o.scheduler}};
+}
+
+void check_same_run(const json& saved, const Options& o, const std::string& path) {
+  const json now = run_identity(o);
+  std::vector<std::string> differences;
+  for (const auto& [key, value] : now.items())
+    if (!saved.contains(key) || saved.at(key) != value)
+      differences.push_back(str(key, ": checkpoint ", saved.contains(key) ? saved.at(key).dump() : "absent",
+                                ", now ", value.dump()));
+  if (!differences.empty()) {
+    std::ostringstream os;
+    for (const auto& d : differences) os << "\n  " << d;
+    throw ValueError(str("--resume: ", path, " belongs to a different run:", os.str()));
+  }
+}
+
+data::Dataset prepare(const data::Dataset& ds, int64_t limit, Device device) {
+  data::Dataset out = ds;
+  if (limit > 0 && limit < ds.size())
+    out = {ds.images.narrow(0, 0, limit).contiguous(), ds.labels.narrow(0, 0, limit).contiguous()};
+  out.images = data::normalize(out.images);
+  if (!device.is_cpu()) out = {out.images.to(device), out.labels.to(device)};
+  return out;
+}
+
+// metrics.csv: rows of earlier epochs are kept on resume, later ones dropped (they are redone).
+class MetricsFile {
+ public:
+  MetricsFile(const fs::path& path, int64_t keep_epochs) : path_(path) {
+    std::vector<std::string> kept;
+    if (keep_epochs > 0) {
+      std::ifstream in(path);
+      std::string line;
+      std::getline(in, line);  // header
+      while (kept.size() < static_cast<size_t>(keep_epochs) && std::getline(in, line)) kept.push_back(line);
+    }
+    std::ofstream out(path, std::ios::trunc);
+    out << kHeader << '\n';
+    for (const auto& l : kept) out << l << '\n';
+  }
+  void append(int64_t epoch, double seconds, double train_loss, double train_acc, double test_loss,
+              double test_acc, double lr) {
+    std::ofstream out(path_, std::ios::app);
+    out << epoch << ',' << seconds << ',' << train_loss << ',' << train_acc << ',' << test_loss << ','
+        << test_acc << ',' << lr << '\n';
+  }
+  const fs::path& path() const { return path_; }
+  static constexpr const char* kHeader = "epoch,seconds,train_loss,train_accuracy,test_loss,test_accuracy,lr";
+
+ private:
+  fs::path path_;
+};
+
+void plot(const fs::path& csv, const fs::path& png, bool quiet) {
+  if (std::system("command -v gnuplot >/dev/null 2>&1") != 0) return;
+  const std::string script =
+      "set datafile separator ','; set terminal png size 800,400; set output '" + png.string() +
+      "'; set key autotitle columnhead; set xlabel 'epoch'; set ylabel 'accuracy'; plot '" + csv.string() +
+      "' using 1:4 with linespoints, '' using 1:6 with linespoints";
+  if (std::system(("gnuplot -e \"" + script + "\" 2>/dev/null").c_str()) == 0 && !quiet)
+    std::printf("curves: %s\n", png.c_str());
+}
+
+double last(const mapping::History& h, const char* key) {
+  return h.contains(key) && !h.at(key).empty() ? h.at(key).back() : std::nan("");
+}
+
+json num(double v) { return std::isfinite(v) ? json(v) : json(nullptr); }
+
+struct Summary {
+  double test_accuracy = 0, train_accuracy = 0;
+  int64_t trainable_params = 0, target_params = 0, epochs = 0, steps = 0;
+  double seconds = 0;
+};
+
+// ---- mapping-network training ----
+
+// Writes metrics.csv, the checkpoint and a console line at the end of every epoch.
+class EpochWriter : public mapping::Callback {
+ public:
+  EpochWriter(const Options& o, MetricsFile& metrics, std::string checkpoint, std::string config,
+              bool progress_line)
+      : options_(o),
+        metrics_(metrics),
+        checkpoint_(std::move(checkpoint)),
+        config_(std::move(config)),
+        progress_line_(progress_line) {}
+  std::string name() const override { return "EpochWriter"; }
+  void on_epoch_start(mapping::MappingTrainer&, int64_t) override { start_ = std::chrono::steady_clock::now(); }
+  void on_epoch_end(mapping::MappingTrainer& trainer, int64_t epoch, const mapping::Metrics& m) override {
+    namespace k = mapping::history_keys;
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+    auto get = [&](const char* key) { return m.count(key) ? m.at(key) : std::nan(""); };
+    metrics_.append(epoch + 1, seconds, get(k::kTrainTaskLoss), get(k::kTrainAccuracy), get(k::kValTaskLoss),
+                    get(k::kValAccuracy), get(k::kLearningRate));
+    mapping::CheckpointExtras extras = mapping::checkpoint_extras(trainer, {{"program", "mn-train"}});
+    extras.config = config_;
+    mapping::save_checkpoint(checkpoint_, trainer.model(), extras);
+    if (!progress_line_)
+      std::printf("epoch %lld/%lld: train loss %.4f acc %.4f, test acc %.4f (%.1f s)\n",
+                  static_cast<long long>(epoch + 1), static_cast<long long>(options_.epochs),
+                  get(k::kTrainTaskLoss), get(k::kTrainAccuracy), get(k::kValAccuracy), seconds);
+    std::fflush(stdout);
+  }
+
+ private:
+  const Options& options_;
+  MetricsFile& metrics_;
+  std::string checkpoint_, config_;
+  bool progress_line_;
+  std::chrono::steady_clock::time_point start_;
+};
+
+std::vector<std::pair<std::string, std::vector<std::string>>> weight_bias_groups(const nn::Module& target) {
+  std::vector<std::string> weights, others;
+  for (const auto& [name, t] : target.named_parameters())
+    (name.size() >= 6 && name.compare(name.size() - 6, 6, "weight") == 0 ? weights : others).push_back(name);
+  std::vector<std::pair<std::string, std::vector<std::string>>> groups{{"weights", weights}};
+  if (!others.empty()) groups.emplace_back("biases", others);
+  return groups;
+}
+
+Summary train_mapped(const Options& o, Device device, const data::Dataset& train, const data::Dataset& test,
+                     const fs::path& out_dir, bool tty) {
+  const std::string checkpoint = (out_dir / "checkpoint.safetensors").string();
+  std::optional<mapping::CheckpointInfo> saved;
+  if (o.resume) {
+    saved = mapping::read_checkpoint(checkpoint);
+    check_same_run(saved->config.empty() ? json::object() : json::parse(saved->config), o, checkpoint);
+  }
+
+  manual_seed(o.seed);
+  auto target = mapping::make_target(o.target, {o.mlp_hidden});
+  mapping::MappingOptions mo;
+  mo.latent_dim = o.latent_dim;
+  mo.strategy = o.strategy;
+  mo.seed = o.seed;
+  mo.allow_large = o.allow_large;
+  if (o.strategy == "grouped") mo.groups = weight_bias_groups(*target);
+  mapping::MappingModel model(target, mo);
+  if (!device.is_cpu()) model.to(device);
+
+  data::DataLoader train_loader(train, {o.batch_size, true, o.seed, false});
+  data::DataLoader test_loader(test, {1000, false, 0, false});
+  std::shared_ptr<mapping::Loss> loss = std::make_shared<mapping::ClassificationLoss>();
+  if (o.mapping_loss) loss = std::make_shared<mapping::MappingLoss>(loss);
+  mapping::TrainerConfig config;
+  config.max_epochs = o.epochs;
+  config.optimizer = o.optimizer;
+  config.learning_rate = o.lr > 0 ? o.lr : 1e-2;
+  config.scheduler = o.scheduler;
+  config.seed = o.seed;
+
+  MetricsFile metrics(out_dir / "metrics.csv", saved && saved->trainer_state ? saved->trainer_state->epoch : 0);
+  std::vector<std::shared_ptr<mapping::Callback>> callbacks;
+  if (tty) callbacks.push_back(std::make_shared<mapping::ProgressCallback>());
+  callbacks.push_back(std::make_shared<EpochWriter>(o, metrics, checkpoint, run_identity(o).dump(), tty));
+  mapping::MappingTrainer trainer(model, train_loader, &test_loader, loss, config, callbacks);
+  if (o.resume) {
+    mapping::load_checkpoint(checkpoint, model, &trainer);
+    if (!o.json)
+      std::printf("resumed %s at epoch %lld\n", checkpoint.c_str(), static_cast<long long>(trainer.epoch()));
+  }
+
+  if (!o.json || tty)
+    std::printf(
+        "%s %s: %lld target parameters from %lld trainable (%.1fx), %lld train / %lld test images, %s lr %g\n",
+        o.target.c_str(), o.strategy.c_str(), static_cast<long long>(model.target_parameter_count()),
+        static_cast<long long>(model.trainable_parameter_count()), model.compression_ratio(),
+        static_cast<long long>(train.size()), static_cast<long long>(test.size()), o.optimizer.c_str(),
+        trainer.learning_rate());
+  const int64_t first_epoch = trainer.epoch();
+  const auto start = std::chrono::steady_clock::now();
+  const mapping::History history = trainer.fit();
+  Summary s;
+  s.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  s.epochs = trainer.epoch();
+  s.steps = (trainer.epoch() - first_epoch) * train_loader.size();
+  s.test_accuracy = last(history, mapping::history_keys::kValAccuracy);
+  s.train_accuracy = last(history, mapping::history_keys::kTrainAccuracy);
+  s.trainable_params = model.trainable_parameter_count();
+  s.target_params = model.target_parameter_count();
+  return s;
+}
+
+// ---- direct training ----
+
+std::unique_ptr<nn::optim::Optimizer> make_optimizer(const std::string& name, std::vector<Tensor> params,
+                                                     double lr) {
+  if (name == "adam") return std::make_unique<nn::optim::Adam>(std::move(params), nn::optim::AdamOptions{lr});
+  if (name == "adamw") {
+    nn::optim::AdamOptions a = nn::optim::AdamW::with_default_decay();
+    a.lr = lr;
+    return std::make_unique<nn::optim::AdamW>(std::move(params), a);
+  }
+  if (name == "sgd") return std::make_unique<nn::optim::SGD>(std::move(params), nn::optim::SGDOptions{lr, 0.9});
+  throw ValueError(str("Unknown optimizer '", name, "'; available: adam, adamw, sgd"));
+}
+
+// Accuracy and mean cross-entropy over a data set, without gradients, in eval mode.
+std::pair<double, double> evaluate(nn::Module& net, const data::Dataset& ds) {
+  autograd::NoGradGuard no_grad;
+  net.eval();
+  double loss_sum = 0;
+  int64_t correct = 0;
+  data::DataLoader loader(ds, {1000, false, 0, false});
+  for (const data::Batch& b : loader) {
+    Tensor logits = net.forward(b.inputs);
+    loss_sum +=
+        nn::functional::cross_entropy(logits, b.targets).item() * static_cast<double>(b.targets.size(0));
+    correct += static_cast<int64_t>(sum(eq(argmax(logits, 1), b.targets)).item());
+  }
+  net.train();
+  const double n = static_cast<double>(ds.size());
+  return {static_cast<double>(correct) / n, loss_sum / n};
+}
+
+// The direct run's checkpoint: the target's state dict under its own names, optimizer/<key>, and the
+// epoch, history and exact lr as JSON metadata.
+void save_direct(const std::string& path, nn::Module& net, const nn::optim::Optimizer& opt, int64_t epoch,
+                 const json& history, const json& identity) {
+  safetensors::NamedTensors tensors;
+  for (const auto& [name, t] : net.state_dict()) tensors.emplace_back(name, t.detach());
+  for (const auto& [key, t] : opt.state_dict()) tensors.emplace_back("optimizer/" + key, t);
+  safetensors::StringMap meta{{"format", json("mn-train.direct").dump()},
+                              {"epoch", json(epoch).dump()},
+                              {"optimizer_lr", json(opt.lr()).dump()},
+                              {"history", history.dump()},
+                              {"config", identity.dump()}};
+  safetensors::save(path, tensors, meta);
+}
+
+Summary train_direct(const Options& o, Device device, const data::Dataset& train, const data::Dataset& test,
+                     const fs::path& out_dir, bool tty) {
+  const std::string checkpoint = (out_dir / "checkpoint.safetensors").string();
+  manual_seed(o.seed);
+  auto net = mapping::make_target(o.target, {o.mlp_hidden});
+  if (!device.is_cpu()) net->to(device);
+  auto optimizer = make_optimizer(o.optimizer, net->parameters(), o.lr > 0 ? o.lr : 1e-3);
+  MN_CHECK(o.scheduler.empty(), ValueError, "--scheduler is only supported for mapped strategies");
+  int64_t first_epoch = 0;
+  json history = {
+      {"train_loss", json::array()}, {"train_accuracy", json::array()}, {"test_accuracy", json::array()}};
+  if (o.resume) {
+    MN_CHECK(fs::exists(checkpoint), IOError, "checkpoint not found: ", checkpoint);
+    safetensors::File file = safetensors::load(checkpoint);
+    MN_CHECK(file.metadata.count("format") && json::parse(file.metadata.at("format")) == "mn-train.direct",
+             ValueError, "--resume: ", checkpoint, " is not a direct-training checkpoint of mn-train");
+    check_same_run(json::parse(file.metadata.at("config")), o, checkpoint);
+    nn::StateDict state;
+    nn::optim::OptimizerState opt_state;
+    for (const auto& e : file.tensors) {
+      if (e.name.rfind("optimizer/", 0) == 0)
+        opt_state[e.name.substr(10)] = e.tensor.to(device);
+      else
+        state[e.name] = e.tensor.to(device);
+    }
+    {
+      autograd::NoGradGuard no_grad;
+      net->load_state_dict(state);
+    }
+    optimizer->load_state_dict(opt_state);
+    optimizer->set_lr(json::parse(file.metadata.at("optimizer_lr")).get<double>());
+    first_epoch = json::parse(file.metadata.at("epoch")).get<int64_t>();
+    history = json::parse(file.metadata.at("history"));
+    if (!o.json)
+      std::printf("resumed %s at epoch %lld\n", checkpoint.c_str(), static_cast<long long>(first_epoch));
+  }
+  if (!o.json || tty)
+    std::printf("%s direct: %lld parameters, %lld train / %lld test images, %s lr %g\n", o.target.c_str(),
+                static_cast<long long>(net->parameter_count()), static_cast<long long>(train.size()),
+                static_cast<long long>(test.size()), o.optimizer.c_str(), optimizer->lr());
+
+  MetricsFile metrics(out_dir / "metrics.csv", first_epoch);
+  data::DataLoader loader(train, {o.batch_size, true, o.seed, false});
+  Summary s;
+  const auto start = std::chrono::steady_clock::now();
+  for (int64_t epoch = first_epoch; epoch < o.epochs; ++epoch) {
+    loader.set_epoch(static_cast<uint64_t>(epoch));
+    const double epoch_lr = optimizer->lr();
+    Progress progress(str("epoch ", epoch + 1, "/", o.epochs), loader.size());
+    const auto epoch_start = std::chrono::steady_clock::now();
+    double loss_sum = 0;
+    int64_t correct = 0, seen = 0, step = 0;
+    for (const data::Batch& b : loader) {
+      Tensor logits = net->forward(b.inputs);
+      Tensor loss = nn::functional::cross_entropy(logits, b.targets);
+      optimizer->zero_grad();
+      loss.backward();
+      optimizer->step();
+      loss_sum += loss.item() * static_cast<double>(b.targets.size(0));
+      {
+        autograd::NoGradGuard no_grad;
+        correct += static_cast<int64_t>(sum(eq(argmax(logits, 1), b.targets)).item());
+      }
+      seen += b.targets.size(0);
+      ++s.steps;
+      if (tty) progress.update(++step, str("loss ", loss_sum / static_cast<double>(seen)));
+    }
+    const auto [test_acc, test_loss] = evaluate(*net, test);
+    const double seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - epoch_start).count();
+    const double train_loss = loss_sum / static_cast<double>(seen);
+    const double train_acc = static_cast<double>(correct) / static_cast<double>(seen);
+    if (tty)
+      progress.finish(str("loss ", train_loss, " train acc ", train_acc, " test acc ", test_acc));
+    else
+      std::printf("epoch %lld/%lld: train loss %.4f acc %.4f, test acc %.4f (%.1f s)\n",
+                  static_cast<long long>(epoch + 1), static_cast<long long>(o.epochs), train_loss, train_acc,
+                  test_acc, seconds);
+    history["train_loss"].push_back(num(train_loss));
+    history["train_accuracy"].push_back(num(train_acc));
+    history["test_accuracy"].push_back(num(test_acc));
+    metrics.append(epoch + 1, seconds, train_loss, train_acc, test_loss, test_acc, epoch_lr);
+    save_direct(checkpoint, *net, *optimizer, epoch + 1, history, run_identity(o));
+    std::fflush(stdout);
+  }
+  s.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  s.epochs = std::max(first_epoch, o.epochs);
+  auto back = [&](const char* key) {
+    const json& v = history.at(key);
+    return v.empty() || v.back().is_null() ? std::nan("") : v.back().get<double>();
+  };
+  s.test_accuracy = back("test_accuracy");
+  s.train_accuracy = back("train_accuracy");
+  s.trainable_params = s.target_params = net->parameter_count();
+  return s;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"Train a built-in target on Fashion-MNIST, directly or as a mapping network"};
+  Options o;
+  app.add_option("--target", o.target, "target network")
+      ->check(CLI::IsMember(mapping::target_names()))
+      ->capture_default_str();
+  app.add_option("--mlp-hidden", o.mlp_hidden, "hidden widths of --target mlp")
+      ->delimiter(',')
+      ->capture_default_str();
+  app.add_option("--strategy", o.strategy, "direct, or how the latents generate the parameters")
+      ->check(CLI::IsMember({"direct", "slvt", "layerwise", "lazy_layerwise", "grouped"}))
+      ->capture_default_str();
+  app.add_option("--latent-dim", o.latent_dim, "latent length per group (grouped: weights and biases)")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--epochs", o.epochs, "train up to this many epochs in total")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  app.add_option("--batch-size", o.batch_size, "batch size")->check(CLI::PositiveNumber)->capture_default_str();
+  app.add_option("--lr", o.lr, "learning rate (default 1e-3 direct, 1e-2 mapped)")->check(CLI::PositiveNumber);
+  app.add_option("--optimizer", o.optimizer, "optimizer")
+      ->check(CLI::IsMember({"adam", "adamw", "sgd"}))
+      ->capture_default_str();
+  app.add_option("--scheduler", o.scheduler, "learning-rate schedule of mapped runs (default none)")
+      ->check(CLI::IsMember({"", "cosine", "step", "exponential", "plateau"}));
+  app.add_option("--seed", o.seed, "seed of the target init, mappers, latents and shuffling")
+      ->capture_default_str();
+  app.add_option("--device", o.device, "cpu or cuda[:N]")->capture_default_str();
+  app.add_option("--out", o.out, "directory for metrics.csv, checkpoint.safetensors and curves.png")
+      ->capture_default_str();
+  app.add_option("--data", o.data, "Fashion-MNIST directory")->capture_default_str();
+  app.add_flag("--resume", o.resume, "continue from OUT/checkpoint.safetensors");
+  app.add_flag("--mapping-loss", o.mapping_loss, "add the stability, smoothness and alignment regularisers");
+  app.add_flag("--allow-large", o.allow_large, "allow fixed projections above 1e8 elements");
+  app.add_option("--limit", o.limit, "use only the first N training and test images (0 = all)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_flag("--json", o.json, "print a JSON summary as the last line of stdout");
+  CLI11_PARSE(app, argc, argv);
+
+  try {
+    const Device device = Device::parse(o.device);
+    if (device.is_cuda())
+      MN_CHECK(cuda_available() && device.index < cuda_device_count(), DeviceError, "--device ", o.device,
+               ": CUDA is not available here (built without CUDA, or no usable GPU); use --device cpu");
+    const bool tty = isatty(STDOUT_FILENO) != 0;
+    const fs::path out_dir(o.out);
+    fs::create_directories(out_dir);
+    const data::Dataset train = prepare(data::load_fashion_mnist("train", o.data), o.limit, device);
+    const data::Dataset test = prepare(data::load_fashion_mnist("test", o.data), o.limit, device);
+
+    const Summary s = o.strategy == "direct" ? train_direct(o, device, train, test, out_dir, tty)
+                                             : train_mapped(o, device, train, test, out_dir, tty);
+    plot(out_dir / "metrics.csv", out_dir / "curves.png", o.json);
+    if (o.json) {
+      json j = {{"target", o.target},
+                {"strategy", o.strategy},
+                {"test_accuracy", num(s.test_accuracy)},
+                {"train_accuracy", num(s.train_accuracy)},
+                {"trainable_params", s.trainable_params},
+                {"target_params", s.target_params},
+                {"compression_ratio",
+                 num(static_cast<double>(s.target_params) / static_cast<double>(s.trainable_params))},
+                {"epochs", s.epochs},
+                {"seconds", s.seconds},
+                {"steps_per_second", num(s.seconds > 0 ? static_cast<double>(s.steps) / s.seconds : 0.0)}};
+      std::printf("%s\n", j.dump().c_str());
+    } else {
+      std::printf("test accuracy %.2f%%, train accuracy %.2f%% after %lld epochs (%.1f s); %s\n",
+                  100.0 * s.test_accuracy, 100.0 * s.train_accuracy, static_cast<long long>(s.epochs),
+                  s.seconds, (out_dir / "metrics.csv").c_str());
+    }
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "mn-train: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}

@@ -1,0 +1,481 @@
+#include "mapping/checkpoint.h"
+
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+#include <limits>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <sstream>
+
+#include "autograd/node.h"
+#include "nn/safetensors.h"
+
+namespace mn::mapping {
+
+namespace {
+
+using json = nlohmann::json;
+
+constexpr const char* kFormat = "mapping_networks.checkpoint";
+constexpr const char* kLatentPrefix = "latent/";
+constexpr const char* kBufferPrefix = "buffer/";
+constexpr const char* kOptimizerPrefix = "optimizer/";
+constexpr const char* kLossPrefix = "loss/";
+constexpr const char* kScalesKey = "scales";
+
+bool starts_with(const std::string& s, const std::string& prefix) { return s.rfind(prefix, 0) == 0; }
+
+std::string joined(const std::vector<std::string>& items, const std::string& sep = ", ") {
+  std::ostringstream os;
+  for (size_t i = 0; i < items.size(); ++i) os << (i ? sep : "") << items[i];
+  return os.str();
+}
+
+[[noreturn]] void invalid(const std::string& path, const std::string& why) {
+  throw IOError(str("not a valid mapping_networks checkpoint: ", path, " (", why, ")"));
+}
+
+// ---- JSON <-> engine values ----
+
+json shape_json(const Shape& shape) {
+  json dims = json::array();
+  for (int64_t d : shape) dims.push_back(d);
+  return dims;
+}
+
+json history_json(const History& history) {
+  json out = json::object();
+  for (const auto& [key, values] : history.values()) {
+    json list = json::array();
+    // NaN / inf have no JSON spelling: null stands for "not finite" and reads back as NaN.
+    for (double v : values) list.push_back(std::isfinite(v) ? json(v) : json(nullptr));
+    out[key] = std::move(list);
+  }
+  return out;
+}
+
+json trainer_state_json(const TrainerState& s, std::optional<double> optimizer_lr) {
+  json j;
+  j["epoch"] = s.epoch;
+  j["should_stop"] = s.should_stop;
+  j["scheduler_epoch"] = s.scheduler_epoch;
+  // The optimizer's own state holds the lr as an f32 tensor; this keeps the exact double so a resumed
+  // run continues with bit-identical updates.
+  if (optimizer_lr) j["optimizer_lr"] = *optimizer_lr;
+  j["history"] = history_json(s.history);
+  j["rng"] = {{"trainer_seed", s.rng.trainer_seed},
+              {"trainer_offset", s.rng.trainer_offset},
+              {"global_seed", s.rng.global_seed},
+              {"global_offset", s.rng.global_offset}};
+  return j;
+}
+
+TrainerState parse_trainer_state(const json& j) {
+  TrainerState s;
+  s.epoch = j.at("epoch").get<int64_t>();
+  s.should_stop = j.at("should_stop").get<bool>();
+  s.scheduler_epoch = j.value("scheduler_epoch", int64_t{0});
+  if (j.contains("history"))
+    for (const auto& [key, values] : j.at("history").items())
+      for (const json& v : values)
+        s.history.append(key, v.is_null() ? std::numeric_limits<double>::quiet_NaN() : v.get<double>());
+  if (j.contains("rng")) {
+    const json& r = j.at("rng");
+    s.rng.trainer_seed = r.at("trainer_seed").get<uint64_t>();
+    s.rng.trainer_offset = r.at("trainer_offset").get<uint64_t>();
+    s.rng.global_seed = r.at("global_seed").get<uint64_t>();
+    s.rng.global_offset = r.at("global_offset").get<uint64_t>();
+  }
+  return s;
+}
+
+// The mapper as far as the model can tell: whether it is the default one (alpha known) and each
+// group's description (kind, dims, modulation), which a different factory would change.
+json mapper_json(const MappingModel& model) {
+  json groups = json::object();
+  for (const auto& g : model.generator().groups()) groups[g.name] = g.mapper->describe();
+  const bool is_default = !model.options().mapper_factory;
+  return {{"default", is_default},
+          {"alpha", is_default ? json(model.options().alpha) : json(nullptr)},
+          {"groups", groups}};
+}
+
+// ---- reading ----
+
+struct Loaded {
+  CheckpointInfo info;
+  safetensors::File file;
+  json mapper;
+  std::vector<std::pair<std::string, std::vector<std::string>>> groups;  // group -> parameter names
+  std::optional<double> optimizer_lr;
+};
+
+json metadata_json(const std::string& path, const safetensors::File& file, const std::string& key) {
+  try {
+    return json::parse(file.metadata.at(key));
+  } catch (const json::exception& e) {
+    invalid(path, str("metadata '", key, "' is not JSON: ", e.what()));
+  }
+}
+
+Loaded read(const std::string& path) {
+  std::error_code ec;
+  if (!std::filesystem::exists(path, ec)) throw IOError(str("checkpoint not found: ", path));
+  Loaded out;
+  try {
+    out.file = safetensors::load(path);
+  } catch (const Error& e) {
+    invalid(path, e.what());
+  }
+  const safetensors::File& file = out.file;
+  CheckpointInfo& info = out.info;
+
+  // Version first: a newer file may have a layout this code cannot judge.
+  if (!file.metadata.count("schema_version"))
+    throw KeyError(str("checkpoint ", path,
+                       " has no 'schema_version' in its metadata (not written by "
+                       "save_checkpoint, or damaged)"));
+  const json version = metadata_json(path, file, "schema_version");
+  if (!version.is_number_integer() || version.get<int64_t>() < 1)
+    invalid(path, str("schema_version must be a positive integer, got ", version.dump()));
+  info.schema_version = version.get<int64_t>();
+  if (info.schema_version > kCheckpointSchemaVersion)
+    throw ValueError(str("checkpoint ", path, " has schema_version ", info.schema_version,
+                         ", newer than this library supports (", kCheckpointSchemaVersion,
+                         "); upgrade mapping_networks to read it"));
+
+  for (const char* key : {"strategy", "seed", "latent_dims", "groups", "parameter_scaling", "spec", "mapper"})
+    if (!file.metadata.count(key))
+      throw KeyError(str("checkpoint ", path, " lacks the required metadata section '", key, "'"));
+
+  try {
+    info.package_version = file.metadata.count("package_version")
+                               ? metadata_json(path, file, "package_version").get<std::string>()
+                               : "";
+    info.strategy = metadata_json(path, file, "strategy").get<std::string>();
+    info.seed = metadata_json(path, file, "seed").get<uint64_t>();
+    info.parameter_scaling = metadata_json(path, file, "parameter_scaling").get<bool>();
+    for (const json& item : metadata_json(path, file, "spec")) {
+      Shape shape;
+      for (const json& d : item.at(1)) shape.push_back(d.get<int64_t>());
+      info.spec.emplace_back(item.at(0).get<std::string>(), shape);
+    }
+    const json dims = metadata_json(path, file, "latent_dims");
+    for (const json& item : metadata_json(path, file, "groups")) {
+      const std::string name = item.at(0).get<std::string>();
+      out.groups.emplace_back(name, item.at(1).get<std::vector<std::string>>());
+      info.latent_dims.emplace_back(name, dims.at(name).get<int64_t>());
+    }
+    out.mapper = metadata_json(path, file, "mapper");
+    if (file.metadata.count("metadata"))
+      info.metadata = metadata_json(path, file, "metadata").get<std::map<std::string, std::string>>();
+    if (file.metadata.count("config")) info.config = file.metadata.at("config");
+    if (file.metadata.count("trainer_state")) {
+      const json state = metadata_json(path, file, "trainer_state");
+      if (!state.is_null()) {
+        info.trainer_state_json = file.metadata.at("trainer_state");
+        TrainerState s = parse_trainer_state(state);
+        for (const auto& entry : file.tensors)
+          if (starts_with(entry.name, kOptimizerPrefix))
+            s.optimizer[entry.name.substr(std::string(kOptimizerPrefix).size())] = entry.tensor;
+        if (state.contains("optimizer_lr")) out.optimizer_lr = state.at("optimizer_lr").get<double>();
+        info.trainer_state = std::move(s);
+      }
+    }
+  } catch (const json::exception& e) {
+    invalid(path, str("malformed metadata: ", e.what()));
+  } catch (const ValueError& e) {  // e.g. a shape with too many dimensions
+    invalid(path, str("malformed metadata: ", e.what()));
+  }
+  for (const auto& [group, dim] : info.latent_dims) {
+    const safetensors::Entry* z = file.find(kLatentPrefix + group);
+    if (z == nullptr)
+      invalid(path, str("no tensor '", kLatentPrefix, group, "' for latent group '", group, "'"));
+    if (z->tensor.sizes() != Shape{dim})
+      invalid(path, str("tensor '", kLatentPrefix, group, "' has shape ", z->tensor.sizes(), ", expected [",
+                        dim, "]"));
+  }
+  if (info.parameter_scaling) {
+    const safetensors::Entry* s = file.find(kScalesKey);
+    if (s == nullptr || s->tensor.sizes() != Shape{static_cast<int64_t>(info.spec.size())})
+      invalid(path, str("parameter scaling is on but tensor '", kScalesKey, "' is missing or not of shape [",
+                        info.spec.size(), "]"));
+  }
+  return out;
+}
+
+// ---- compatibility with the model (before anything is changed) ----
+
+void check_spec(const std::string& path, const std::vector<std::pair<std::string, Shape>>& saved,
+                const ParameterSpec& model) {
+  if (saved.size() != model.size())
+    throw ValueError(str("checkpoint ", path, " holds ", saved.size(), " parameter tensors but the model has ",
+                         model.size(), ". The target architecture differs."));
+  std::vector<std::string> problems;
+  for (size_t i = 0; i < saved.size(); ++i) {
+    const auto& [name, shape] = saved[i];
+    const ParameterEntry& e = model[i];
+    if (name != e.name)
+      problems.push_back(str("name mismatch at position ", i, ": checkpoint '", name, "' ", shape, ", model '",
+                             e.name, "' ", e.shape));
+    else if (shape != e.shape)
+      problems.push_back(str("shape mismatch for '", name, "': checkpoint ", shape, ", model ", e.shape));
+  }
+  if (!problems.empty())
+    throw ValueError(str("checkpoint ", path, " is incompatible with this model: ", joined(problems, "; ")));
+}
+
+bool same_generation(const std::string& a, const std::string& b) {
+  // Layer-wise and lazy layer-wise share groups, latents and values bit for bit.
+  auto family = [](const std::string& s) { return s == "lazy_layerwise" ? std::string("layerwise") : s; };
+  return family(a) == family(b);
+}
+
+void check_generator(const std::string& path, const Loaded& loaded, const MappingModel& model) {
+  const CheckpointInfo& info = loaded.info;
+  const ParameterGenerator& gen = model.generator();
+  MN_CHECK(same_generation(info.strategy, gen.strategy()), ValueError, "checkpoint ", path,
+           " was saved with strategy '", info.strategy, "' but the model uses '", gen.strategy(),
+           "'; build the model with strategy '", info.strategy, "'");
+  std::vector<std::string> saved_groups, model_groups;
+  for (const auto& [name, dim] : info.latent_dims) saved_groups.push_back(name);
+  for (const auto& g : gen.groups()) model_groups.push_back(g.name);
+  MN_CHECK(saved_groups == model_groups, ValueError, "checkpoint ", path, " has latent groups [",
+           joined(saved_groups), "] but the model has [", joined(model_groups), "]");
+  for (size_t i = 0; i < gen.groups().size(); ++i) {
+    const Group& g = gen.groups()[i];
+    MN_CHECK(info.latent_dims[i].second == g.latent_dim, ValueError, "latent dimension mismatch for group '",
+             g.name, "': checkpoint ", info.latent_dims[i].second, ", model ", g.latent_dim, " (checkpoint ",
+             path, ")");
+    std::vector<std::string> members;
+    for (size_t e : g.entries) members.push_back(gen.parameter_spec()[e].name);
+    MN_CHECK(loaded.groups[i].second == members, ValueError, "group '", g.name, "' holds [",
+             joined(loaded.groups[i].second), "] in checkpoint ", path, " but [", joined(members),
+             "] in the model");
+  }
+  MN_CHECK(info.seed == gen.options().seed, ValueError, "checkpoint ", path, " was saved with seed ", info.seed,
+           " but the model's mappers were built from seed ", gen.options().seed,
+           "; the mapper matrices are regenerated from the seed, so build the model with seed ", info.seed);
+  const json current = mapper_json(model);
+  try {
+    for (const auto& g : gen.groups()) {
+      const std::string saved = loaded.mapper.at("groups").at(g.name).get<std::string>();
+      const std::string mine = current.at("groups").at(g.name).get<std::string>();
+      MN_CHECK(saved == mine, ValueError, "mapper mismatch for group '", g.name, "': checkpoint ", saved,
+               ", model ", mine, " (checkpoint ", path, ")");
+    }
+    if (loaded.mapper.at("default").get<bool>() && current.at("default").get<bool>()) {
+      const double saved_alpha = loaded.mapper.at("alpha").get<double>();
+      MN_CHECK(saved_alpha == model.options().alpha, ValueError, "checkpoint ", path, " was saved with alpha ",
+               saved_alpha, " but the model uses alpha ", model.options().alpha);
+    }
+  } catch (const json::exception& e) {
+    invalid(path, str("malformed 'mapper' metadata: ", e.what()));
+  }
+  MN_CHECK(info.parameter_scaling || !gen.scaling_initialized(), ValueError, "checkpoint ", path,
+           " was saved without parameter scaling but the model scales its parameters; build it with "
+           "parameter_scaling = false");
+}
+
+nn::StateDict checked_buffers(const std::string& path, const safetensors::File& file,
+                              const MappingModel& model) {
+  nn::StateDict saved;
+  for (const auto& entry : file.tensors)
+    if (starts_with(entry.name, kBufferPrefix))
+      saved[entry.name.substr(std::string(kBufferPrefix).size())] = entry.tensor;
+  if (saved.empty()) return saved;
+  std::vector<std::string> problems;
+  for (const auto& [name, t] : model.buffers()) {
+    auto it = saved.find(name);
+    if (it == saved.end())
+      problems.push_back(str("missing buffer '", name, "'"));
+    else if (it->second.sizes() != t.sizes())
+      problems.push_back(str("shape mismatch for buffer '", name, "': checkpoint ", it->second.sizes(),
+                             ", model ", t.sizes()));
+  }
+  for (const auto& [name, t] : saved)
+    if (!model.buffers().count(name)) problems.push_back(str("unexpected buffer '", name, "'"));
+  MN_CHECK(problems.empty(), ValueError, "checkpoint ", path,
+           " is incompatible with this model's buffers: ", joined(problems, "; "));
+  return saved;
+}
+
+std::string encode(const json& j) {
+  try {
+    return j.dump();
+  } catch (const json::exception& e) {  // invalid UTF-8 in a user string
+    throw ValueError(str("save_checkpoint: cannot encode metadata as JSON: ", e.what()));
+  }
+}
+
+// The optimizer's own load_state_dict checks, done up front so that a mismatch leaves the model as it was.
+void check_optimizer_state(const std::string& path, const nn::optim::OptimizerState& state,
+                           const nn::optim::Optimizer& optimizer) {
+  MN_CHECK(state.count("lr") && state.count("step"), ValueError, "checkpoint ", path,
+           ": the optimizer state lacks 'lr' or 'step'");
+  const auto& params = optimizer.params();
+  for (const auto& [key, value] : state) {
+    if (key.rfind("state.", 0) != 0) continue;
+    const size_t dot = key.find('.', 6);
+    size_t index = params.size();
+    try {
+      if (dot != std::string::npos) index = std::stoul(key.substr(6, dot - 6));
+    } catch (const std::exception&) {
+    }
+    MN_CHECK(index < params.size(), ValueError, "checkpoint ", path, ": optimizer state '", key,
+             "' does not match the trainer's optimizer (", params.size(), " parameters)");
+    MN_CHECK(value.dim() == 0 || value.sizes() == params[index].sizes(), ValueError, "checkpoint ", path,
+             ": optimizer state '", key, "' has shape ", value.sizes(), " but the trainer's parameter ", index,
+             " has shape ", params[index].sizes());
+  }
+}
+
+// The saved trainable loss coefficients, checked against the trainer's (names and shapes).
+std::map<std::string, Tensor> checked_loss_parameters(const std::string& path, const safetensors::File& file,
+                                                      const MappingTrainer& trainer) {
+  std::map<std::string, Tensor> saved;
+  for (const auto& entry : file.tensors)
+    if (starts_with(entry.name, kLossPrefix))
+      saved[entry.name.substr(std::string(kLossPrefix).size())] = entry.tensor;
+  if (saved.empty()) return saved;  // none saved: the trainer keeps its own
+  const auto current = trainer.loss().named_coefficient_parameters();
+  std::vector<std::string> saved_names, current_names;
+  for (const auto& [name, t] : saved) saved_names.push_back(name);
+  for (const auto& [name, t] : current) current_names.push_back(name);
+  std::sort(current_names.begin(), current_names.end());
+  MN_CHECK(saved_names == current_names, ValueError, "checkpoint ", path,
+           " holds trainable loss coefficients [", joined(saved_names), "] but the trainer's loss has [",
+           joined(current_names), "]");
+  for (const auto& [name, t] : current)
+    MN_CHECK(saved.at(name).sizes() == t.sizes(), ValueError, "checkpoint ", path, ": loss coefficient '", name,
+             "' has shape ", saved.at(name).sizes(), ", the trainer's ", t.sizes());
+  return saved;
+}
+
+}  // namespace
+
+CheckpointExtras checkpoint_extras(const MappingTrainer& trainer, std::map<std::string, std::string> metadata) {
+  CheckpointExtras extras;
+  extras.trainer_state = trainer.state();
+  extras.optimizer_lr = trainer.learning_rate();
+  extras.loss_parameters = trainer.loss().named_coefficient_parameters();
+  extras.metadata = std::move(metadata);
+  return extras;
+}
+
+void save_checkpoint(const std::string& path, const MappingModel& model, const CheckpointExtras& extras) {
+  MN_CHECK(!path.empty(), ValueError, "save_checkpoint: path must be non-empty");
+  const ParameterGenerator& gen = model.generator();
+  safetensors::NamedTensors tensors;
+  json latent_dims = json::object(), groups = json::array();
+  for (const auto& g : gen.groups()) {
+    tensors.emplace_back(kLatentPrefix + g.name, g.latent.detach());
+    latent_dims[g.name] = g.latent_dim;
+    json members = json::array();
+    for (size_t e : g.entries) members.push_back(gen.parameter_spec()[e].name);
+    groups.push_back(json::array({g.name, members}));
+  }
+  const std::vector<float> scales = gen.per_entry_scales();
+  if (!scales.empty())
+    tensors.emplace_back(kScalesKey, from_vector(scales, {static_cast<int64_t>(scales.size())}));
+  for (const auto& [name, t] : model.buffers()) tensors.emplace_back(kBufferPrefix + name, t.detach());
+
+  json spec = json::array();
+  for (const auto& e : gen.parameter_spec().entries())
+    spec.push_back(json::array({e.name, shape_json(e.shape)}));
+
+  safetensors::StringMap metadata;
+  metadata["format"] = encode(kFormat);
+  metadata["schema_version"] = encode(kCheckpointSchemaVersion);
+  metadata["package_version"] = encode(kPackageVersion);
+  metadata["strategy"] = encode(gen.strategy());
+  metadata["seed"] = encode(gen.options().seed);
+  metadata["latent_dims"] = encode(latent_dims);
+  metadata["groups"] = encode(groups);
+  metadata["parameter_scaling"] = encode(!scales.empty());
+  metadata["mapper"] = encode(mapper_json(model));
+  metadata["spec"] = encode(spec);
+  metadata["metadata"] = encode(json(extras.metadata));
+  if (!extras.config.empty()) {
+    try {
+      metadata["config"] = encode(json::parse(extras.config));
+    } catch (const json::exception& e) {
+      throw ValueError(str("save_checkpoint: config must be JSON text: ", e.what()));
+    }
+  }
+  if (extras.trainer_state) {
+    const TrainerState& s = *extras.trainer_state;
+    metadata["trainer_state"] = encode(trainer_state_json(s, extras.optimizer_lr));
+    for (const auto& [key, t] : s.optimizer) tensors.emplace_back(kOptimizerPrefix + key, t.detach());
+  }
+  for (const auto& [name, t] : extras.loss_parameters) tensors.emplace_back(kLossPrefix + name, t.detach());
+  safetensors::save(path, tensors, metadata);
+}
+
+CheckpointInfo read_checkpoint(const std::string& path) { return read(path).info; }
+
+CheckpointInfo load_checkpoint(const std::string& path, MappingModel& model, MappingTrainer* trainer) {
+  MN_CHECK(trainer == nullptr || &trainer->model() == &model, ValueError,
+           "load_checkpoint: the trainer must be the one training this model");
+  Loaded loaded = read(path);
+  // Everything is checked before the model changes.
+  check_spec(path, loaded.info.spec, model.parameter_spec());
+  check_generator(path, loaded, model);
+  nn::StateDict buffers = checked_buffers(path, loaded.file, model);
+  const std::map<std::string, Tensor> loss_parameters =
+      trainer != nullptr ? checked_loss_parameters(path, loaded.file, *trainer)
+                         : std::map<std::string, Tensor>{};
+  if (trainer != nullptr && loaded.info.trainer_state)
+    check_optimizer_state(path, loaded.info.trainer_state->optimizer, trainer->optimizer());
+
+  ParameterGenerator& gen = model.generator();
+  {
+    // In place: the latents stay the same tensors, so an optimizer built over them remains valid.
+    autograd::NoGradGuard no_grad;
+    for (const auto& [name, z] : gen.named_latents()) {
+      Tensor saved = loaded.file.at(kLatentPrefix + name);
+      Tensor target = z;
+      target.copy_(saved.to(z.device()));
+    }
+    if (trainer != nullptr && !loss_parameters.empty())
+      for (const auto& [name, rho] : trainer->loss().named_coefficient_parameters()) {
+        Tensor target = rho;
+        target.copy_(loss_parameters.at(name).to(rho.device()));
+      }
+  }
+  if (loaded.info.parameter_scaling) gen.set_scales(loaded.file.at(kScalesKey).to_vector<float>());
+  if (!buffers.empty()) {
+    for (auto& [name, t] : buffers) t = t.to(model.device());
+    model.set_buffers(buffers);
+  }
+  if (trainer != nullptr && loaded.info.trainer_state) {
+    trainer->load_state(*loaded.info.trainer_state);
+    // The optimizer restored its lr from an f32 tensor; put back the exact value unless a scheduler
+    // has since set a different one.
+    if (loaded.optimizer_lr) {
+      const double lr = trainer->optimizer().lr();
+      if (static_cast<float>(lr) == static_cast<float>(*loaded.optimizer_lr))
+        trainer->optimizer().set_lr(*loaded.optimizer_lr);
+    }
+  }
+  return loaded.info;
+}
+
+void export_generated_parameters(const std::string& path, const MappingModel& model) {
+  MN_CHECK(!path.empty(), ValueError, "export_generated_parameters: path must be non-empty");
+  ParameterTree tree;
+  {
+    autograd::NoGradGuard no_grad;
+    tree = model.generate_parameters();
+  }
+  safetensors::NamedTensors tensors;
+  for (const auto& [name, t] : tree.items()) tensors.emplace_back(name, t);
+  safetensors::StringMap metadata{{"format", encode("mapping_networks.generated_parameters")},
+                                  {"package_version", encode(kPackageVersion)},
+                                  {"strategy", encode(model.strategy())},
+                                  {"seed", encode(model.generator().options().seed)}};
+  safetensors::save(path, tensors, metadata);
+}
+
+}  // namespace mn::mapping

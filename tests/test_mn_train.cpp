@@ -1,0 +1,220 @@
+// End to end: the mn-train example on 512 Fashion-MNIST images - the --json summary, the files it
+// writes, and --resume (1 + 1 epochs give the same latents as 2 straight). The binary is looked up
+// next to this test executable (<build>/examples/mn-train) or in $MN_TRAIN_EXE; the cases are skipped
+// with a message when it or the data set is missing.
+#include <doctest/doctest.h>
+#include <unistd.h>
+
+#include <array>
+#include <atomic>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "core/device.h"
+#include "core/error.h"
+#include "nn/data/fashion_mnist.h"
+#include "nn/safetensors.h"
+
+using namespace mn;
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+
+namespace {
+
+std::string mn_train_exe() {
+  if (const char* env = std::getenv("MN_TRAIN_EXE"); env != nullptr && *env) return env;
+  std::error_code ec;
+  const fs::path self = fs::read_symlink("/proc/self/exe", ec);
+  if (ec) return "";
+  const fs::path candidate = self.parent_path().parent_path() / "examples" / "mn-train";
+  return fs::exists(candidate) ? candidate.string() : "";
+}
+
+bool have_data() {
+  const fs::path root = data::default_fashion_mnist_root();
+  return fs::exists(root / "train-images-idx3-ubyte.gz") || fs::exists(root / "train-images-idx3-ubyte");
+}
+
+// Skips (with a message) unless both the binary and the data are there.
+bool ready(std::string& exe) {
+  exe = mn_train_exe();
+  if (exe.empty()) {
+    MESSAGE("skipped: mn-train not built next to the tests (build target mn-train, or set MN_TRAIN_EXE)");
+    return false;
+  }
+  if (!have_data()) {
+    MESSAGE("skipped: Fashion-MNIST not found in "
+            << data::default_fashion_mnist_root()
+            << " (install dataset-fashion-mnist or set MN_FASHION_MNIST_DIR)");
+    return false;
+  }
+  return true;
+}
+
+struct Run {
+  int status = -1;
+  std::string output;
+  std::string last_line() const {
+    std::istringstream in(output);
+    std::string line, last;
+    while (std::getline(in, line))
+      if (!line.empty()) last = line;
+    return last;
+  }
+};
+
+Run run(const std::string& exe, const std::string& args) {
+  Run r;
+  FILE* pipe = ::popen((exe + " " + args + " 2>&1").c_str(), "r");
+  REQUIRE(pipe != nullptr);
+  std::array<char, 4096> buffer;
+  size_t n;
+  while ((n = std::fread(buffer.data(), 1, buffer.size(), pipe)) > 0) r.output.append(buffer.data(), n);
+  const int raw = ::pclose(pipe);
+  r.status = WIFEXITED(raw) ? WEXITSTATUS(raw) : -1;
+  return r;
+}
+
+class TempDir {
+ public:
+  TempDir() {
+    static std::atomic<int> counter{0};
+    path_ = fs::temp_directory_path() / str("mn_train_test_", ::getpid(), "_", counter++);
+    fs::remove_all(path_);
+  }
+  ~TempDir() {
+    std::error_code ec;
+    fs::remove_all(path_, ec);
+  }
+  std::string operator/(const std::string& name) const { return (path_ / name).string(); }
+
+ private:
+  fs::path path_;
+};
+
+json summary(const Run& r) {
+  INFO("mn-train output:\n" << r.output);
+  REQUIRE(r.status == 0);
+  json j;
+  REQUIRE_NOTHROW(j = json::parse(r.last_line()));
+  for (const char* key : {"test_accuracy", "train_accuracy", "trainable_params", "target_params",
+                          "compression_ratio", "epochs", "seconds", "steps_per_second"}) {
+    INFO("key " << key);
+    CHECK(j.contains(key));
+  }
+  return j;
+}
+
+size_t csv_rows(const std::string& path) {
+  std::ifstream in(path);
+  std::string line;
+  size_t rows = 0;
+  while (std::getline(in, line))
+    if (!line.empty()) ++rows;
+  return rows;
+}
+
+// Tensors whose names start with prefix must be present in both files and bitwise equal.
+void check_same_tensors(const std::string& a, const std::string& b, const std::string& prefix) {
+  const safetensors::File fa = safetensors::load(a), fb = safetensors::load(b);
+  size_t compared = 0;
+  for (const auto& e : fa.tensors) {
+    if (e.name.rfind(prefix, 0) != 0) continue;
+    INFO("tensor " << e.name);
+    REQUIRE(fb.contains(e.name));
+    CHECK(e.tensor.sizes() == fb.at(e.name).sizes());
+    if (e.tensor.dtype() == DType::f32)
+      CHECK(e.tensor.to_vector<float>() == fb.at(e.name).to_vector<float>());
+    else
+      CHECK(e.tensor.to_vector<int64_t>() == fb.at(e.name).to_vector<int64_t>());
+    ++compared;
+  }
+  CHECK(compared > 0);
+}
+
+const char* const kSmall = "--limit 512 --batch-size 128 --seed 3";
+
+}  // namespace
+
+TEST_CASE("mn-train: direct and layerwise runs print a JSON summary and write metrics and a checkpoint") {
+  std::string exe;
+  if (!ready(exe)) return;
+  TempDir dir;
+  SUBCASE("direct") {
+    const json j = summary(
+        run(exe, str("--target cnn2 --strategy direct --epochs 1 --json ", kSmall, " --out ", dir / "direct")));
+    CHECK(j["target_params"] == 108618);
+    CHECK(j["trainable_params"] == 108618);
+    CHECK(j["compression_ratio"].get<double>() == doctest::Approx(1.0));
+    CHECK(j["epochs"] == 1);
+    CHECK(j["test_accuracy"].get<double>() > 0.1);  // better than chance after 4 steps
+    CHECK(j["steps_per_second"].get<double>() > 0);
+    CHECK(csv_rows(dir / "direct/metrics.csv") == 2);
+    CHECK(fs::exists(dir / "direct/checkpoint.safetensors"));
+  }
+  SUBCASE("layerwise") {
+    const json j = summary(run(exe, str("--target cnn2 --strategy layerwise --latent-dim 32 --epochs 1 --json ",
+                                        kSmall, " --out ", dir / "lwt")));
+    CHECK(j["target_params"] == 108618);
+    CHECK(j["trainable_params"] == 4 * 32);
+    CHECK(j["compression_ratio"].get<double>() == doctest::Approx(108618.0 / 128.0));
+    CHECK(j["epochs"] == 1);
+    CHECK(j["test_accuracy"].get<double>() >= 0.0);
+    CHECK(csv_rows(dir / "lwt/metrics.csv") == 2);
+    const safetensors::File ckpt = safetensors::load(dir / "lwt/checkpoint.safetensors");
+    CHECK(ckpt.contains("latent/0"));
+    CHECK(ckpt.contains("latent/7"));
+    CHECK_FALSE(ckpt.contains("0.weight"));
+  }
+}
+
+TEST_CASE("mn-train: 1 epoch + --resume 1 epoch gives the latents of 2 straight epochs") {
+  std::string exe;
+  if (!ready(exe)) return;
+  TempDir dir;
+  SUBCASE("layerwise") {
+    const std::string common = str("--target cnn2 --strategy layerwise --latent-dim 16 --json ", kSmall);
+    const json straight = summary(run(exe, str(common, " --epochs 2 --out ", dir / "straight")));
+    // The first process stops after epoch 1 (as if killed right after its checkpoint was written).
+    summary(run(exe, str(common, " --epochs 1 --out ", dir / "split")));
+    const json resumed = summary(run(exe, str(common, " --epochs 2 --resume --out ", dir / "split")));
+    CHECK(resumed["epochs"] == 2);
+    check_same_tensors(dir / "straight/checkpoint.safetensors", dir / "split/checkpoint.safetensors",
+                       "latent/");
+    check_same_tensors(dir / "straight/checkpoint.safetensors", dir / "split/checkpoint.safetensors",
+                       "optimizer/");
+    CHECK(resumed["test_accuracy"] == straight["test_accuracy"]);
+    CHECK(resumed["train_accuracy"] == straight["train_accuracy"]);
+    CHECK(csv_rows(dir / "split/metrics.csv") == 3);
+
+    // A resume with different run options is refused.
+    const Run bad = run(exe, str("--target cnn2 --strategy layerwise --latent-dim 8 --epochs 3 --resume ",
+                                 kSmall, " --out ", dir / "split"));
+    CHECK(bad.status != 0);
+    CHECK(bad.output.find("different run") != std::string::npos);
+  }
+  SUBCASE("direct") {
+    const std::string common = str("--target lenet --strategy direct --json ", kSmall);
+    summary(run(exe, str(common, " --epochs 2 --out ", dir / "straight")));
+    summary(run(exe, str(common, " --epochs 1 --out ", dir / "split")));
+    summary(run(exe, str(common, " --epochs 2 --resume --out ", dir / "split")));
+    check_same_tensors(dir / "straight/checkpoint.safetensors", dir / "split/checkpoint.safetensors", "");
+  }
+}
+
+TEST_CASE("mn-train: unavailable CUDA and a missing checkpoint are clear errors") {
+  std::string exe;
+  if (!ready(exe)) return;
+  TempDir dir;
+  if (!cuda_available()) {
+    const Run r = run(exe, str("--device cuda --epochs 1 ", kSmall, " --out ", dir / "cuda"));
+    CHECK(r.status != 0);
+    CHECK(r.output.find("CUDA is not available") != std::string::npos);
+  }
+  const Run r = run(exe, str("--epochs 1 --resume ", kSmall, " --out ", dir / "empty"));
+  CHECK(r.status != 0);
+  CHECK(r.output.find("checkpoint not found") != std::string::npos);
+}
