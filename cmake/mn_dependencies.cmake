@@ -24,6 +24,9 @@ if(NOT MN_WITH_CUDA STREQUAL "OFF")
     enable_language(CUDA)
     # CMake 3.25 does not know nvcc's flag for CUDA_STANDARD 20; the library passes -std=c++20.
     find_package(CUDAToolkit REQUIRED)
+    # NCCL ships with the CUDA toolkit here but has no CMake config.
+    find_library(NCCL_LIBRARY nccl HINTS /usr/local/cuda/lib64 ${CUDAToolkit_LIBRARY_DIR})
+    find_path(NCCL_INCLUDE_DIR nccl.h HINTS /usr/local/cuda/include ${CUDAToolkit_INCLUDE_DIRS})
     set(MN_CUDA_ENABLED ON)
   elseif(MN_WITH_CUDA STREQUAL "ON")
     message(FATAL_ERROR "MN_WITH_CUDA=ON but no CUDA compiler was found")

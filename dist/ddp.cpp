@@ -1,0 +1,529 @@
+#include "dist/ddp.h"
+
+#include <cstring>
+#include <mutex>
+#include <optional>
+
+#include "autograd/engine.h"
+#include "autograd/node.h"
+#include "autograd/ops.h"
+#include "core/error.h"
+#include "dist/env.h"
+#include "dist/store.h"
+
+namespace mn::dist {
+
+// ---------------------------------------------------------------------------------------------------
+// Hashing
+
+namespace {
+
+constexpr uint64_t kFnvPrime = 0x100000001b3ull;
+constexpr uint64_t kFnvOffset = 0xcbf29ce484222325ull;
+
+uint64_t mix64(uint64_t x) {  // splitmix64 finaliser: spreads the FNV state over all bits
+  x ^= x >> 30;
+  x *= 0xbf58476d1ce4e5b9ull;
+  x ^= x >> 27;
+  x *= 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+// FNV-1a over 8-byte words (then the tail bytes): a mismatch detector, not a cryptographic hash.
+uint64_t hash_bytes(const void* data, size_t size, uint64_t h) {
+  const auto* p = static_cast<const uint8_t*>(data);
+  size_t i = 0;
+  for (; i + 8 <= size; i += 8) {
+    uint64_t word;
+    std::memcpy(&word, p + i, 8);
+    h = (h ^ word) * kFnvPrime;
+  }
+  for (; i < size; ++i) h = (h ^ p[i]) * kFnvPrime;
+  return h;
+}
+
+uint64_t hash_string(const std::string& s, uint64_t h) {
+  const uint64_t n = s.size();
+  h = hash_bytes(&n, sizeof(n), h);
+  return hash_bytes(s.data(), s.size(), h);
+}
+
+uint64_t hash_shape(const Shape& shape, uint64_t h) {
+  const int64_t rank = shape.size();
+  h = hash_bytes(&rank, sizeof(rank), h);
+  return hash_bytes(shape.data(), sizeof(int64_t) * static_cast<size_t>(shape.size()), h);
+}
+
+}  // namespace
+
+uint64_t tensor_hash(const Tensor& tensor, uint64_t seed) {
+  uint64_t h = kFnvOffset ^ mix64(seed);
+  if (!tensor.defined()) return mix64(hash_string("undefined", h));
+  const auto dtype = static_cast<uint8_t>(tensor.dtype());
+  h = hash_bytes(&dtype, 1, h);
+  h = hash_shape(tensor.sizes(), h);
+  Tensor host = tensor.detach();
+  if (!host.device().is_cpu()) host = host.to(kCPU);
+  host = host.contiguous();
+  return mix64(hash_bytes(host.raw_data(), host.nbytes(), h));
+}
+
+// ---------------------------------------------------------------------------------------------------
+// The default group
+
+namespace {
+
+struct DefaultGroup {
+  std::shared_ptr<Store> store;
+  std::shared_ptr<ProcessGroup> group;
+};
+
+std::mutex g_default_mutex;
+std::optional<DefaultGroup> g_default;
+
+struct Endpoint {
+  std::string host;
+  uint16_t port = 0;
+};
+
+Endpoint parse_init_method(const std::string& init_method) {
+  if (init_method == "env://") {
+    auto variable = [](const char* name) -> std::string {
+      const char* v = std::getenv(name);
+      MN_CHECK(v != nullptr && *v != '\0', ValueError, "init_method env:// needs the environment variable ", name,
+               ", which is not set (launch with mn-run, or set MASTER_ADDR and MASTER_PORT)");
+      return v;
+    };
+    Endpoint e;
+    e.host = variable("MASTER_ADDR");
+    e.port = parse_port_variable("MASTER_PORT", variable("MASTER_PORT"));
+    return e;
+  }
+  const std::string scheme = "tcp://";
+  if (init_method.rfind(scheme, 0) == 0) {
+    const std::string rest = init_method.substr(scheme.size());
+    const size_t colon = rest.rfind(':');
+    MN_CHECK(colon != std::string::npos && colon > 0, ValueError, "init_method '", init_method,
+             "' must look like tcp://host:port");
+    Endpoint e;
+    e.host = rest.substr(0, colon);
+    e.port = parse_port_variable("init_method port", rest.substr(colon + 1));
+    return e;
+  }
+  throw ValueError(str("init_method '", init_method, "' is not supported; use env:// or tcp://host:port"));
+}
+
+}  // namespace
+
+void setup_ddp(int rank, int world_size, const std::string& backend, const std::string& init_method,
+               Milliseconds timeout) {
+  check_backend(backend);
+  MN_CHECK(world_size >= 1, ValueError, "setup_ddp: world_size must be at least 1, got ", world_size);
+  MN_CHECK(rank >= 0 && rank < world_size, ValueError, "setup_ddp: rank must be in [0, ", world_size - 1, "], got ",
+           rank);
+  MN_CHECK(timeout.count() > 0, ValueError, "setup_ddp: timeout must be positive, got ", timeout.count(), " ms");
+  std::lock_guard<std::mutex> lock(g_default_mutex);
+  MN_CHECK(!g_default.has_value(), RuntimeError, "setup_ddp() was already called (rank ", g_default->group->rank(),
+           " of ", g_default->group->size(), "); call cleanup_ddp() first");
+  const Endpoint endpoint = parse_init_method(init_method);
+
+  TcpStoreOptions store_options;
+  store_options.host = endpoint.host;
+  store_options.port = endpoint.port;
+  store_options.is_server = rank == 0;
+  store_options.timeout = timeout;
+  auto store = std::make_shared<TcpStore>(store_options);
+
+  ProcessGroupOptions group_options;
+  group_options.timeout = timeout;
+  group_options.master_addr = endpoint.host;
+  group_options.device_index = rank;
+  if (const char* local = std::getenv("LOCAL_RANK"); local != nullptr && *local != '\0')
+    group_options.device_index = static_cast<int>(parse_int_variable("LOCAL_RANK", local));
+  auto group = make_process_group(backend, store, rank, world_size, group_options);
+  // Return only when every rank has joined: afterwards rank 0 may drop the store without stranding anyone.
+  group->barrier()->wait();
+  g_default = DefaultGroup{std::move(store), std::move(group)};
+}
+
+void cleanup_ddp() {
+  std::optional<DefaultGroup> leaving;
+  {
+    std::lock_guard<std::mutex> lock(g_default_mutex);
+    leaving.swap(g_default);
+  }
+  if (!leaving) return;
+  leaving->group.reset();  // joins the worker; closes the transport
+  leaving->store.reset();  // rank 0: stops the server
+}
+
+bool is_initialized() {
+  std::lock_guard<std::mutex> lock(g_default_mutex);
+  return g_default.has_value();
+}
+
+bool is_available() { return true; }
+
+std::shared_ptr<ProcessGroup> default_process_group() {
+  std::lock_guard<std::mutex> lock(g_default_mutex);
+  MN_CHECK(g_default.has_value(), RuntimeError,
+           "Process group is not initialized. Call setup_ddp() before wrap_ddp().");
+  return g_default->group;
+}
+
+std::shared_ptr<Store> default_store() {
+  std::lock_guard<std::mutex> lock(g_default_mutex);
+  MN_CHECK(g_default.has_value(), RuntimeError, "Process group is not initialized. Call setup_ddp() first.");
+  return g_default->store;
+}
+
+int get_rank() {
+  std::lock_guard<std::mutex> lock(g_default_mutex);
+  return g_default ? g_default->group->rank() : 0;
+}
+
+int get_world_size() {
+  std::lock_guard<std::mutex> lock(g_default_mutex);
+  return g_default ? g_default->group->size() : 1;
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Reducer
+
+class Reducer : public std::enable_shared_from_this<Reducer> {
+ public:
+  Reducer(std::vector<std::pair<std::string, Tensor>> latents, std::shared_ptr<ProcessGroup> group,
+          const DdpOptions& options)
+      : group_(std::move(group)) {
+    for (auto& [name, latent] : latents) {
+      names_.push_back(name);
+      latents_.push_back(latent);
+    }
+    assign_buckets(options);
+  }
+
+  // Registered after construction (hooks hold a weak reference, so a destroyed wrapper leaves only no-ops).
+  void register_hooks() {
+    std::weak_ptr<Reducer> weak = weak_from_this();
+    for (size_t i = 0; i < latents_.size(); ++i)
+      latents_[i].register_post_accumulate_grad_hook([weak, i](const Tensor& leaf) {
+        if (auto reducer = weak.lock()) reducer->on_gradient(i, leaf);
+      });
+  }
+
+  // Before each forward: the latents must still be the model's, and a backward interrupted by an error
+  // must not leave half a reduction behind.
+  void prepare_for_forward(const std::vector<Tensor>& model_latents) {
+    MN_CHECK(model_latents.size() == latents_.size(), RuntimeError, "the model now has ", model_latents.size(),
+             " latents but was wrapped with ", latents_.size(), "; wrap it again after changing it");
+    for (size_t i = 0; i < latents_.size(); ++i)
+      MN_CHECK(
+          model_latents[i].same(latents_[i]), RuntimeError, "latent '", names_[i],
+          "' was replaced after wrap_ddp (did model.to() run after wrapping?); move the model first, then wrap");
+    if (in_backward_) abandon_backward();
+  }
+
+  bool sync_enabled = true;
+
+  size_t bytes_per_step() const {
+    size_t bytes = 0;
+    for (const Bucket& b : buckets_) bytes += b.contents.nbytes();
+    return bytes;
+  }
+
+  std::vector<std::vector<std::string>> bucket_names() const {
+    std::vector<std::vector<std::string>> out;
+    for (const Bucket& b : buckets_) {
+      out.emplace_back();
+      for (size_t index : b.latents) out.back().push_back(names_[index]);
+    }
+    return out;
+  }
+
+  ProcessGroup& group() const { return *group_; }
+
+ private:
+  struct Bucket {
+    Tensor contents;              // flat f32 on the latents' device
+    std::vector<size_t> latents;  // latent indices in slot order
+    size_t pending = 0;
+    WorkPtr work;
+  };
+  struct Slot {
+    size_t bucket;
+    int64_t offset;
+  };
+
+  void assign_buckets(const DdpOptions& options) {
+    MN_CHECK(!latents_.empty(), ValueError, "DistributedDataParallel: the model has no latents to synchronise");
+    const Device device = latents_.front().device();
+    slots_.resize(latents_.size());
+    Bucket current;
+    size_t current_bytes = 0;
+    auto close = [&] {
+      current.contents = zeros({static_cast<int64_t>(current_bytes / sizeof(float))}, TensorOptions(device));
+      buckets_.push_back(std::move(current));
+      current = Bucket{};
+      current_bytes = 0;
+    };
+    for (size_t k = latents_.size(); k-- > 0;) {  // reverse: the last latents' grads arrive first
+      const Tensor& z = latents_[k];
+      MN_CHECK(z.dtype() == DType::f32, TypeError, "latent '", names_[k], "' is ", dtype_name(z.dtype()),
+               "; DDP reduces f32 latents");
+      MN_CHECK(z.device() == device, DeviceError, "latent '", names_[k], "' is on ", z.device(), " but latent '",
+               names_.front(), "' is on ", device, "; DDP needs the whole model on one device");
+      slots_[k] = Slot{buckets_.size(), static_cast<int64_t>(current_bytes / sizeof(float))};
+      current.latents.push_back(k);
+      current_bytes += z.nbytes();
+      const size_t limit = buckets_.empty() ? options.first_bucket_bytes : options.bucket_bytes;
+      if (current_bytes >= limit) close();
+    }
+    if (!current.latents.empty()) close();
+    for (Bucket& b : buckets_) b.pending = b.latents.size();
+    arrived_.assign(latents_.size(), false);
+  }
+
+  Tensor slot_view(size_t index) const {
+    const Slot& s = slots_[index];
+    return buckets_[s.bucket].contents.narrow(0, s.offset, latents_[index].numel());
+  }
+
+  // grad / world into the latent's slot (zeros when the latent has no grad at all).
+  void fill_slot(size_t index) {
+    autograd::NoGradGuard no_grad;
+    Tensor slot = slot_view(index);
+    Tensor grad = latents_[index].grad();
+    if (!grad.defined()) {
+      slot.zero_();
+      return;
+    }
+    slot.copy_(mul(grad.detach(), 1.0 / static_cast<double>(group_->size())).reshape({slot.numel()}));
+  }
+
+  void on_gradient(size_t index, const Tensor&) {
+    if (!sync_enabled) return;  // no_sync: the engine keeps accumulating into .grad
+    if (!in_backward_) {
+      MN_CHECK(autograd::backward_in_progress(), RuntimeError,
+               "DDP gradient hook ran outside a backward pass (internal error)");
+      in_backward_ = true;
+      std::weak_ptr<Reducer> weak = weak_from_this();
+      autograd::queue_callback([weak] {
+        if (auto reducer = weak.lock()) reducer->finish_backward();
+      });
+    }
+    MN_CHECK(!arrived_[index], RuntimeError, "latent '", names_[index],
+             "' received its gradient twice in one backward pass (internal error)");
+    arrived_[index] = true;
+    fill_slot(index);
+    Bucket& bucket = buckets_[slots_[index].bucket];
+    if (--bucket.pending == 0) launch_ready_buckets();
+  }
+
+  // Starts every ready bucket whose predecessors have all started: the same order on every rank.
+  void launch_ready_buckets() {
+    while (next_bucket_ < buckets_.size() && buckets_[next_bucket_].pending == 0) {
+      Bucket& bucket = buckets_[next_bucket_++];
+      bucket.work = group_->allreduce(bucket.contents, ReduceOp::Sum);
+    }
+  }
+
+  // End of backward: latents without a gradient this time contribute their current .grad (or zeros), every
+  // bucket is reduced and the averages become the latents' .grad.
+  void finish_backward() {
+    for (size_t i = 0; i < latents_.size(); ++i) {
+      if (arrived_[i]) continue;
+      arrived_[i] = true;
+      fill_slot(i);
+      --buckets_[slots_[i].bucket].pending;
+    }
+    launch_ready_buckets();
+    std::string error;
+    for (Bucket& bucket : buckets_) {
+      try {
+        if (bucket.work) bucket.work->wait();
+      } catch (const std::exception& e) {
+        if (error.empty()) error = e.what();
+      }
+    }
+    if (error.empty()) {
+      autograd::NoGradGuard no_grad;
+      for (size_t i = 0; i < latents_.size(); ++i)
+        latents_[i].set_grad(slot_view(i).reshape(latents_[i].sizes()).clone());
+    }
+    reset();
+    MN_CHECK(error.empty(), RuntimeError, "DDP gradient all-reduce failed: ", error);
+  }
+
+  void abandon_backward() {
+    // Collectives already started must finish before their buckets are reused; their errors surface on
+    // the next collective anyway, since the group is then broken.
+    for (Bucket& bucket : buckets_) {
+      try {
+        if (bucket.work) bucket.work->wait();
+      } catch (const std::exception&) {
+      }
+    }
+    reset();
+  }
+
+  void reset() {
+    for (Bucket& b : buckets_) {
+      b.pending = b.latents.size();
+      b.work.reset();
+    }
+    arrived_.assign(latents_.size(), false);
+    next_bucket_ = 0;
+    in_backward_ = false;
+  }
+
+  std::shared_ptr<ProcessGroup> group_;
+  std::vector<std::string> names_;
+  std::vector<Tensor> latents_;
+  std::vector<Bucket> buckets_;
+  std::vector<Slot> slots_;
+  std::vector<bool> arrived_;
+  size_t next_bucket_ = 0;
+  bool in_backward_ = false;
+};
+
+// ---------------------------------------------------------------------------------------------------
+// Construction checks
+
+namespace {
+
+// Entry 0: the latent layout (names, shapes); entry 1 + g: group g's mapper buffers and scales.
+std::vector<int64_t> model_fingerprint(const mapping::MappingModel& model) {
+  std::vector<int64_t> out;
+  uint64_t layout = kFnvOffset;
+  for (const auto& [name, z] : model.named_latents()) {
+    layout = hash_string(name, layout);
+    layout = hash_shape(z.sizes(), layout);
+  }
+  out.push_back(static_cast<int64_t>(mix64(layout)));
+  for (const mapping::Group& g : model.generator().groups()) {
+    uint64_t h = hash_string(g.name, kFnvOffset);
+    for (const Tensor& buffer : g.mapper->buffers()) h = tensor_hash(buffer, h);
+    h = tensor_hash(g.scale, h);
+    out.push_back(static_cast<int64_t>(h));
+  }
+  return out;
+}
+
+// NCCL only moves CUDA memory: the small construction-time exchanges then go through the model's device.
+std::vector<int64_t> allgather_values(ProcessGroup& group, const std::vector<int64_t>& mine, Device device) {
+  Tensor input = from_vector(mine, Shape{static_cast<int64_t>(mine.size())}).to(device);
+  Tensor output =
+      zeros({static_cast<int64_t>(mine.size()) * group.size()}, TensorOptions(DType::i64).with_device(device));
+  group.allgather(input, output)->wait();
+  return output.to(kCPU).to_vector<int64_t>();
+}
+
+void check_same_model_everywhere(const mapping::MappingModel& model, ProcessGroup& group, bool check_buffers) {
+  const Device device = group.backend() == "nccl" ? model.device() : kCPU;
+  const std::vector<int64_t> mine = model_fingerprint(model);
+  const std::vector<int64_t> counts = allgather_values(group, {static_cast<int64_t>(mine.size())}, device);
+  for (int r = 1; r < group.size(); ++r)
+    MN_CHECK(counts[r] == counts[0], RuntimeError, "DDP: rank ", r, " has a model with ", counts[r] - 1,
+             " latent groups but rank 0 has ", counts[0] - 1, "; build the same model on every rank");
+  const std::vector<int64_t> all = allgather_values(group, mine, device);
+  const auto& groups = model.generator().groups();
+  const size_t n = mine.size();
+  for (int r = 1; r < group.size(); ++r) {
+    const int64_t* theirs = all.data() + static_cast<size_t>(r) * n;
+    MN_CHECK(theirs[0] == all[0], RuntimeError, "DDP: rank ", r,
+             " has different latent names or shapes than rank 0; build the same model on every rank");
+    if (!check_buffers) continue;
+    for (size_t g = 1; g < n; ++g)
+      MN_CHECK(theirs[g] == all[g], RuntimeError, "DDP: the mapper buffers of group '", groups[g - 1].name,
+               "' differ between rank 0 and rank ", r, " (hash ", static_cast<uint64_t>(all[g]), " vs ",
+               static_cast<uint64_t>(theirs[g]),
+               "); build the model with the same seed and target initialisation on every rank");
+  }
+}
+
+// Rank 0's latents become everyone's (one coalesced broadcast).
+void broadcast_latents(mapping::MappingModel& model, ProcessGroup& group) {
+  std::vector<Tensor> latents = model.parameters();
+  std::vector<Tensor> flat;
+  for (const Tensor& z : latents) flat.push_back(z.detach().reshape({z.numel()}));
+  autograd::NoGradGuard no_grad;
+  Tensor coalesced = cat(flat, 0).contiguous();
+  group.broadcast(coalesced, 0)->wait();
+  int64_t offset = 0;
+  for (Tensor& z : latents) {
+    z.detach().copy_(coalesced.narrow(0, offset, z.numel()).reshape(z.sizes()));
+    offset += z.numel();
+  }
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------------
+// DistributedDataParallel
+
+DistributedDataParallel::DistributedDataParallel(mapping::MappingModel& model, std::shared_ptr<ProcessGroup> group,
+                                                 DdpOptions options)
+    : model_(&model) {
+  MN_CHECK(group != nullptr, RuntimeError, "Process group is not initialized. Call setup_ddp() before wrap_ddp().");
+  MN_CHECK(options.first_bucket_bytes > 0 && options.bucket_bytes > 0, ValueError,
+           "DDP bucket sizes must be positive, got ", options.first_bucket_bytes, " and ", options.bucket_bytes);
+  const Device device = model.device();
+  const bool wants_cuda = group->backend() == "nccl";
+  MN_CHECK(device.is_cuda() == wants_cuda, DeviceError, "the model is on ", device, " but the process group's ",
+           group->backend(), " backend works on ", wants_cuda ? "CUDA" : "CPU", " tensors; use ",
+           wants_cuda ? "gloo for a CPU model" : "nccl for a CUDA model", " or move the model");
+  if (device.is_cpu()) {
+    MN_CHECK(options.device_ids.empty(), ValueError, "device_ids must be empty for a CPU model, got ",
+             options.device_ids.size(), " id(s) starting with ",
+             options.device_ids.empty() ? 0 : options.device_ids[0]);
+  } else {
+    MN_CHECK(
+        options.device_ids.empty() || (options.device_ids.size() == 1 && options.device_ids[0] == device.index),
+        ValueError, "device_ids must be empty or [", device.index, "] for a model on ", device);
+  }
+  check_same_model_everywhere(model, *group, options.check_buffers);
+  broadcast_latents(model, *group);
+  reducer_ = std::make_shared<Reducer>(model.named_latents(), std::move(group), options);
+  reducer_->register_hooks();
+}
+
+DistributedDataParallel::~DistributedDataParallel() = default;
+DistributedDataParallel::DistributedDataParallel(DistributedDataParallel&&) noexcept = default;
+DistributedDataParallel& DistributedDataParallel::operator=(DistributedDataParallel&&) noexcept = default;
+
+mapping::ForwardResult DistributedDataParallel::forward(const Tensor& input,
+                                                        const mapping::LatentOverrides& latents) {
+  reducer_->prepare_for_forward(model_->parameters());
+  return model_->forward(input, latents);
+}
+
+mapping::ForwardResult DistributedDataParallel::forward_with(const std::function<Tensor(nn::Module&)>& run,
+                                                             const mapping::LatentOverrides& latents) {
+  reducer_->prepare_for_forward(model_->parameters());
+  return model_->forward_with(run, latents);
+}
+
+DistributedDataParallel::NoSyncGuard::NoSyncGuard(std::shared_ptr<Reducer> reducer)
+    : reducer_(std::move(reducer)), previous_(reducer_->sync_enabled) {
+  reducer_->sync_enabled = false;
+}
+
+DistributedDataParallel::NoSyncGuard::~NoSyncGuard() { reducer_->sync_enabled = previous_; }
+
+DistributedDataParallel::NoSyncGuard DistributedDataParallel::no_sync() { return NoSyncGuard(reducer_); }
+
+size_t DistributedDataParallel::bytes_per_step() const { return reducer_->bytes_per_step(); }
+
+std::vector<std::vector<std::string>> DistributedDataParallel::bucket_latent_names() const {
+  return reducer_->bucket_names();
+}
+
+ProcessGroup& DistributedDataParallel::process_group() const { return reducer_->group(); }
+
+DistributedDataParallel wrap_ddp(mapping::MappingModel& model, const std::vector<int>& device_ids) {
+  DdpOptions options;
+  options.device_ids = device_ids;
+  return DistributedDataParallel(model, default_process_group(), options);
+}
+
+}  // namespace mn::dist

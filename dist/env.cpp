@@ -1,0 +1,106 @@
+#include "dist/env.h"
+
+#include <charconv>
+#include <cstdlib>
+#include <limits>
+
+#include "core/error.h"
+
+namespace mn::dist {
+
+namespace {
+
+constexpr const char* kLaunchHint =
+    " (launch with mn-run --nproc-per-node N, or set RANK, WORLD_SIZE, "
+    "MASTER_ADDR and MASTER_PORT)";
+
+std::string quoted(const std::string& name, const std::string& text) { return str(name, "='", text, "'"); }
+
+std::string required(const std::function<std::optional<std::string>(const std::string&)>& lookup,
+                     const std::string& name) {
+  std::optional<std::string> value = lookup(name);
+  MN_CHECK(value.has_value(), ValueError, "environment variable ", name, " is not set", kLaunchHint);
+  MN_CHECK(!value->empty(), ValueError, "environment variable ", name, " is empty", kLaunchHint);
+  return *value;
+}
+
+}  // namespace
+
+int64_t parse_int_variable(const std::string& name, const std::string& text) {
+  int64_t value = 0;
+  const char* begin = text.data();
+  const char* end = text.data() + text.size();
+  auto [stop, ec] = std::from_chars(begin, end, value);
+  MN_CHECK(!text.empty() && ec == std::errc() && stop == end, ValueError, "environment variable ",
+           quoted(name, text), " is not an integer");
+  return value;
+}
+
+uint16_t parse_port_variable(const std::string& name, const std::string& text) {
+  int64_t value = 0;
+  try {
+    value = parse_int_variable(name, text);
+  } catch (const ValueError&) {
+    throw ValueError(str("environment variable ", quoted(name, text), " is not a port number (1-65535)"));
+  }
+  MN_CHECK(value >= 1 && value <= 65535, ValueError, "environment variable ", quoted(name, text),
+           " is not a port number (1-65535)");
+  return static_cast<uint16_t>(value);
+}
+
+EnvConfig parse_env(const std::function<std::optional<std::string>(const std::string&)>& lookup) {
+  auto non_negative = [&](const std::string& name, const std::string& text) {
+    int64_t v = 0;
+    try {
+      v = parse_int_variable(name, text);
+    } catch (const ValueError&) {
+      throw ValueError(str("environment variable ", quoted(name, text), " is not a non-negative integer"));
+    }
+    MN_CHECK(v >= 0 && v <= std::numeric_limits<int>::max(), ValueError, "environment variable ",
+             quoted(name, text), " is not a non-negative integer");
+    return static_cast<int>(v);
+  };
+  auto positive = [&](const std::string& name, const std::string& text) {
+    int64_t v = 0;
+    try {
+      v = parse_int_variable(name, text);
+    } catch (const ValueError&) {
+      throw ValueError(str("environment variable ", quoted(name, text), " is not a positive integer"));
+    }
+    MN_CHECK(v >= 1 && v <= std::numeric_limits<int>::max(), ValueError, "environment variable ",
+             quoted(name, text), " is not a positive integer");
+    return static_cast<int>(v);
+  };
+
+  EnvConfig config;
+  const std::string world_text = required(lookup, "WORLD_SIZE");
+  config.world_size = positive("WORLD_SIZE", world_text);
+  const std::string rank_text = required(lookup, "RANK");
+  config.rank = non_negative("RANK", rank_text);
+  MN_CHECK(config.rank < config.world_size, ValueError, "environment variable RANK=", config.rank,
+           " must be less than WORLD_SIZE=", config.world_size);
+  config.master_addr = required(lookup, "MASTER_ADDR");
+  config.master_port = parse_port_variable("MASTER_PORT", required(lookup, "MASTER_PORT"));
+
+  config.local_world_size = config.world_size;
+  if (auto text = lookup("LOCAL_WORLD_SIZE"); text && !text->empty())
+    config.local_world_size = positive("LOCAL_WORLD_SIZE", *text);
+  config.local_rank = config.rank;
+  if (auto text = lookup("LOCAL_RANK"); text && !text->empty()) {
+    config.local_rank = non_negative("LOCAL_RANK", *text);
+    MN_CHECK(config.local_rank < config.local_world_size, ValueError,
+             "environment variable LOCAL_RANK=", config.local_rank,
+             " must be less than LOCAL_WORLD_SIZE=", config.local_world_size);
+  }
+  return config;
+}
+
+EnvConfig from_env() {
+  return parse_env([](const std::string& name) -> std::optional<std::string> {
+    const char* value = std::getenv(name.c_str());
+    if (value == nullptr) return std::nullopt;
+    return std::string(value);
+  });
+}
+
+}  // namespace mn::dist

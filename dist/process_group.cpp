@@ -1,0 +1,70 @@
+#include "dist/process_group.h"
+
+#include <cstdlib>
+#include <string_view>
+
+#include "core/error.h"
+#include "dist/gloo_process_group.h"
+#include "dist/nccl_process_group.h"
+
+namespace mn::dist {
+
+const char* reduce_op_name(ReduceOp op) { return op == ReduceOp::Sum ? "sum" : "avg"; }
+
+Milliseconds default_collective_timeout() {
+  const char* text = std::getenv("MN_DIST_TIMEOUT_S");
+  if (text == nullptr || *text == '\0') return Milliseconds(300'000);
+  char* end = nullptr;
+  const double seconds = std::strtod(text, &end);
+  MN_CHECK(end != text && *end == '\0' && seconds > 0 && seconds < 1e7, ValueError,
+           "environment variable MN_DIST_TIMEOUT_S='", text, "' is not a positive number of seconds");
+  return Milliseconds(static_cast<int64_t>(seconds * 1000.0));
+}
+
+std::vector<std::string> available_backends() {
+#ifdef MN_WITH_CUDA
+  return {"gloo", "nccl"};
+#else
+  return {"gloo"};
+#endif
+}
+
+bool is_backend_available(const std::string& backend) {
+  for (const auto& b : available_backends())
+    if (b == backend) return true;
+  return false;
+}
+
+void check_backend(const std::string& backend) {
+  if (is_backend_available(backend)) return;
+  if (backend == "mpi" || backend == "ucc")
+    throw RuntimeError(str("backend '", backend, "' is not available in this build; use gloo or nccl"));
+  if (backend == "nccl")
+    throw RuntimeError("backend 'nccl' is not available in this build (built without CUDA); use gloo");
+  throw ValueError(str("unknown backend '", backend, "'; choose from: gloo, nccl"));
+}
+
+void check_collective_tensor(const Tensor& tensor, const char* collective, const std::string& backend) {
+  MN_CHECK(tensor.defined(), ValueError, collective, " got an undefined tensor");
+  MN_CHECK(tensor.is_contiguous(), ValueError, collective,
+           " needs a contiguous tensor (it works in place), got sizes ", tensor.sizes(), " with strides ",
+           tensor.strides(), "; call .contiguous() and copy back");
+  const bool want_cuda = backend == "nccl";
+  MN_CHECK(tensor.device().is_cuda() == want_cuda, DeviceError, "the ", backend, " backend works on ",
+           want_cuda ? "CUDA" : "CPU", " tensors; ", collective, " got a tensor on ", tensor.device(),
+           want_cuda ? " (use the gloo backend for CPU tensors)" : " (use the nccl backend for CUDA tensors)");
+}
+
+std::shared_ptr<ProcessGroup> make_process_group(const std::string& backend, std::shared_ptr<Store> store, int rank,
+                                                 int size, ProcessGroupOptions options) {
+  check_backend(backend);
+  if (backend == "gloo")
+    return std::make_shared<GlooProcessGroup>(std::move(store), rank, size, std::move(options));
+#ifdef MN_WITH_CUDA
+  if (backend == "nccl")
+    return std::make_shared<NcclProcessGroup>(std::move(store), rank, size, std::move(options));
+#endif
+  throw ValueError(str("unknown backend '", backend, "'"));  // check_backend covers every name
+}
+
+}  // namespace mn::dist

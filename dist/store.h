@@ -1,0 +1,147 @@
+#pragma once
+// Rendezvous key-value stores. Ranks meet here before any collective exists: each rank publishes its
+// transport address (Gloo) or rank 0 publishes the NCCL unique id, and the others block until the key
+// appears. Blocking calls always end: at the latest when the store's timeout passes, with an error that
+// names the keys and the timeout.
+//
+//   TcpStore   rank 0 serves the keys from a background thread on MASTER_PORT; every rank (rank 0 too)
+//              talks to it over one TCP connection (length-prefixed binary frames, magic/version handshake);
+//   HashStore  in-process (threads as ranks, unit tests);
+//   PrefixStore namespaces another store ("<prefix>/<key>") so several groups can share one server.
+//
+// Counters made by add() are stored as decimal text, so get() on a counter returns e.g. "3".
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace mn::dist {
+
+using Bytes = std::vector<uint8_t>;
+using Milliseconds = std::chrono::milliseconds;
+
+// torch's default store timeout.
+inline constexpr Milliseconds kDefaultStoreTimeout{300'000};
+
+class Store {
+ public:
+  explicit Store(Milliseconds timeout = kDefaultStoreTimeout) : timeout_(timeout) {}
+  virtual ~Store() = default;
+  Store(const Store&) = delete;
+  Store& operator=(const Store&) = delete;
+
+  virtual void set(const std::string& key, const Bytes& value) = 0;
+  // Blocks until the key exists, at most timeout(); then RuntimeError naming the key and the timeout.
+  virtual Bytes get(const std::string& key) = 0;
+  // Atomically adds delta to the counter (created at 0) and returns the new value.
+  virtual int64_t add(const std::string& key, int64_t delta) = 0;
+  // Blocks until every key exists, at most `timeout`; then RuntimeError naming the missing keys.
+  virtual void wait(const std::vector<std::string>& keys, Milliseconds timeout) = 0;
+  // True when every key exists (does not block).
+  virtual bool check(const std::vector<std::string>& keys) = 0;
+  // True when the key existed.
+  virtual bool delete_key(const std::string& key) = 0;
+
+  void wait(const std::vector<std::string>& keys) { wait(keys, timeout()); }
+  void set(const std::string& key, const std::string& value) { set(key, Bytes(value.begin(), value.end())); }
+  std::string get_string(const std::string& key) {
+    Bytes b = get(key);
+    return std::string(b.begin(), b.end());
+  }
+
+  virtual Milliseconds timeout() const { return timeout_; }
+  virtual void set_timeout(Milliseconds timeout) { timeout_ = timeout; }
+
+ private:
+  Milliseconds timeout_;
+};
+
+// The store's error for a wait that ran out of time (shared by the implementations).
+[[noreturn]] void throw_store_timeout(const std::vector<std::string>& missing, Milliseconds timeout,
+                                      const std::string& where);
+
+class HashStore final : public Store {
+ public:
+  explicit HashStore(Milliseconds timeout = kDefaultStoreTimeout) : Store(timeout) {}
+  void set(const std::string& key, const Bytes& value) override;
+  Bytes get(const std::string& key) override;
+  int64_t add(const std::string& key, int64_t delta) override;
+  void wait(const std::vector<std::string>& keys, Milliseconds timeout) override;
+  bool check(const std::vector<std::string>& keys) override;
+  bool delete_key(const std::string& key) override;
+  using Store::set;
+  using Store::wait;
+
+ private:
+  std::mutex mutex_;
+  std::condition_variable changed_;
+  std::map<std::string, Bytes> data_;
+};
+
+struct TcpStoreOptions {
+  std::string host = "127.0.0.1";
+  uint16_t port = 29500;   // the server binds it; 0 lets the system pick (see TcpStore::port())
+  bool is_server = false;  // rank 0 serves
+  Milliseconds timeout = kDefaultStoreTimeout;  // connecting, get, wait
+};
+
+class TcpStoreServer;
+
+class TcpStore final : public Store {
+ public:
+  explicit TcpStore(TcpStoreOptions options);
+  ~TcpStore() override;
+
+  void set(const std::string& key, const Bytes& value) override;
+  Bytes get(const std::string& key) override;
+  int64_t add(const std::string& key, int64_t delta) override;
+  void wait(const std::vector<std::string>& keys, Milliseconds timeout) override;
+  bool check(const std::vector<std::string>& keys) override;
+  bool delete_key(const std::string& key) override;
+  using Store::set;
+  using Store::wait;
+
+  const std::string& host() const { return options_.host; }
+  uint16_t port() const { return port_; }  // the real port (after a server picked one for port 0)
+  bool is_server() const { return server_ != nullptr; }
+
+ private:
+  // One request/reply round trip; `reply_deadline` bounds the wait for the reply.
+  Bytes round_trip(const Bytes& request, std::chrono::steady_clock::time_point reply_deadline);
+  std::string where() const;
+
+  TcpStoreOptions options_;
+  uint16_t port_ = 0;
+  std::unique_ptr<TcpStoreServer> server_;
+  std::mutex mutex_;  // one request at a time on the connection
+  int socket_ = -1;
+};
+
+class PrefixStore final : public Store {
+ public:
+  PrefixStore(std::string prefix, std::shared_ptr<Store> store);
+  void set(const std::string& key, const Bytes& value) override;
+  Bytes get(const std::string& key) override;
+  int64_t add(const std::string& key, int64_t delta) override;
+  void wait(const std::vector<std::string>& keys, Milliseconds timeout) override;
+  bool check(const std::vector<std::string>& keys) override;
+  bool delete_key(const std::string& key) override;
+  using Store::set;
+  using Store::wait;
+  Milliseconds timeout() const override { return store_->timeout(); }
+  void set_timeout(Milliseconds timeout) override { store_->set_timeout(timeout); }
+  const std::shared_ptr<Store>& underlying() const { return store_; }
+
+ private:
+  std::string full_key(const std::string& key) const { return prefix_ + "/" + key; }
+  std::vector<std::string> full_keys(const std::vector<std::string>& keys) const;
+  std::string prefix_;
+  std::shared_ptr<Store> store_;
+};
+
+}  // namespace mn::dist

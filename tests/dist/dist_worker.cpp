@@ -1,0 +1,446 @@
+// One rank of the multi-process tests (run under mn-run; see tests/dist/tests.cmake):
+//
+//   dist_worker collectives   allreduce (sum, avg; f32, i64), broadcast, allgather and barrier for sizes
+//                             0, 1, 1023 and 10^7
+//   dist_worker equivalence   N ranks on disjoint shards == one process on the whole batch after k Adam steps
+//                             (also with two forwards - clean and perturbed - before each backward)
+//   dist_worker no_sync       two micro-batches, the first under no_sync == one step on their concatenation
+//   dist_worker buffer_mismatch  rank 1 uses another mapper seed: wrap_ddp must fail on every rank
+//   dist_worker kill          rank --kill-rank raises SIGKILL after --after-step steps; the others must stop
+//                             with a clear error within the collective timeout
+//   dist_worker env           reads the environment only (bad-variable tests)
+//
+// Exit codes: 0 passed, 1 a check failed or an error, 3 training stopped by a communication error (kill).
+#include <signal.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "autograd/engine.h"
+#include "autograd/ops.h"
+#include "core/random.h"
+#include "dist/ddp.h"
+#include "dist/env.h"
+#include "dist/sampler.h"
+#include "mapping/mapping_model.h"
+#include "nn/functional.h"
+#include "nn/layers.h"
+#include "nn/optim.h"
+
+using namespace mn;
+using namespace std::chrono_literals;
+using mn::dist::Milliseconds;
+
+namespace {
+
+int g_rank = 0;
+int g_failures = 0;
+
+#define WORKER_CHECK(cond, ...)                                                                          \
+  do {                                                                                                   \
+    if (!(cond)) {                                                                                       \
+      ++g_failures;                                                                                      \
+      std::fprintf(stderr, "rank %d: CHECK FAILED %s:%d: %s -- %s\n", g_rank, __FILE__, __LINE__, #cond, \
+                   mn::str(__VA_ARGS__).c_str());                                                        \
+    }                                                                                                    \
+  } while (0)
+
+std::string arg_value(int argc, char** argv, const std::string& name, const std::string& fallback) {
+  for (int i = 2; i + 1 < argc; ++i)
+    if (name == argv[i]) return argv[i + 1];
+  return fallback;
+}
+
+bool has_flag(int argc, char** argv, const std::string& name) {
+  for (int i = 2; i < argc; ++i)
+    if (name == argv[i]) return true;
+  return false;
+}
+
+void setup_from_env(Milliseconds timeout) {
+  dist::EnvConfig env = dist::from_env();
+  g_rank = env.rank;
+  dist::setup_ddp(env.rank, env.world_size, "gloo", "env://", timeout);
+}
+
+// ---- collectives ----
+
+// i % 7 for i < n.
+Tensor remainder_free_pattern(int64_t n) {
+  Tensor t = empty({n});
+  float* p = t.data<float>();
+  for (int64_t i = 0; i < n; ++i) p[i] = static_cast<float>(i % 7);
+  return t;
+}
+
+void run_collectives() {
+  setup_from_env(60s);
+  auto pg = dist::default_process_group();
+  const int rank = pg->rank(), world = pg->size();
+  const double triangle = world * (world + 1) / 2.0;  // sum of (rank + 1)
+  for (int64_t n : {int64_t{0}, int64_t{1}, int64_t{1023}, int64_t{10'000'000}}) {
+    // Values i % 7 times (rank + 1): sums and averages are exact in f32.
+    Tensor pattern = remainder_free_pattern(n);
+    Tensor sum_t = mul(pattern, static_cast<double>(rank + 1)).contiguous();
+    Tensor avg_t = mul(pattern, 3.0 * (rank + 1)).contiguous();
+    auto sum_work = pg->allreduce(sum_t, dist::ReduceOp::Sum);
+    auto avg_work = pg->allreduce(avg_t, dist::ReduceOp::Avg);  // two in flight at once
+    sum_work->wait();
+    avg_work->wait();
+    WORKER_CHECK(sum_work->is_completed() && avg_work->is_completed(), "works report completion");
+    const float* s = sum_t.data<float>();
+    const float* a = avg_t.data<float>();
+    int64_t bad_sum = 0, bad_avg = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      const double base = static_cast<double>(i % 7);
+      if (s[i] != static_cast<float>(base * triangle)) ++bad_sum;
+      if (std::abs(a[i] - static_cast<float>(base * 3.0 * triangle / world)) > 1e-6 * (1 + base * triangle))
+        ++bad_avg;
+    }
+    WORKER_CHECK(bad_sum == 0, bad_sum, " wrong sums for n=", n);
+    WORKER_CHECK(bad_avg == 0, bad_avg, " wrong averages for n=", n);
+
+    const int root = world - 1;
+    Tensor b = full({n}, rank == root ? 7.5 : -1.0);
+    pg->broadcast(b, root)->wait();
+    int64_t bad_broadcast = 0;
+    for (float v : b.to_vector<float>()) bad_broadcast += v != 7.5f;
+    WORKER_CHECK(bad_broadcast == 0, bad_broadcast, " wrong broadcast values for n=", n);
+
+    if (n <= 1023) {
+      Tensor in = full({n}, static_cast<double>(rank));
+      Tensor out = full({n * world}, -1.0);
+      pg->allgather(in, out)->wait();
+      auto got = out.to_vector<float>();
+      int64_t bad_gather = 0;
+      for (int r = 0; r < world; ++r)
+        for (int64_t i = 0; i < n; ++i) bad_gather += got[static_cast<size_t>(r * n + i)] != static_cast<float>(r);
+      WORKER_CHECK(bad_gather == 0, bad_gather, " wrong allgather values for n=", n);
+    }
+    std::printf("rank %d: collectives on %lld elements ok\n", rank, static_cast<long long>(n));
+  }
+  Tensor ints = from_vector(std::vector<int64_t>{rank, int64_t{1} << 40});
+  pg->allreduce(ints)->wait();
+  WORKER_CHECK(
+      ints.to_vector<int64_t>() == (std::vector<int64_t>{world * (world - 1) / 2, world * (int64_t{1} << 40)}),
+      "i64 allreduce");
+  Tensor gathered = zeros({world}, TensorOptions(DType::i64));
+  pg->allgather(from_vector(std::vector<int64_t>{int64_t{100} + rank}), gathered)->wait();
+  for (int r = 0; r < world; ++r) WORKER_CHECK(gathered.to_vector<int64_t>()[r] == 100 + r, "i64 allgather");
+
+  // Barrier: nobody passes before the slowest rank arrives.
+  const auto before = std::chrono::steady_clock::now();
+  if (rank == 0) std::this_thread::sleep_for(300ms);
+  pg->barrier()->wait();
+  const auto waited = std::chrono::steady_clock::now() - before;
+  WORKER_CHECK(waited >= 250ms, "rank ", rank, " left the barrier before rank 0 arrived");
+  dist::cleanup_ddp();
+}
+
+// ---- the training problem shared by equivalence, no_sync and kill ----
+
+std::shared_ptr<nn::Module> make_target() {
+  manual_seed(1234);  // every rank (and the reference) builds the same target, hence the same scales
+  auto net = std::make_shared<nn::Sequential>();
+  net->push_back(std::make_shared<nn::Linear>(8, 16));
+  net->push_back(std::make_shared<nn::ReLU>());
+  net->push_back(std::make_shared<nn::Linear>(16, 4));
+  return net;
+}
+
+mapping::MappingModel make_model(uint64_t seed = 99) {
+  mapping::MappingOptions options;
+  options.latent_dim = 6;
+  options.seed = seed;
+  options.strategy = "layerwise";
+  return mapping::MappingModel(make_target(), options);
+}
+
+struct Data {
+  Tensor inputs;   // [n, 8]
+  Tensor targets;  // [n] classes 0..3
+};
+
+Data make_data(int64_t n, uint64_t seed) {
+  Generator gen(seed);
+  Data d;
+  d.inputs = randn({n, 8}, {}, &gen);
+  std::vector<int64_t> labels;
+  for (int64_t i = 0; i < n; ++i) labels.push_back((i * 3 + static_cast<int64_t>(seed)) % 4);
+  d.targets = from_vector(labels, Shape{n});
+  return d;
+}
+
+Data take(const Data& d, const Tensor& index) {
+  return {d.inputs.index_select(0, index), d.targets.index_select(0, index)};
+}
+
+// Same perturbation on every rank and in the reference (a fixed stream per step).
+mapping::LatentOverrides perturbed(const mapping::MappingModel& model, int step) {
+  mapping::LatentOverrides out;
+  Generator gen(5000 + static_cast<uint64_t>(step));
+  for (const auto& [name, z] : model.named_latents()) out[name] = add(z, mul(randn(z.sizes(), {}, &gen), 0.05));
+  return out;
+}
+
+// Cross-entropy plus, with two forwards, a stability-like term between clean and perturbed predictions.
+// Means over the batch, so the mean of equal-sized shard losses is the full-batch loss.
+template <class Forward>
+Tensor loss_of(Forward&& forward, const mapping::MappingModel& model, const Data& batch, bool two_forwards,
+               int step) {
+  Tensor clean = forward(batch.inputs, mapping::LatentOverrides{});
+  Tensor loss = nn::functional::cross_entropy(clean, batch.targets);
+  if (two_forwards) {
+    Tensor noisy = forward(batch.inputs, perturbed(model, step));
+    loss = add(loss, mul(nn::functional::mse_loss(noisy, clean), 0.5));
+  }
+  return loss;
+}
+
+std::vector<float> flat_latents(const mapping::MappingModel& model) {
+  std::vector<float> out;
+  for (const Tensor& z : model.parameters())
+    for (float v : z.to_vector<float>()) out.push_back(v);
+  return out;
+}
+
+std::vector<float> flat_grads(const mapping::MappingModel& model) {
+  std::vector<float> out;
+  for (const Tensor& z : model.parameters())
+    for (float v : z.grad().to_vector<float>()) out.push_back(v);
+  return out;
+}
+
+// Max |a - b| relative to max |b| (latents are O(1/sqrt(L)); elementwise relative error is meaningless
+// where a value crosses zero).
+double relative_difference(const std::vector<float>& a, const std::vector<float>& b) {
+  double diff = 0, scale = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    diff = std::max(diff, std::abs(static_cast<double>(a[i]) - b[i]));
+    scale = std::max(scale, std::abs(static_cast<double>(b[i])));
+  }
+  return diff / std::max(scale, 1e-30);
+}
+
+void check_ranks_identical(dist::ProcessGroup& pg, const std::vector<float>& mine, const char* what) {
+  Tensor local = from_vector(mine);
+  Tensor all = zeros({static_cast<int64_t>(mine.size()) * pg.size()});
+  pg.allgather(local, all)->wait();
+  auto values = all.to_vector<float>();
+  for (int r = 1; r < pg.size(); ++r)
+    for (size_t i = 0; i < mine.size(); ++i)
+      if (values[r * mine.size() + i] != values[i]) {
+        WORKER_CHECK(false, what, ": rank ", r, " differs from rank 0 at element ", i);
+        return;
+      }
+}
+
+// ---- equivalence ----
+
+void run_equivalence(int argc, char** argv) {
+  const int steps = std::stoi(arg_value(argc, argv, "--steps", "3"));
+  const bool two_forwards = has_flag(argc, argv, "--two-forwards");
+  const int64_t batch_size = 12;  // divisible by 2 and 3: equal shards
+  setup_from_env(60s);
+  auto pg = dist::default_process_group();
+  const int rank = pg->rank(), world = pg->size();
+  const Data data = make_data(batch_size, 17);
+
+  // The reference: one process, whole batch.
+  mapping::MappingModel reference = make_model();
+  nn::optim::Adam reference_opt(reference.parameters(), nn::optim::AdamOptions{.lr = 1e-2});
+  std::vector<std::vector<float>>
+      reference_grads;  // per step: Adam hides a wrong gradient scale, so compare these too
+  for (int step = 0; step < steps; ++step) {
+    reference_opt.zero_grad();
+    auto forward = [&](const Tensor& x, const mapping::LatentOverrides& o) {
+      return reference.forward(x, o).predictions;
+    };
+    loss_of(forward, reference, data, two_forwards, step).backward();
+    reference_grads.push_back(flat_grads(reference));
+    reference_opt.step();
+  }
+
+  // DDP: disjoint shards of the same batch.
+  mapping::MappingModel model = make_model();
+  if (rank != 0) {  // the wrapper must replace these with rank 0's latents
+    autograd::NoGradGuard no_grad;
+    for (Tensor& z : model.parameters()) z.detach().copy_(add(z.detach(), 0.25 * rank));
+  }
+  auto ddp = dist::wrap_ddp(model);
+  WORKER_CHECK(ddp.bytes_per_step() == static_cast<size_t>(model.trainable_parameter_count()) * 4,
+               "bytes_per_step");
+  dist::DistributedSampler sampler(batch_size, world, rank, /*shuffle=*/true, /*seed=*/3);
+  sampler.set_epoch(0);
+  const Data shard = take(data, sampler.index_tensor());
+  WORKER_CHECK(shard.inputs.size(0) == batch_size / world, "shard size");
+  nn::optim::Adam opt(ddp.parameters(), nn::optim::AdamOptions{.lr = 1e-2});
+  double max_grad_rel = 0;
+  for (int step = 0; step < steps; ++step) {
+    opt.zero_grad();
+    auto forward = [&](const Tensor& x, const mapping::LatentOverrides& o) {
+      return ddp.forward(x, o).predictions;
+    };
+    loss_of(forward, model, shard, two_forwards, step).backward();
+    const double grad_rel = relative_difference(flat_grads(model), reference_grads[static_cast<size_t>(step)]);
+    WORKER_CHECK(grad_rel <= 1e-5, "step ", step, ": averaged gradients differ from the full-batch ones by ",
+                 grad_rel);
+    max_grad_rel = std::max(max_grad_rel, grad_rel);
+    opt.step();
+  }
+  const auto mine = flat_latents(model);
+  const double rel = relative_difference(mine, flat_latents(reference));
+  std::printf("rank %d of %d: %d Adam steps%s, max relative difference to one process: latents %.3g, grads %.3g\n",
+              rank, world, steps, two_forwards ? " (two forwards per step)" : "", rel, max_grad_rel);
+  WORKER_CHECK(rel <= 1e-6, "latents differ from the single-process run by ", rel);
+  check_ranks_identical(*pg, mine, "latents after training");
+  dist::cleanup_ddp();
+}
+
+// ---- no_sync ----
+
+void run_no_sync() {
+  setup_from_env(60s);
+  auto pg = dist::default_process_group();
+  const int rank = pg->rank(), world = pg->size();
+  const int64_t micro = 12;
+  const Data a = make_data(micro, 21), b = make_data(micro, 22);
+
+  // Reference: one step on the concatenation (mean over 2 * micro samples).
+  mapping::MappingModel reference = make_model();
+  nn::optim::Adam reference_opt(reference.parameters(), nn::optim::AdamOptions{.lr = 1e-2});
+  Data both{cat({a.inputs, b.inputs}, 0), cat({a.targets, b.targets}, 0)};
+  std::vector<std::vector<float>> reference_grads;
+  for (int step = 0; step < 2; ++step) {
+    reference_opt.zero_grad();
+    nn::functional::cross_entropy(reference.forward(both.inputs).predictions, both.targets).backward();
+    reference_grads.push_back(flat_grads(reference));
+    reference_opt.step();
+  }
+
+  mapping::MappingModel model = make_model();
+  auto ddp = dist::wrap_ddp(model);
+  dist::DistributedSampler sampler(micro, world, rank, false);
+  const Tensor index = sampler.index_tensor();
+  const Data a_shard = take(a, index), b_shard = take(b, index);
+  nn::optim::Adam opt(ddp.parameters(), nn::optim::AdamOptions{.lr = 1e-2});
+  for (int step = 0; step < 2; ++step) {
+    opt.zero_grad();
+    {
+      auto guard = ddp.no_sync();
+      mul(nn::functional::cross_entropy(ddp.forward(a_shard.inputs).predictions, a_shard.targets), 0.5).backward();
+    }
+    if (step == 0) {
+      // No communication happened: the local grads still differ between ranks (different shards).
+      const std::vector<float> local = flat_grads(model);
+      Tensor all = zeros({static_cast<int64_t>(local.size()) * world});
+      pg->allgather(from_vector(local), all)->wait();
+      auto values = all.to_vector<float>();
+      bool differs = false;
+      for (size_t i = 0; i < local.size(); ++i) differs |= values[i] != values[local.size() + i];
+      WORKER_CHECK(differs, "grads after the no_sync backward are identical across ranks: something was reduced");
+    }
+    mul(nn::functional::cross_entropy(ddp.forward(b_shard.inputs).predictions, b_shard.targets), 0.5).backward();
+    const double grad_rel = relative_difference(flat_grads(model), reference_grads[static_cast<size_t>(step)]);
+    WORKER_CHECK(grad_rel <= 1e-5, "step ", step,
+                 ": accumulated gradients differ from the concatenated batch's by ", grad_rel);
+    opt.step();
+  }
+  const auto mine = flat_latents(model);
+  const double rel = relative_difference(mine, flat_latents(reference));
+  std::printf("rank %d of %d: no_sync accumulation over 2 micro-batches, max relative latent difference: %.3g\n",
+              rank, world, rel);
+  WORKER_CHECK(rel <= 1e-6, "no_sync accumulation differs from the concatenated batch by ", rel);
+  check_ranks_identical(*pg, mine, "latents after no_sync training");
+  dist::cleanup_ddp();
+}
+
+// ---- buffer_mismatch ----
+
+// Rank 1 builds its mappers from another seed: wrapping must fail on every rank, naming the group.
+void run_buffer_mismatch() {
+  setup_from_env(60s);
+  mapping::MappingModel model = make_model(g_rank == 1 ? 100 : 99);
+  auto ddp = dist::wrap_ddp(model);
+  WORKER_CHECK(false, "wrap_ddp accepted mapper buffers that differ between ranks");
+}
+
+// ---- kill ----
+
+int run_kill(int argc, char** argv) {
+  const int kill_rank = std::stoi(arg_value(argc, argv, "--kill-rank", "1"));
+  const int after_step = std::stoi(arg_value(argc, argv, "--after-step", "2"));
+  const double timeout_s = std::stod(arg_value(argc, argv, "--timeout", "10"));
+  // The survivors must show their own error path, not the launcher's SIGTERM.
+  if (has_flag(argc, argv, "--ignore-sigterm")) signal(SIGTERM, SIG_IGN);
+  setup_from_env(Milliseconds(static_cast<int64_t>(timeout_s * 1000)));
+  auto pg = dist::default_process_group();
+  const int rank = pg->rank(), world = pg->size();
+  mapping::MappingModel model = make_model();
+  auto ddp = dist::wrap_ddp(model);
+  dist::DistributedSampler sampler(12, world, rank, false);
+  const Data shard = take(make_data(12, 5), sampler.index_tensor());
+  nn::optim::Adam opt(ddp.parameters(), nn::optim::AdamOptions{.lr = 1e-2});
+  auto last_ok = std::chrono::steady_clock::now();
+  for (int step = 1; step <= 100000; ++step) {
+    try {
+      opt.zero_grad();
+      nn::functional::cross_entropy(ddp.forward(shard.inputs).predictions, shard.targets).backward();
+      opt.step();
+    } catch (const Error& e) {
+      const double after = std::chrono::duration<double>(std::chrono::steady_clock::now() - last_ok).count();
+      std::fprintf(stderr, "rank %d: training stopped at step %d, %.2f s after the last good step: %s\n", rank,
+                   step, after, e.what());
+      return 3;
+    }
+    last_ok = std::chrono::steady_clock::now();
+    if (step == after_step && rank == kill_rank) {
+      std::fprintf(stderr, "rank %d: raising SIGKILL after step %d\n", rank, step);
+      std::fflush(stderr);
+      raise(SIGKILL);
+    }
+  }
+  std::fprintf(stderr, "rank %d: finished all steps without noticing the dead rank\n", rank);
+  return 1;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const std::string mode = argc > 1 ? argv[1] : "";
+  try {
+    if (mode == "collectives") {
+      run_collectives();
+    } else if (mode == "equivalence") {
+      run_equivalence(argc, argv);
+    } else if (mode == "no_sync") {
+      run_no_sync();
+    } else if (mode == "buffer_mismatch") {
+      run_buffer_mismatch();
+    } else if (mode == "kill") {
+      return run_kill(argc, argv);
+    } else if (mode == "env") {
+      dist::EnvConfig env = dist::from_env();
+      std::printf("rank %d of %d at %s:%u\n", env.rank, env.world_size, env.master_addr.c_str(), env.master_port);
+    } else {
+      std::fprintf(stderr,
+                   "usage: dist_worker collectives|equivalence|no_sync|buffer_mismatch|kill|env [options]\n");
+      return 2;
+    }
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "rank %d: error: %s\n", g_rank, e.what());
+    return 1;
+  }
+  if (g_failures > 0) {
+    std::fprintf(stderr, "rank %d: %d check(s) failed\n", g_rank, g_failures);
+    return 1;
+  }
+  std::printf("rank %d: %s passed\n", g_rank, mode.c_str());
+  return 0;
+}

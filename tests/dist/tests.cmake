@@ -1,0 +1,99 @@
+# Multi-process tests of dist/ (label dist): ranks on 127.0.0.1 started by mn-run (examples/mn-run.cpp),
+# each on a free port, so they may run in parallel. Included from tests/CMakeLists.txt.
+if(NOT MN_GLOO_ENABLED OR NOT MN_BUILD_EXAMPLES)
+  return()
+endif()
+
+add_executable(mn_dist_worker ${CMAKE_CURRENT_SOURCE_DIR}/dist/dist_worker.cpp)
+target_link_libraries(mn_dist_worker PRIVATE mn::mapping_networks)
+# Benchmark program, not a test: mn-run --nproc-per-node 2 mn_dist_bench (see its header).
+add_executable(mn_dist_bench ${CMAKE_CURRENT_SOURCE_DIR}/dist/dist_bench.cpp)
+target_link_libraries(mn_dist_bench PRIVATE mn::mapping_networks)
+
+set(MN_DIST_WORKER $<TARGET_FILE:mn_dist_worker>)
+set(MN_DIST_EXPECT_FAILURE ${CMAKE_CURRENT_SOURCE_DIR}/dist/expect_failure.cmake)
+set(MN_RUN $<TARGET_FILE:mn-run>)
+
+# mn_dist_test(<name> <nproc> <worker args>...): passes when every rank exits 0.
+function(mn_dist_test name nproc)
+  add_test(NAME ${name} COMMAND mn-run --nproc-per-node ${nproc} ${MN_DIST_WORKER} ${ARGN})
+  set_tests_properties(${name} PROPERTIES LABELS dist TIMEOUT 120)
+endfunction()
+
+# mn_dist_failure_test(<name> <max seconds> <command, arguments joined by @@> <regex>...): passes when the command
+# exits non-zero within the time and its output matches every regex.
+function(mn_dist_failure_test name max_seconds command)
+  set(index 0)
+  set(expects)
+  foreach(regex ${ARGN})
+    list(APPEND expects "-DEXPECT${index}=${regex}")
+    math(EXPR index "${index} + 1")
+  endforeach()
+  add_test(NAME ${name} COMMAND ${CMAKE_COMMAND} "-DCOMMAND=${command}" -DMAX_SECONDS=${max_seconds}
+                                ${expects} -P ${MN_DIST_EXPECT_FAILURE})
+  set_tests_properties(${name} PROPERTIES LABELS dist TIMEOUT 120)
+endfunction()
+
+foreach(nproc 2 3)
+  mn_dist_test(dist_collectives_${nproc} ${nproc} collectives)
+  mn_dist_test(dist_equivalence_${nproc} ${nproc} equivalence --steps 3)
+  mn_dist_test(dist_equivalence_two_forwards_${nproc} ${nproc} equivalence --steps 3 --two-forwards)
+  mn_dist_test(dist_no_sync_${nproc} ${nproc} no_sync)
+endforeach()
+
+# Mapper buffers built from different seeds: every rank refuses to wrap, naming the first differing group.
+mn_dist_failure_test(dist_buffer_mismatch_3 60
+  "${MN_RUN}@@--nproc-per-node@@3@@${MN_DIST_WORKER}@@buffer_mismatch"
+  "rank 0: error: DDP: the mapper buffers of group '0' differ between rank 0 and rank 1"
+  "rank 2: error: DDP: the mapper buffers of group '0' differ between rank 0 and rank 1"
+  "mn-run: failed: rank [0-9]")
+
+# A rank dies mid-training. With SIGTERM ignored the survivors show their own error path (Gloo notices
+# the dead peer, at the latest after the 10 s collective timeout); without, mn-run stops them at once.
+mn_dist_failure_test(dist_kill_rank_survivors_2 60
+  "${MN_RUN}@@--nproc-per-node@@2@@--grace-period@@60@@${MN_DIST_WORKER}@@kill@@--kill-rank@@1@@--after-step@@2@@--timeout@@10@@--ignore-sigterm"
+  "rank 1 \\(pid [0-9]+\\) was killed by signal 9"
+  "rank 0: training stopped at step 3, [0-9.]+ s after the last good step: DDP gradient all-reduce failed"
+  "mn-run: failed: rank [0-9]")
+mn_dist_failure_test(dist_kill_rank_survivors_3 60
+  "${MN_RUN}@@--nproc-per-node@@3@@--grace-period@@60@@${MN_DIST_WORKER}@@kill@@--kill-rank@@1@@--after-step@@2@@--timeout@@10@@--ignore-sigterm"
+  "rank 0: training stopped at step 3"
+  "rank 2: training stopped at step 3"
+  "rank 1 \\(pid [0-9]+\\) was killed by signal 9"
+  "mn-run: failed: rank [0-9]")
+mn_dist_failure_test(dist_kill_rank_launcher_3 30
+  "${MN_RUN}@@--nproc-per-node@@3@@${MN_DIST_WORKER}@@kill@@--kill-rank@@2@@--after-step@@2@@--timeout@@10"
+  "rank 2 \\(pid [0-9]+\\) was killed by signal 9"
+  "mn-run: failed: rank 2 was killed by signal 9")
+# Ranks that cannot notice the failure themselves are stopped by the launcher.
+mn_dist_failure_test(dist_launcher_stops_others_3 30
+  "${MN_RUN}@@--nproc-per-node@@3@@sh@@-c@@test $RANK = 1 && exit 3 || exec sleep 60"
+  "rank 1 \\(pid [0-9]+\\) exited with code 3. stopping the other 2 rank"
+  "rank 0 \\(pid [0-9]+\\) was killed by signal 15"
+  "rank 2 \\(pid [0-9]+\\) was killed by signal 15"
+  "mn-run: failed: rank 1 exited with code 3")
+mn_dist_failure_test(dist_launcher_bad_program 30
+  "${MN_RUN}@@--nproc-per-node@@2@@/nonexistent/program"
+  "cannot execute '/nonexistent/program'"
+  "exited with code 127")
+
+# Signals sent to mn-run reach every rank; ranks that ignore SIGTERM/SIGINT get SIGKILL after the grace
+# period (the test times out if any rank survives).
+mn_dist_failure_test(dist_launcher_forwards_sigterm 20
+  "timeout@@--preserve-status@@-s@@TERM@@1@@${MN_RUN}@@--nproc-per-node@@2@@sleep@@60"
+  "mn-run: stopped by signal 15")
+mn_dist_failure_test(dist_launcher_escalates_to_sigkill 20
+  "timeout@@--preserve-status@@-s@@INT@@1@@${MN_RUN}@@--nproc-per-node@@3@@--grace-period@@1@@sh@@-c@@trap '' TERM INT && exec sleep 60"
+  "mn-run: stopped by signal 2")
+
+# Bad or missing launcher variables give clear errors.
+add_test(NAME dist_env_missing_rank
+         COMMAND ${CMAKE_COMMAND} -E env --unset=RANK WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=29511
+                 ${MN_DIST_WORKER} env)
+set_tests_properties(dist_env_missing_rank PROPERTIES LABELS dist TIMEOUT 30
+                     PASS_REGULAR_EXPRESSION "environment variable RANK is not set")
+add_test(NAME dist_env_bad_world_size
+         COMMAND ${CMAKE_COMMAND} -E env RANK=0 WORLD_SIZE=abc MASTER_ADDR=127.0.0.1 MASTER_PORT=29511
+                 ${MN_DIST_WORKER} env)
+set_tests_properties(dist_env_bad_world_size PROPERTIES LABELS dist TIMEOUT 30
+                     PASS_REGULAR_EXPRESSION "environment variable WORLD_SIZE='abc' is not a positive integer")
