@@ -134,7 +134,7 @@ void map(Tensor& out, Op op, const Ts&... in) {
       ((contiguous = contiguous && s[I + 1] == static_cast<int64_t>(sizeof(In))), ...);
       Out* o = reinterpret_cast<Out*>(p[0]);
       if (contiguous) {
-        auto ins = std::make_tuple(reinterpret_cast<const In*>(p[I + 1])...);
+        [[maybe_unused]] auto ins = std::make_tuple(reinterpret_cast<const In*>(p[I + 1])...);
         for (int64_t i = 0; i < n; ++i) o[i] = op(std::get<I>(ins)[i]...);
       } else {
         for (int64_t i = 0; i < n; ++i)
