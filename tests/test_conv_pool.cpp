@@ -165,6 +165,12 @@ TEST_CASE("conv2d: gradcheck for input, weight and bias") {
   Tensor nhwc = random_param({2, 5, 5, 4}, 63);
   CHECK(gradcheck([](const std::vector<Tensor>& t) { return F::conv2d(t[0].permute({0, 3, 1, 2}), t[1], t[2], {2, 2}, {1, 1}); },
                   {nhwc, random_param({3, 4, 2, 2}, 64), random_param({3}, 65)}) == "");
+  // Only some inputs need gradients (the kernel then computes just those).
+  Tensor w_fixed = random_tensor({3, 4, 3, 3}, 69), x_fixed = random_tensor({2, 4, 5, 5}, 70);
+  CHECK(gradcheck([&](const std::vector<Tensor>& t) { return F::conv2d(t[0], w_fixed, t[1], {2, 2}, {1, 1}); },
+                  {x, random_param({3}, 71)}) == "");
+  CHECK(gradcheck([&](const std::vector<Tensor>& t) { return F::conv2d(x_fixed, w_fixed, t[0], {1, 1}, {1, 1}); },
+                  {random_param({3}, 72)}) == "");
   // 1x1 kernel path.
   CHECK(gradcheck([](const std::vector<Tensor>& t) { return F::conv2d(t[0], t[1]); },
                   {x, random_param({3, 4, 1, 1}, 66)}) == "");

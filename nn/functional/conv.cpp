@@ -42,8 +42,17 @@ Tensor conv_forward(const Tensor& x, const Tensor& w, const Tensor& b, const Con
                        const Tensor& g = c.grad();
                        Tensor gx, gw, gb;
                        if (c.needs(0)) gx = conv_input_grad(g, saved_w.unpack("Conv2dBackward"), x_shape, p);
-                       if (c.needs(1)) gw = conv_weight_grad(g, saved_x.unpack("Conv2dBackward"), w_shape, p);
-                       if (c.needs(2)) gb = sum(g, {0, 2, 3});
+                       if (autograd::grad_mode_enabled()) {
+                         // Recorded (create_graph): differentiable forms.
+                         if (c.needs(1)) gw = conv_weight_grad(g, saved_x.unpack("Conv2dBackward"), w_shape, p);
+                         if (c.needs(2)) gb = sum(g, {0, 2, 3});
+                       } else if (c.needs(1) || c.needs(2)) {
+                         // First order: weight and bias gradients from one kernel call.
+                         if (c.needs(1)) gw = empty(w_shape, options_of(g));
+                         if (c.needs(2)) gb = empty({w_shape[0]}, options_of(g));
+                         const Tensor x = c.needs(1) ? saved_x.unpack("Conv2dBackward") : Tensor();
+                         kernels::conv2d_backward_weight(g.device(), g, x, p, gw, gb);
+                       }
                        return {gx, gw, gb};
                      });
   }
