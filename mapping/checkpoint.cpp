@@ -97,6 +97,7 @@ json mapper_json(const MappingModel& model) {
   for (const auto& g : model.generator().groups()) groups[g.name] = g.mapper->describe();
   const bool is_default = !model.options().mapper_factory;
   return {{"default", is_default},
+          {"construction", kMapperConstruction},
           {"alpha", is_default ? json(model.options().alpha) : json(nullptr)},
           {"groups", groups}};
 }
@@ -259,6 +260,11 @@ void check_generator(const std::string& path, const Loaded& loaded, const Mappin
            "; the mapper matrices are regenerated from the seed, so build the model with seed ", info.seed);
   const json current = mapper_json(model);
   try {
+    // Checkpoints written before the construction was recorded used double-precision factorisations.
+    const std::string construction = loaded.mapper.value("construction", "block-orthogonal/philox-householder-f64");
+    MN_CHECK(construction == kMapperConstruction, ValueError, "checkpoint ", path,
+             " was written with the mapper construction '", construction, "' but this library builds '",
+             kMapperConstruction, "': its latents would generate different parameters");
     for (const auto& g : gen.groups()) {
       const std::string saved = loaded.mapper.at("groups").at(g.name).get<std::string>();
       const std::string mine = current.at("groups").at(g.name).get<std::string>();

@@ -8,7 +8,7 @@
 // Q * D_b, with Q one L x L random orthogonal matrix and D_b a random +-1 diagonal (column signs);
 // the last block (L + rows mod L rows) is a fresh random matrix with orthonormal columns. Every block
 // has orthonormal columns, so W0^T W0 = k I and W = W0 / sqrt(k) (times the expansion). Random
-// orthogonal factors come from Householder QR (in double, single-threaded, so the bits do not depend
+// orthogonal factors come from Householder QR (in float, single-threaded, so the bits do not depend
 // on the thread count) of Philox normal draws, with column signs fixed by sign(diag R).
 // Cost: two QRs of about L x L (O(L^3)) plus O(rows * L) sign draws - seconds for L = 4096 - instead
 // of the O(rows * L^2) QR of a full Gaussian. Storage is about 2 L^2 + (k-1) L floats instead of
@@ -21,6 +21,10 @@
 #include "core/tensor.h"
 
 namespace mn::mapping {
+
+// Names the construction below. Checkpoints record it: latents saved under another construction
+// would generate different parameters, so loading them is refused. Bump it whenever the bits change.
+inline constexpr const char* kMapperConstruction = "block-orthogonal/philox-householder-f32";
 
 class OrthogonalMatrix {
  public:

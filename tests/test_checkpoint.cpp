@@ -329,6 +329,11 @@ TEST_CASE("checkpoint: versions, missing and damaged files") {
     rewrite_metadata(path, "schema_version", "");
     CHECK_THROWS_WITH_AS(load_checkpoint(path, model), doctest::Contains("'schema_version'"), KeyError);
   }
+  SUBCASE("another mapper construction") {
+    // A file from before the construction was recorded (double-precision factorisations).
+    rewrite_metadata(path, "mapper", "{\"default\": true, \"alpha\": 0.01, \"groups\": {}}");
+    CHECK_THROWS_WITH_AS(load_checkpoint(path, model), doctest::Contains("philox-householder-f64"), ValueError);
+  }
   SUBCASE("a required section missing") {
     rewrite_metadata(path, "spec", "");
     CHECK_THROWS_WITH_AS(load_checkpoint(path, model), doctest::Contains("'spec'"), KeyError);
