@@ -16,6 +16,10 @@
 #include "core/caching_allocator.h"
 #include "core/error.h"
 
+namespace mn::kernels {
+void ensure_registered();  // kernels/dispatch.cpp: the backends register their allocator factories there
+}  // namespace mn::kernels
+
 namespace mn {
 
 namespace {
@@ -86,6 +90,7 @@ std::string device_name(Device d) {
 struct DeviceRegistry {
   std::mutex mutex;  // guards factory and creation; lookups of created allocators take no lock
   DeviceAllocatorFactory factory = nullptr;
+  std::atomic<bool> ever_registered{false};  // false: the backends have not had their turn yet
   std::array<std::atomic<DeviceAllocator*>, kMaxDevicesPerType> created{};
 };
 
@@ -127,6 +132,7 @@ void register_device_allocator_factory(DeviceType type, DeviceAllocatorFactory f
   DeviceRegistry& registry = registry_for(type);
   std::lock_guard<std::mutex> lock(registry.mutex);
   registry.factory = factory;
+  registry.ever_registered.store(true, std::memory_order_release);
   for (auto& slot : registry.created) slot.store(nullptr, std::memory_order_release);
 }
 
@@ -140,6 +146,10 @@ DeviceAllocator& allocator_for(Device d) {
   DeviceRegistry& registry = registry_for(d.type);
   auto& slot = registry.created[static_cast<size_t>(d.index)];
   if (DeviceAllocator* allocator = slot.load(std::memory_order_acquire)) return *allocator;
+  // The CUDA backend registers its factory with the kernels; the first use of a device (a tensor
+  // factory, memory_stats, ...) may come before any kernel ran. A factory registered by hand first
+  // (tests) is left alone. Not under the registry lock: registration takes it.
+  if (!registry.ever_registered.load(std::memory_order_acquire)) kernels::ensure_registered();
   std::lock_guard<std::mutex> lock(registry.mutex);
   if (DeviceAllocator* allocator = slot.load(std::memory_order_acquire)) return *allocator;
   MN_CHECK(registry.factory != nullptr, DeviceError, "no allocator for device ", device_name(d),

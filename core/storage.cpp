@@ -1,10 +1,13 @@
 #include "core/storage.h"
 
+#include "core/cuda.h"
+
 namespace mn {
 
+// Device memory belongs to the stream that is current when it is allocated (core/cuda.h).
 Storage::Storage(size_t nbytes, Device device)
     : nbytes_(nbytes), device_(device), allocator_(&allocator_for(device)) {
-  alloc_ = allocator_->allocate(nbytes);
+  alloc_ = allocator_->allocate(nbytes, device.is_cpu() ? StreamId{0} : cuda::current_stream_id(device.index));
 }
 
 Storage::~Storage() { allocator_->free(alloc_); }

@@ -5,6 +5,7 @@
 // API (specs, mappers, generators, MappingModel, losses, trainer, checkpoints, profilers, built-in
 // targets). dist/ headers are available when the library was built with Gloo.
 #include "core/allocator.h"
+#include "core/cuda.h"  // streams, record_stream, synchronize, set_allow_tf32 (throw DeviceError without CUDA)
 #include "core/random.h"
 #include "core/tensor.h"
 

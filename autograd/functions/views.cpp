@@ -351,8 +351,10 @@ Tensor& Tensor::copy_(const Tensor& src) {
   MN_CHECK(!(requires_grad() && autograd::grad_mode_enabled()), RuntimeError,
            "copy_ into a tensor that requires grad is not supported while recording; use NoGradGuard or an "
            "out-of-place op");
-  detail::check_same_device("copy_", *this, src);
-  kernels::copy(device(), detail::expand_view(src, sizes()), *this);
+  // Across devices (as in to_device) the copy is the device side's kernel, which handles host <-> device
+  // in both directions and device <-> device.
+  const Device here = device(), there = src.device();
+  kernels::copy(here.is_cpu() ? there : here, detail::expand_view(src, sizes()), *this);
   bump_version();
   return *this;
 }

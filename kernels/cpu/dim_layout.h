@@ -9,6 +9,7 @@
 
 #include "core/tensor.h"
 #include "kernels/cpu/loops.h"
+#include "kernels/dim_split.h"
 #include "kernels/kernels.h"
 
 namespace mn::kernels::cpu {
@@ -21,23 +22,8 @@ inline Tensor dense(const Tensor& t) {
   return out;
 }
 
-// A contiguous tensor seen as [outer, n, inner] around `dim`.
-struct DimSplit {
-  int64_t outer = 1, n = 1, inner = 1;
-};
-
-inline DimSplit split_at(const Shape& sizes, int dim) {
-  DimSplit s;
-  for (int d = 0; d < sizes.size(); ++d) {
-    if (d < dim)
-      s.outer *= sizes[d];
-    else if (d == dim)
-      s.n = sizes[d];
-    else
-      s.inner *= sizes[d];
-  }
-  return s;
-}
+using kernels::DimSplit;  // kernels/dim_split.h
+using kernels::split_at;
 
 // True when `work` elements justify a parallel region (and we are not already inside one).
 inline bool worth_parallel(int64_t work) {

@@ -22,9 +22,13 @@ int cuda_device_count() {
 
 namespace mn::kernels {
 
+void register_cuda_runtime_kernels();  // kernels/cuda/runtime.cu: copy, fill, random_fill, gemm, optimizer steps
+void register_cuda_compute_kernels();  // kernels/cuda/register_compute.cu: elementwise, reductions, index,
+                                       // softmax/losses, conv, pooling, batch norm
+
 void register_cuda_kernels() {
-  // The CUDA kernels (cuBLAS GEMM, elementwise, reductions, conv, ...) register here as they land;
-  // until then CUDA tensors report a clear NotImplementedError for every op.
+  register_cuda_runtime_kernels();
+  register_cuda_compute_kernels();
 }
 
 }  // namespace mn::kernels

@@ -1,0 +1,166 @@
+// CUDA runtime costs (built only with CUDA; without a device it prints a skip line and exits 0).
+// Targets (issue 5): a caching-allocator hit (allocate + free of a cached block) <= 1 us, measured
+// beside cudaMalloc + cudaFree of the same size; cuBLAS f32 GEMM 8192^3 >= 70% of the H200's fp32
+// peak (about 67 TFLOP/s, so >= 47); plus the cost of empty_cache and host <-> device bandwidth
+// (through Tensor::copy_, which synchronises like PyTorch's blocking copy, and raw pinned cudaMemcpy
+// as the ceiling).
+//   mn_bench_cuda_runtime --benchmark_filter=Gemm
+#include <benchmark/benchmark.h>
+#include <cuda_runtime.h>
+
+#include <chrono>
+#include <cstdio>
+#include <vector>
+
+#include "autograd/ops.h"
+#include "core/allocator.h"
+#include "core/cuda.h"
+#include "core/random.h"
+#include "kernels/kernels.h"
+
+namespace {
+
+using namespace mn;
+
+const Device kGpu = cuda_device(0);
+constexpr int64_t KiB = 1 << 10;
+constexpr int64_t MiB = 1 << 20;
+
+bool ok(cudaError_t status, benchmark::State& state, const char* what) {
+  if (status == cudaSuccess) return true;
+  state.SkipWithError(what);
+  return false;
+}
+
+// allocate + free of a block the cache already holds: host bookkeeping only.
+void BM_CachingAllocatorHit(benchmark::State& state) {
+  const auto bytes = static_cast<size_t>(state.range(0));
+  DeviceAllocator& gpu = allocator_for(kGpu);
+  gpu.free(gpu.allocate(bytes));  // warm: the segment exists
+  for (auto _ : state) {
+    Allocation a = gpu.allocate(bytes);
+    benchmark::DoNotOptimize(a.ptr);
+    gpu.free(a);
+  }
+}
+BENCHMARK(BM_CachingAllocatorHit)->Arg(512)->Arg(64 * KiB)->Arg(MiB)->Arg(16 * MiB)->Arg(256 * MiB);
+
+// The same sizes straight from the driver (cudaFree also synchronises the device).
+void BM_CudaMallocFree(benchmark::State& state) {
+  const auto bytes = static_cast<size_t>(state.range(0));
+  for (auto _ : state) {
+    void* p = nullptr;
+    if (!ok(cudaMalloc(&p, bytes), state, "cudaMalloc failed")) break;
+    benchmark::DoNotOptimize(p);
+    if (!ok(cudaFree(p), state, "cudaFree failed")) break;
+  }
+}
+BENCHMARK(BM_CudaMallocFree)->Arg(512)->Arg(64 * KiB)->Arg(MiB)->Arg(16 * MiB)->Arg(256 * MiB);
+
+// empty_cache returning `segments` cached 32 MiB segments (the refill is not timed).
+void BM_EmptyCache(benchmark::State& state) {
+  const int64_t segments = state.range(0);
+  empty_cache(kGpu);
+  for (auto _ : state) {
+    {
+      std::vector<Tensor> hold;
+      for (int64_t i = 0; i < segments; ++i) hold.push_back(empty({32 * MiB / 4}, kGpu));
+    }  // freed: all cached
+    const auto start = std::chrono::steady_clock::now();
+    empty_cache(kGpu);
+    const std::chrono::duration<double> took = std::chrono::steady_clock::now() - start;
+    state.SetIterationTime(took.count());
+  }
+}
+BENCHMARK(BM_EmptyCache)->Arg(0)->Arg(1)->Arg(16)->UseManualTime()->Unit(benchmark::kMicrosecond);
+
+// C = A B through the gemm kernel (cuBLAS), timed with events on the current stream. range(1) = 1
+// allows TF32.
+void BM_GemmF32(benchmark::State& state) {
+  const int64_t n = state.range(0);
+  const bool tf32 = state.range(1) != 0;
+  Generator gen(7);
+  const Tensor a = randn({n, n}, kGpu, &gen), b = randn({n, n}, kGpu, &gen);
+  Tensor c = empty({n, n}, kGpu);
+  cuda::set_allow_tf32(tf32);
+  kernels::gemm(kGpu, a, b, c, 1.0, 0.0);  // warm: handle, heuristics, module load
+  cuda::synchronize(0);
+  cudaStream_t stream = static_cast<cudaStream_t>(cuda::get_current_stream(0).handle());
+  cudaEvent_t start = nullptr, stop = nullptr;
+  cudaEventCreate(&start);
+  cudaEventCreate(&stop);
+  for (auto _ : state) {
+    cudaEventRecord(start, stream);
+    kernels::gemm(kGpu, a, b, c, 1.0, 0.0);
+    cudaEventRecord(stop, stream);
+    if (!ok(cudaEventSynchronize(stop), state, "gemm failed")) break;
+    float ms = 0;
+    cudaEventElapsedTime(&ms, start, stop);
+    state.SetIterationTime(ms / 1e3);
+  }
+  cuda::set_allow_tf32(false);
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  state.counters["TFLOPS"] = benchmark::Counter(2.0 * n * n * n / 1e12, benchmark::Counter::kIsIterationInvariantRate);
+}
+BENCHMARK(BM_GemmF32)
+    ->Args({4096, 0})
+    ->Args({8192, 0})
+    ->Args({8192, 1})
+    ->UseManualTime()
+    ->Unit(benchmark::kMillisecond);
+
+// Host <-> device through Tensor::copy_ (pageable host memory from the CPU allocator).
+void BM_CopyHostToDevice(benchmark::State& state) {
+  const int64_t bytes = state.range(0);
+  const Tensor host = ones({bytes / 4});
+  Tensor dev = empty({bytes / 4}, kGpu);
+  for (auto _ : state) dev.copy_(host);
+  state.SetBytesProcessed(state.iterations() * bytes);
+}
+BENCHMARK(BM_CopyHostToDevice)->Arg(MiB)->Arg(64 * MiB)->Arg(256 * MiB)->UseRealTime()->Unit(benchmark::kMillisecond);
+
+void BM_CopyDeviceToHost(benchmark::State& state) {
+  const int64_t bytes = state.range(0);
+  const Tensor dev = ones({bytes / 4}, kGpu);
+  Tensor host = empty({bytes / 4});
+  for (auto _ : state) host.copy_(dev);
+  state.SetBytesProcessed(state.iterations() * bytes);
+}
+BENCHMARK(BM_CopyDeviceToHost)->Arg(MiB)->Arg(64 * MiB)->Arg(256 * MiB)->UseRealTime()->Unit(benchmark::kMillisecond);
+
+// The ceiling: cudaMemcpy from and to pinned memory. range(1): 0 = host to device, 1 = device to host.
+void BM_PinnedMemcpy(benchmark::State& state) {
+  const auto bytes = static_cast<size_t>(state.range(0));
+  const bool to_host = state.range(1) != 0;
+  void* pinned = nullptr;
+  void* dev = nullptr;
+  if (!ok(cudaMallocHost(&pinned, bytes), state, "cudaMallocHost failed")) return;
+  if (!ok(cudaMalloc(&dev, bytes), state, "cudaMalloc failed")) {
+    cudaFreeHost(pinned);
+    return;
+  }
+  for (auto _ : state) {
+    const cudaError_t status = to_host ? cudaMemcpy(pinned, dev, bytes, cudaMemcpyDeviceToHost)
+                                       : cudaMemcpy(dev, pinned, bytes, cudaMemcpyHostToDevice);
+    if (!ok(status, state, "cudaMemcpy failed")) break;
+  }
+  state.SetBytesProcessed(static_cast<int64_t>(state.iterations() * bytes));
+  cudaFree(dev);
+  cudaFreeHost(pinned);
+}
+BENCHMARK(BM_PinnedMemcpy)->Args({256 * MiB, 0})->Args({256 * MiB, 1})->UseRealTime()->Unit(benchmark::kMillisecond);
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (mn::cuda_device_count() == 0) {
+    std::printf("no CUDA device (cuda_device_count() == 0): CUDA runtime benchmarks skipped\n");
+    return 0;
+  }
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}

@@ -1,0 +1,324 @@
+// CUDA elementwise kernels: unary math, binary arithmetic, comparisons and activation backwards, and
+// where. Twins of kernels/cpu/elementwise.cpp (same formulas, same NaN and i64 rules). Operands are
+// views of the output's shape with arbitrary (possibly zero) strides: dims are collapsed on the host
+// as in the CPU loop, and a dense layout shared by all operands runs as a flat index. Each op is a
+// small functor with a switch on the op (uniform across threads); one grid-stride loop per launch.
+#include <cmath>
+
+#include "kernels/cuda/compute_utils.cuh"
+
+namespace mn::kernels {
+namespace {
+
+using cuda::kThreads;
+
+// ---------------- layout of N operands over one shape ----------------
+
+template <int N>
+struct Loop {
+  int ndim = 0;
+  bool flat = false;  // all operands dense with unit inner stride: element i is at offset i
+  int64_t sizes[kMaxDims] = {};
+  int64_t strides[N][kMaxDims] = {};
+
+  __device__ void offsets(int64_t linear, int64_t* off) const {
+    for (int k = 0; k < N; ++k) off[k] = 0;
+    for (int d = ndim - 1; d >= 0; --d) {
+      const int64_t s = sizes[d];
+      const int64_t i = linear % s;
+      linear /= s;
+      for (int k = 0; k < N; ++k) off[k] += i * strides[k][d];
+    }
+  }
+};
+
+// ops[0] is the output; all operands have the output's shape.
+template <int N>
+Loop<N> make_loop(const Shape& shape, const Tensor* const (&ops)[N]) {
+  Loop<N> loop;
+  for (int d = 0; d < shape.size(); ++d) {
+    if (shape[d] == 1) continue;
+    const int n = loop.ndim;
+    bool merge = n > 0;
+    for (int k = 0; k < N && merge; ++k) merge = loop.strides[k][n - 1] == ops[k]->stride(d) * shape[d];
+    if (merge) {
+      loop.sizes[n - 1] *= shape[d];
+      for (int k = 0; k < N; ++k) loop.strides[k][n - 1] = ops[k]->stride(d);
+    } else {
+      loop.sizes[n] = shape[d];
+      for (int k = 0; k < N; ++k) loop.strides[k][n] = ops[k]->stride(d);
+      loop.ndim = n + 1;
+    }
+  }
+  loop.flat = loop.ndim == 0;
+  if (loop.ndim == 1) {
+    loop.flat = true;
+    for (int k = 0; k < N; ++k) loop.flat = loop.flat && loop.strides[k][0] == 1;
+  }
+  return loop;
+}
+
+// ---------------- kernels ----------------
+
+template <class Out, class A, class F>
+__global__ void map1_kernel(Loop<2> loop, int64_t n, Out* out, const A* a, F f) {
+  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += step) {
+    if (loop.flat) {
+      out[i] = f(a[i]);
+    } else {
+      int64_t off[2];
+      loop.offsets(i, off);
+      out[off[0]] = f(a[off[1]]);
+    }
+  }
+}
+
+template <class Out, class A, class B, class F>
+__global__ void map2_kernel(Loop<3> loop, int64_t n, Out* out, const A* a, const B* b, F f) {
+  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += step) {
+    if (loop.flat) {
+      out[i] = f(a[i], b[i]);
+    } else {
+      int64_t off[3];
+      loop.offsets(i, off);
+      out[off[0]] = f(a[off[1]], b[off[2]]);
+    }
+  }
+}
+
+template <class Out, class C, class A, class B, class F>
+__global__ void map3_kernel(Loop<4> loop, int64_t n, Out* out, const C* c, const A* a, const B* b, F f) {
+  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += step) {
+    if (loop.flat) {
+      out[i] = f(c[i], a[i], b[i]);
+    } else {
+      int64_t off[4];
+      loop.offsets(i, off);
+      out[off[0]] = f(c[off[1]], a[off[2]], b[off[3]]);
+    }
+  }
+}
+
+template <class Out, class A, class F>
+void launch1(const Tensor& in, Tensor& out, F f) {
+  const int64_t n = out.numel();
+  if (n == 0) return;
+  const Tensor* ops[2] = {&out, &in};
+  const Loop<2> loop = make_loop<2>(out.sizes(), ops);
+  map1_kernel<Out, A, F><<<cuda::blocks_for(n), kThreads, 0, cuda::stream_of(out)>>>(
+      loop, n, static_cast<Out*>(out.raw_data()), static_cast<const A*>(in.raw_data()), f);
+  MN_CUDA_CHECK_LAUNCH();
+}
+
+template <class Out, class A, class B, class F>
+void launch2(const Tensor& a, const Tensor& b, Tensor& out, F f) {
+  const int64_t n = out.numel();
+  if (n == 0) return;
+  const Tensor* ops[3] = {&out, &a, &b};
+  const Loop<3> loop = make_loop<3>(out.sizes(), ops);
+  map2_kernel<Out, A, B, F><<<cuda::blocks_for(n), kThreads, 0, cuda::stream_of(out)>>>(
+      loop, n, static_cast<Out*>(out.raw_data()), static_cast<const A*>(a.raw_data()),
+      static_cast<const B*>(b.raw_data()), f);
+  MN_CUDA_CHECK_LAUNCH();
+}
+
+template <class Out, class C, class A, class B, class F>
+void launch3(const Tensor& c, const Tensor& a, const Tensor& b, Tensor& out, F f) {
+  const int64_t n = out.numel();
+  if (n == 0) return;
+  const Tensor* ops[4] = {&out, &c, &a, &b};
+  const Loop<4> loop = make_loop<4>(out.sizes(), ops);
+  map3_kernel<Out, C, A, B, F><<<cuda::blocks_for(n), kThreads, 0, cuda::stream_of(out)>>>(
+      loop, n, static_cast<Out*>(out.raw_data()), static_cast<const C*>(c.raw_data()),
+      static_cast<const A*>(a.raw_data()), static_cast<const B*>(b.raw_data()), f);
+  MN_CUDA_CHECK_LAUNCH();
+}
+
+// ---------------- math (as in the CPU kernels) ----------------
+
+constexpr float kInvSqrt2 = 0.70710678118654752440f;
+constexpr float kInvSqrt2Pi = 0.39894228040143267794f;
+
+__device__ inline float gelu_f(float x) { return 0.5f * x * (1.0f + erff(x * kInvSqrt2)); }
+__device__ inline float gelu_grad_f(float x) {
+  const float cdf = 0.5f * (1.0f + erff(x * kInvSqrt2));
+  return cdf + x * kInvSqrt2Pi * expf(-0.5f * x * x);
+}
+__device__ inline float sigmoid_f(float x) {
+  if (x >= 0) return 1.0f / (1.0f + expf(-x));
+  const float e = expf(x);
+  return e / (1.0f + e);
+}
+__device__ inline float softplus_f(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
+
+// ---------------- unary ----------------
+
+struct UnaryF32 {
+  UnaryOp op;
+  float a, b;
+  __device__ float operator()(float x) const {
+    switch (op) {
+      case UnaryOp::Neg: return -x;
+      case UnaryOp::Exp: return expf(x);
+      case UnaryOp::Log: return logf(x);
+      case UnaryOp::Log1p: return log1pf(x);
+      case UnaryOp::Sqrt: return sqrtf(x);
+      case UnaryOp::Rsqrt: return 1.0f / sqrtf(x);
+      case UnaryOp::Abs: return x < 0 ? -x : x;
+      case UnaryOp::Sign: return static_cast<float>((x > 0) - (x < 0));
+      case UnaryOp::Relu: return x > 0 ? x : 0.0f;
+      case UnaryOp::Gelu: return gelu_f(x);
+      case UnaryOp::Tanh: return tanhf(x);
+      case UnaryOp::Sigmoid: return sigmoid_f(x);
+      case UnaryOp::Softplus: return softplus_f(x);
+      case UnaryOp::Square: return x * x;
+      case UnaryOp::Reciprocal: return 1.0f / x;
+      case UnaryOp::Sin: return sinf(x);
+      case UnaryOp::Cos: return cosf(x);
+      case UnaryOp::Erf: return erff(x);
+      case UnaryOp::PowScalar:
+        if (a == 2.0f) return x * x;
+        if (a == 0.5f) return sqrtf(x);
+        return powf(x, a);
+      case UnaryOp::Clamp: return x < a ? a : (x > b ? b : x);
+      case UnaryOp::AddScalar: return x + a;
+      case UnaryOp::MulScalar: return x * a;
+      case UnaryOp::RDivScalar: return a / x;
+      case UnaryOp::RSubScalar: return a - x;
+    }
+    return x;
+  }
+};
+
+struct UnaryI64 {
+  UnaryOp op;
+  int64_t a, b;
+  __device__ int64_t operator()(int64_t x) const {
+    switch (op) {
+      case UnaryOp::Neg: return -x;
+      case UnaryOp::Abs: return x < 0 ? -x : x;
+      case UnaryOp::Sign: return static_cast<int64_t>((x > 0) - (x < 0));
+      case UnaryOp::AddScalar: return x + a;
+      case UnaryOp::MulScalar: return x * a;
+      case UnaryOp::RSubScalar: return a - x;
+      case UnaryOp::Clamp: return x < a ? a : (x > b ? b : x);
+      default: return x;
+    }
+  }
+};
+
+bool unary_defined_for_i64(UnaryOp op) {
+  switch (op) {
+    case UnaryOp::Neg:
+    case UnaryOp::Abs:
+    case UnaryOp::Sign:
+    case UnaryOp::AddScalar:
+    case UnaryOp::MulScalar:
+    case UnaryOp::RSubScalar:
+    case UnaryOp::Clamp: return true;
+    default: return false;
+  }
+}
+
+void unary_cuda(UnaryOp op, const Tensor& in, Tensor& out, double alpha, double beta) {
+  if (in.dtype() == DType::f32)
+    return launch1<float, float>(in, out, UnaryF32{op, static_cast<float>(alpha), static_cast<float>(beta)});
+  if (!unary_defined_for_i64(op))
+    throw TypeError(str("unary op ", static_cast<int>(op), " is not defined for dtype ", dtype_name(in.dtype())));
+  launch1<int64_t, int64_t>(in, out, UnaryI64{op, static_cast<int64_t>(alpha), static_cast<int64_t>(beta)});
+}
+
+// ---------------- binary ----------------
+
+template <class T>
+struct Compare {
+  BinaryOp op;
+  __device__ float operator()(T x, T y) const {
+    switch (op) {
+      case BinaryOp::Eq: return float(x == y);
+      case BinaryOp::Ne: return float(x != y);
+      case BinaryOp::Lt: return float(x < y);
+      case BinaryOp::Le: return float(x <= y);
+      case BinaryOp::Gt: return float(x > y);
+      case BinaryOp::Ge: return float(x >= y);
+      default: return 0.0f;
+    }
+  }
+};
+
+struct ArithF32 {
+  BinaryOp op;
+  __device__ float operator()(float x, float y) const {
+    switch (op) {
+      case BinaryOp::Add: return x + y;
+      case BinaryOp::Sub: return x - y;
+      case BinaryOp::Mul: return x * y;
+      case BinaryOp::Div: return x / y;
+      case BinaryOp::Pow: return powf(x, y);
+      case BinaryOp::Maximum: return x != x || x > y ? x : y;
+      case BinaryOp::Minimum: return x != x || x < y ? x : y;
+      case BinaryOp::ReluBackward: return y > 0 ? x : 0.0f;
+      case BinaryOp::GeluBackward: return x * gelu_grad_f(y);
+      case BinaryOp::TanhBackward: return x * (1.0f - y * y);
+      case BinaryOp::SigmoidBackward: return x * y * (1.0f - y);
+      case BinaryOp::SoftplusBackward: return x * sigmoid_f(y);
+      default: return 0.0f;
+    }
+  }
+};
+
+struct ArithI64 {
+  BinaryOp op;
+  __device__ int64_t operator()(int64_t x, int64_t y) const {
+    switch (op) {
+      case BinaryOp::Add: return x + y;
+      case BinaryOp::Sub: return x - y;
+      case BinaryOp::Mul: return x * y;
+      case BinaryOp::Maximum: return x > y ? x : y;
+      case BinaryOp::Minimum: return x < y ? x : y;
+      default: return 0;
+    }
+  }
+};
+
+void binary_cuda(BinaryOp op, const Tensor& a, const Tensor& b, Tensor& out) {
+  if (op >= BinaryOp::Eq && op <= BinaryOp::Ge) {
+    if (a.dtype() == DType::f32) return launch2<float, float, float>(a, b, out, Compare<float>{op});
+    return launch2<float, int64_t, int64_t>(a, b, out, Compare<int64_t>{op});
+  }
+  if (a.dtype() == DType::f32) return launch2<float, float, float>(a, b, out, ArithF32{op});
+  switch (op) {
+    case BinaryOp::Add:
+    case BinaryOp::Sub:
+    case BinaryOp::Mul:
+    case BinaryOp::Maximum:
+    case BinaryOp::Minimum: return launch2<int64_t, int64_t, int64_t>(a, b, out, ArithI64{op});
+    default: break;
+  }
+  throw TypeError(str("binary op ", static_cast<int>(op), " is not defined for dtype ", dtype_name(a.dtype())));
+}
+
+// ---------------- where ----------------
+
+template <class T>
+struct Select {
+  __device__ T operator()(float c, T x, T y) const { return c != 0 ? x : y; }
+};
+
+void where_cuda(const Tensor& cond, const Tensor& a, const Tensor& b, Tensor& out) {
+  if (out.dtype() == DType::f32) return launch3<float, float, float, float>(cond, a, b, out, Select<float>{});
+  launch3<int64_t, float, int64_t, int64_t>(cond, a, b, out, Select<int64_t>{});
+}
+
+}  // namespace
+
+void register_cuda_elementwise() {
+  unary.set(DeviceType::CUDA, unary_cuda);
+  binary.set(DeviceType::CUDA, binary_cuda);
+  where.set(DeviceType::CUDA, where_cuda);
+}
+
+}  // namespace mn::kernels

@@ -1,0 +1,230 @@
+// CUDA 2-D max and average pooling (NCHW) and their backward passes. Twins of kernels/cpu/pool.cpp,
+// with the same window arithmetic (PyTorch's, including ceil_mode windows that run past the padding)
+// and the same scan order inside a window.
+//   * forward: one thread per output element.
+//   * avg backward: one thread per input pixel gathers the windows that cover it, in the CPU's
+//     (oy, ox) order: deterministic, no atomics.
+//   * max backward: the kernel gets only the indices (no window parameters). With many planes one
+//     thread per plane scatters that plane's outputs in order (deterministic, as on the CPU); with few
+//     planes one thread per output element scatters with atomicAdd, so when windows overlap the f32
+//     sum order (and so the last bits) may vary from run to run.
+#include <cmath>
+
+#include "kernels/cuda/compute_utils.cuh"
+
+namespace mn::kernels {
+namespace {
+
+using cuda::kThreads;
+
+// Planes from which max-pool backward uses one thread per plane.
+constexpr int64_t kPlaneThreads = 2048;
+
+struct Planes {
+  int64_t planes, height, width, out_h, out_w;
+};
+
+Planes planes_of(const Shape& in, const Shape& out, const char* op) {
+  MN_CHECK(in.size() == 4 && out.size() == 4 && in[0] == out[0] && in[1] == out[1], ValueError, op,
+           " kernel: expected [N, C, H, W] input and output with equal N and C, got ", in, " and ", out);
+  return {in[0] * in[1], in[2], in[3], out[2], out[3]};
+}
+
+struct PoolArgs {
+  int64_t kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w;
+  bool count_include_pad;
+};
+
+PoolArgs args_of(const Pool2dParams& p) {
+  return {p.kernel_h, p.kernel_w, p.stride_h, p.stride_w, p.pad_h, p.pad_w, p.count_include_pad};
+}
+
+struct Window {
+  int64_t h0, h1, w0, w1;
+  int64_t padded_size;
+};
+
+__device__ inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+__device__ inline int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
+
+__device__ inline Window window(const PoolArgs& p, int64_t oy, int64_t ox, int64_t height, int64_t width) {
+  const int64_t h0 = oy * p.stride_h - p.pad_h, w0 = ox * p.stride_w - p.pad_w;
+  const int64_t h1 = min64(h0 + p.kernel_h, height + p.pad_h), w1 = min64(w0 + p.kernel_w, width + p.pad_w);
+  const int64_t padded = (h1 - h0) * (w1 - w0);
+  return {max64(h0, 0), min64(h1, height), max64(w0, 0), min64(w1, width), padded};
+}
+
+__device__ inline float avg_divisor(const PoolArgs& p, const Window& w) {
+  const int64_t n = p.count_include_pad ? w.padded_size : (w.h1 - w.h0) * (w.w1 - w.w0);
+  return static_cast<float>(n > 1 ? n : 1);
+}
+
+// x read through its strides: plane = n*C + c.
+struct Input {
+  const float* x;
+  int64_t channels, sn, sc, sh, sw;
+  __device__ float at(int64_t plane, int64_t y, int64_t xx) const {
+    return x[(plane / channels) * sn + (plane % channels) * sc + y * sh + xx * sw];
+  }
+};
+
+Input input_of(const Tensor& x) {
+  return {static_cast<const float*>(x.raw_data()), x.size(1), x.stride(0), x.stride(1), x.stride(2), x.stride(3)};
+}
+
+__global__ void max_pool_forward_kernel(Input in, PoolArgs p, Planes s, float* out, int64_t* indices) {
+  const int64_t out_plane = s.out_h * s.out_w;
+  const int64_t total = s.planes * out_plane;
+  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t l = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; l < total; l += step) {
+    const int64_t plane = l / out_plane, oy = (l % out_plane) / s.out_w, ox = l % s.out_w;
+    const Window w = window(p, oy, ox, s.height, s.width);
+    int64_t best_at = w.h0 * s.width + w.w0;
+    float best = -INFINITY;
+    bool found_nan = false;
+    for (int64_t y = w.h0; y < w.h1 && !found_nan; ++y)
+      for (int64_t xx = w.w0; xx < w.w1; ++xx) {
+        const float v = in.at(plane, y, xx);
+        if (v != v) {
+          best_at = y * s.width + xx;
+          found_nan = true;
+          break;
+        }
+        if (v > best) {
+          best = v;
+          best_at = y * s.width + xx;
+        }
+      }
+    out[l] = in.at(plane, best_at / s.width, best_at % s.width);
+    indices[l] = best_at;
+  }
+}
+
+void max_pool2d_forward_cuda(const Tensor& x, const Pool2dParams& p, Tensor& out, Tensor& indices) {
+  const Planes s = planes_of(x.sizes(), out.sizes(), "max_pool2d");
+  MN_CHECK(out.is_contiguous() && indices.is_contiguous() && indices.dtype() == DType::i64, ValueError,
+           "max_pool2d kernel: out and indices (i64) must be contiguous");
+  const int64_t total = out.numel();
+  if (total == 0) return;
+  max_pool_forward_kernel<<<cuda::blocks_for(total), kThreads, 0, cuda::stream_of(out)>>>(
+      input_of(x), args_of(p), s, static_cast<float*>(out.raw_data()), static_cast<int64_t*>(indices.raw_data()));
+  MN_CUDA_CHECK_LAUNCH();
+}
+
+__global__ void max_pool_backward_plane_kernel(const float* g, const int64_t* idx, int64_t planes, int64_t in_plane,
+                                               int64_t out_plane, float* gx) {
+  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t plane = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; plane < planes; plane += step) {
+    float* dst = gx + plane * in_plane;
+    const float* gp = g + plane * out_plane;
+    const int64_t* ip = idx + plane * out_plane;
+    for (int64_t i = 0; i < out_plane; ++i) dst[ip[i]] += gp[i];
+  }
+}
+
+__global__ void max_pool_backward_atomic_kernel(const float* g, const int64_t* idx, int64_t total, int64_t in_plane,
+                                                int64_t out_plane, float* gx) {
+  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t l = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; l < total; l += step)
+    atomicAdd(gx + (l / out_plane) * in_plane + idx[l], g[l]);
+}
+
+void max_pool2d_backward_cuda(const Tensor& grad_out, const Tensor& indices, Tensor& grad_x) {
+  MN_CHECK(grad_x.is_contiguous(), ValueError, "max_pool2d backward: grad_x must be contiguous");
+  const Planes s = planes_of(grad_x.sizes(), grad_out.sizes(), "max_pool2d backward");
+  cudaStream_t stream = cuda::stream_of(grad_x);
+  if (grad_x.numel() == 0) return;
+  MN_CUDA_CHECK(cudaMemsetAsync(grad_x.raw_data(), 0, grad_x.nbytes(), stream));
+  const int64_t out_plane = s.out_h * s.out_w, in_plane = s.height * s.width;
+  if (out_plane == 0) return;
+  const Tensor go = cuda::dense(grad_out), id = cuda::dense(indices);
+  const float* gp = static_cast<const float*>(go.raw_data());
+  const int64_t* ip = static_cast<const int64_t*>(id.raw_data());
+  float* gx = static_cast<float*>(grad_x.raw_data());
+  if (s.planes >= kPlaneThreads) {
+    max_pool_backward_plane_kernel<<<cuda::blocks_for(s.planes), kThreads, 0, stream>>>(gp, ip, s.planes, in_plane,
+                                                                                       out_plane, gx);
+  } else {
+    const int64_t total = s.planes * out_plane;
+    max_pool_backward_atomic_kernel<<<cuda::blocks_for(total), kThreads, 0, stream>>>(gp, ip, total, in_plane,
+                                                                                     out_plane, gx);
+  }
+  MN_CUDA_CHECK_LAUNCH();
+}
+
+__global__ void avg_pool_forward_kernel(Input in, PoolArgs p, Planes s, float* out) {
+  const int64_t out_plane = s.out_h * s.out_w;
+  const int64_t total = s.planes * out_plane;
+  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t l = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; l < total; l += step) {
+    const int64_t plane = l / out_plane, oy = (l % out_plane) / s.out_w, ox = l % s.out_w;
+    const Window w = window(p, oy, ox, s.height, s.width);
+    float sum = 0.0f;
+    for (int64_t y = w.h0; y < w.h1; ++y)
+      for (int64_t xx = w.w0; xx < w.w1; ++xx) sum += in.at(plane, y, xx);
+    out[l] = sum / avg_divisor(p, w);
+  }
+}
+
+void avg_pool2d_forward_cuda(const Tensor& x, const Pool2dParams& p, Tensor& out) {
+  const Planes s = planes_of(x.sizes(), out.sizes(), "avg_pool2d");
+  MN_CHECK(out.is_contiguous(), ValueError, "avg_pool2d kernel: out must be contiguous");
+  const int64_t total = out.numel();
+  if (total == 0) return;
+  avg_pool_forward_kernel<<<cuda::blocks_for(total), kThreads, 0, cuda::stream_of(out)>>>(
+      input_of(x), args_of(p), s, static_cast<float*>(out.raw_data()));
+  MN_CUDA_CHECK_LAUNCH();
+}
+
+// Output rows (or columns) whose window covers input coordinate y: o * stride - pad <= y < o * stride
+// - pad + kernel, within [0, count).
+__device__ inline void covering(int64_t y, int64_t stride, int64_t pad, int64_t kernel, int64_t count, int64_t* first,
+                                int64_t* last) {
+  const int64_t hi = y + pad;                // o * stride <= hi
+  const int64_t lo = y + pad - kernel + 1;   // o * stride >= lo
+  *first = lo <= 0 ? 0 : (lo + stride - 1) / stride;
+  *last = min64(hi / stride, count - 1);     // hi >= 0 for y >= 0
+}
+
+__global__ void avg_pool_backward_kernel(const float* g, PoolArgs p, Planes s, float* gx) {
+  const int64_t in_plane = s.height * s.width, out_plane = s.out_h * s.out_w;
+  const int64_t total = s.planes * in_plane;
+  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t l = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; l < total; l += step) {
+    const int64_t plane = l / in_plane, y = (l % in_plane) / s.width, x = l % s.width;
+    int64_t oy0, oy1, ox0, ox1;
+    covering(y, p.stride_h, p.pad_h, p.kernel_h, s.out_h, &oy0, &oy1);
+    covering(x, p.stride_w, p.pad_w, p.kernel_w, s.out_w, &ox0, &ox1);
+    const float* gp = g + plane * out_plane;
+    float sum = 0.0f;
+    for (int64_t oy = oy0; oy <= oy1; ++oy)
+      for (int64_t ox = ox0; ox <= ox1; ++ox) {
+        const Window w = window(p, oy, ox, s.height, s.width);
+        if (y < w.h0 || y >= w.h1 || x < w.w0 || x >= w.w1) continue;
+        sum += gp[oy * s.out_w + ox] / avg_divisor(p, w);
+      }
+    gx[l] = sum;
+  }
+}
+
+void avg_pool2d_backward_cuda(const Tensor& grad_out, const Pool2dParams& p, Tensor& grad_x) {
+  MN_CHECK(grad_x.is_contiguous(), ValueError, "avg_pool2d backward: grad_x must be contiguous");
+  const Planes s = planes_of(grad_x.sizes(), grad_out.sizes(), "avg_pool2d backward");
+  const int64_t total = grad_x.numel();
+  if (total == 0) return;
+  const Tensor go = cuda::dense(grad_out);
+  avg_pool_backward_kernel<<<cuda::blocks_for(total), kThreads, 0, cuda::stream_of(grad_x)>>>(
+      static_cast<const float*>(go.raw_data()), args_of(p), s, static_cast<float*>(grad_x.raw_data()));
+  MN_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace
+
+void register_cuda_pool() {
+  max_pool2d_forward.set(DeviceType::CUDA, &max_pool2d_forward_cuda);
+  max_pool2d_backward.set(DeviceType::CUDA, &max_pool2d_backward_cuda);
+  avg_pool2d_forward.set(DeviceType::CUDA, &avg_pool2d_forward_cuda);
+  avg_pool2d_backward.set(DeviceType::CUDA, &avg_pool2d_backward_cuda);
+}
+
+}  // namespace mn::kernels

@@ -1,0 +1,24 @@
+// Registration of the CUDA compute kernels: each family fills its CUDA slots of the op table.
+#include "kernels/kernels.h"
+
+namespace mn::kernels {
+
+void register_cuda_elementwise();  // kernels/cuda/elementwise.cu: unary, binary, where
+void register_cuda_reduce();       // kernels/cuda/reduce.cu: reduce, arg_reduce, var
+void register_cuda_index();        // kernels/cuda/index.cu: index_select, index_add
+void register_cuda_softmax();      // kernels/cuda/softmax.cu: softmax, softmax_backward, cross_entropy_*
+void register_cuda_conv();         // kernels/cuda/conv.cu: conv2d_*
+void register_cuda_pool();         // kernels/cuda/pool.cu: max/avg pool2d
+void register_cuda_batch_norm();   // kernels/cuda/batch_norm.cu
+
+void register_cuda_compute_kernels() {
+  register_cuda_elementwise();
+  register_cuda_reduce();
+  register_cuda_index();
+  register_cuda_softmax();
+  register_cuda_conv();
+  register_cuda_pool();
+  register_cuda_batch_norm();
+}
+
+}  // namespace mn::kernels
