@@ -8,6 +8,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "dist/process_group.h"
 
@@ -68,6 +69,8 @@ class GlooProcessGroup final : public ProcessGroup {
   bool stopping_ = false;
   uint32_t next_tag_ = 0;
   std::string broken_;  // first failure; later collectives fail at once with it (worker thread only)
+  std::vector<int64_t> scratch_;  // small all-reduces gather here (one collective runs at a time)
+  size_t gather_reduce_max_bytes_ = 0;  // all-reduces up to this many gathered bytes: all-gather + local sum
   std::thread worker_;
 };
 

@@ -14,6 +14,23 @@
 // the last epoch), train_accuracy (running accuracy over the last epoch's batches), trainable_params,
 // target_params, compression_ratio, epochs (completed in total), seconds and steps_per_second (of
 // this invocation's training, validation included).
+//
+// Data-parallel training (mapped strategies): start one process per rank with mn-run and add --backend,
+//
+//   mn-run --nproc-per-node 2 mn-train --backend gloo --target cnn2 --strategy layerwise --latent-dim 672
+//
+// Each rank reads RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT (env://), builds the same
+// model, wraps it for DDP (only the latents' gradients are all-reduced) and trains on its
+// DistributedSampler shard of every epoch's shuffle; --batch-size is per rank, so the global batch is
+// --batch-size x WORLD_SIZE. Rank r's shard of an epoch holds positions r, r + W, r + 2W, ... of the
+// permutation a single process would use, so W ranks with batch B see, step for step, the samples of one
+// process with batch W x B (when the sample count is a multiple of W) and reach the same latents up to
+// floating-point rounding. The test set is split over the ranks too; the epoch metrics are sums over
+// all ranks, so every rank records the same history. Only rank 0 writes metrics.csv, the checkpoint,
+// the curves and stdout. --resume works as usual (every rank loads rank 0's checkpoint); a run's identity
+// holds the global batch, so it may continue with another rank count of the same global batch.
+// gloo trains on CPU tensors; nccl needs --device cuda (rank r uses cuda:LOCAL_RANK unless an index is
+// given) and a CUDA build.
 #include <CLI/CLI.hpp>
 #include <unistd.h>
 
@@ -27,6 +44,10 @@
 
 #include "autograd/node.h"
 #include "core/random.h"
+#include "dist/ddp.h"
+#include "dist/env.h"
+#include "dist/process_group.h"
+#include "dist/sampler.h"
 #include "mapping/checkpoint.h"
 #include "mapping/targets.h"
 #include "mapping/trainer.h"
@@ -62,15 +83,26 @@ struct Options {
   bool allow_large = false;
   int64_t limit = 0;
   bool json = false;
+  std::string backend;  // empty: one process
+};
+
+// The data-parallel job this process belongs to (a job of one when --backend is not given).
+struct DistInfo {
+  bool active = false;
+  int rank = 0;
+  int world_size = 1;
+  std::string backend;
+  bool main() const { return rank == 0; }
 };
 
 // The options that must agree between a run and its resumption (the others may change).
-json run_identity(const Options& o) {
+// batch_size is the global batch (per-rank batch x ranks): a run may resume with another rank count.
+json run_identity(const Options& o, int world_size) {
   return {{"target", o.target},
           {"mlp_hidden", o.target == "mlp" ? json(o.mlp_hidden) : json(nullptr)},
           {"strategy", o.strategy},
           {"latent_dim", o.strategy == "direct" ? json(nullptr) : json(o.latent_dim)},
-          {"batch_size", o.batch_size},
+          {"batch_size", o.batch_size * world_size},
           {"optimizer", o.optimizer},
           {"seed", o.seed},
           {"mapping_loss", o.mapping_loss},
@@ -78,8 +110,8 @@ json run_identity(const Options& o) {
           {"scheduler", o.scheduler}};
 }
 
-void check_same_run(const json& saved, const Options& o, const std::string& path) {
-  const json now = run_identity(o);
+void check_same_run(const json& saved, const Options& o, int world_size, const std::string& path) {
+  const json now = run_identity(o, world_size);
   std::vector<std::string> differences;
   for (const auto& [key, value] : now.items())
     if (!saved.contains(key) || saved.at(key) != value)
@@ -149,6 +181,7 @@ struct Summary {
   double test_accuracy = 0, train_accuracy = 0;
   int64_t trainable_params = 0, target_params = 0, epochs = 0, steps = 0;
   double seconds = 0;
+  int64_t bytes_per_step = 0;  // data parallel: bytes all-reduced per step
 };
 
 // ---- mapping-network training ----
@@ -198,13 +231,75 @@ std::vector<std::pair<std::string, std::vector<std::string>>> weight_bias_groups
   return groups;
 }
 
+// ---- data-parallel pieces ----
+
+// Rows `indices` (i64, CPU) of a data set, as a new data set on the same device.
+data::Dataset select_rows(const data::Dataset& ds, const Tensor& indices) {
+  const Tensor on_images = indices.to(ds.images.device());
+  const Tensor on_labels = indices.to(ds.labels.device());
+  return {index_select(ds.images, 0, on_images), index_select(ds.labels, 0, on_labels)};
+}
+
+// The test set split over the ranks without repeats (rank r: r, r + W, ...); the metrics are then
+// reduced with each rank's true sample count, so they are those of the whole test set.
+data::Dataset test_shard(const data::Dataset& test, const DistInfo& dist) {
+  if (!dist.active) return test;
+  MN_CHECK(test.size() >= dist.world_size, ValueError, "the test set has ", test.size(),
+           " images, fewer than the ", dist.world_size, " ranks; raise --limit");
+  std::vector<int64_t> mine;
+  for (int64_t i = dist.rank; i < test.size(); i += dist.world_size) mine.push_back(i);
+  return select_rows(test, from_vector(mine, Shape{static_cast<int64_t>(mine.size())}));
+}
+
+// Before each epoch, replaces the train loader's contents with this rank's DistributedSampler shard of the
+// epoch (in visiting order, so the loader itself does not shuffle). Must run before callbacks that read
+// the loader's size.
+class ShardLoader : public mapping::Callback {
+ public:
+  ShardLoader(const data::Dataset& train, dist::DistributedSampler& sampler, int64_t batch_size)
+      : train_(train), sampler_(sampler), batch_size_(batch_size) {}
+  std::string name() const override { return "ShardLoader"; }
+  data::DataLoader loader_for(int64_t epoch) const {
+    sampler_.set_epoch(static_cast<uint64_t>(epoch));
+    const data::Dataset shard = select_rows(train_, sampler_.index_tensor());
+    return data::DataLoader(shard, {batch_size_, false, 0, false});
+  }
+  void on_epoch_start(mapping::MappingTrainer& trainer, int64_t epoch) override {
+    trainer.train_loader() = loader_for(epoch);
+  }
+
+ private:
+  const data::Dataset& train_;
+  dist::DistributedSampler& sampler_;
+  int64_t batch_size_;
+};
+
+// Sums metric x samples (and the samples) over the ranks: every rank gets the means over all samples.
+// Accuracies x samples are whole numbers, exact in f32 up to 2^24 samples.
+mapping::Metrics reduce_metrics(const mapping::Metrics& local, int64_t samples, Device device) {
+  std::vector<float> values;
+  for (const auto& [key, value] : local) values.push_back(static_cast<float>(value * static_cast<double>(samples)));
+  values.push_back(static_cast<float>(samples));
+  Tensor t = from_vector(values, Shape{static_cast<int64_t>(values.size())});
+  if (dist::default_process_group()->backend() == "nccl") t = t.to(device);
+  dist::default_process_group()->allreduce(t, dist::ReduceOp::Sum)->wait();
+  const std::vector<float> sums = t.to(kCPU).to_vector<float>();
+  MN_CHECK(sums.size() == values.size(), RuntimeError, "metric all-reduce returned ", sums.size(), " values");
+  const double total = sums.back();
+  mapping::Metrics out;
+  size_t i = 0;
+  for (const auto& [key, value] : local) out[key] = static_cast<double>(sums[i++]) / total;
+  return out;
+}
+
 Summary train_mapped(const Options& o, Device device, const data::Dataset& train, const data::Dataset& test,
-                     const fs::path& out_dir, bool tty) {
+                     const fs::path& out_dir, bool tty, const DistInfo& dist) {
   const std::string checkpoint = (out_dir / "checkpoint.safetensors").string();
   std::optional<mapping::CheckpointInfo> saved;
   if (o.resume) {
     saved = mapping::read_checkpoint(checkpoint);
-    check_same_run(saved->config.empty() ? json::object() : json::parse(saved->config), o, checkpoint);
+    check_same_run(saved->config.empty() ? json::object() : json::parse(saved->config), o, dist.world_size,
+                   checkpoint);
   }
 
   manual_seed(o.seed);
@@ -218,8 +313,16 @@ Summary train_mapped(const Options& o, Device device, const data::Dataset& train
   mapping::MappingModel model(target, mo);
   if (!device.is_cpu()) model.to(device);
 
-  data::DataLoader train_loader(train, {o.batch_size, true, o.seed, false});
-  data::DataLoader test_loader(test, {1000, false, 0, false});
+  // One process: the loader shuffles the whole set itself. Data parallel: ShardLoader refills it with this
+  // rank's shard before every epoch (the same permutation, split over the ranks).
+  std::optional<dist::DistributedSampler> sampler;
+  if (dist.active) sampler.emplace(train.size(), dist.world_size, dist.rank, true, o.seed, false);
+  std::shared_ptr<ShardLoader> sharder;
+  if (sampler) sharder = std::make_shared<ShardLoader>(train, *sampler, o.batch_size);
+  data::DataLoader train_loader =
+      sharder ? sharder->loader_for(0) : data::DataLoader(train, {o.batch_size, true, o.seed, false});
+  const data::Dataset my_test = test_shard(test, dist);
+  data::DataLoader test_loader(my_test, {1000, false, 0, false});
   std::shared_ptr<mapping::Loss> loss = std::make_shared<mapping::ClassificationLoss>();
   if (o.mapping_loss) loss = std::make_shared<mapping::MappingLoss>(loss);
   mapping::TrainerConfig config;
@@ -229,24 +332,47 @@ Summary train_mapped(const Options& o, Device device, const data::Dataset& train
   config.scheduler = o.scheduler;
   config.seed = o.seed;
 
-  MetricsFile metrics(out_dir / "metrics.csv", saved && saved->trainer_state ? saved->trainer_state->epoch : 0);
+  // Only rank 0 writes files and stdout (MetricsFile rewrites metrics.csv as it opens).
+  std::optional<MetricsFile> metrics;
+  if (dist.main())
+    metrics.emplace(out_dir / "metrics.csv", saved && saved->trainer_state ? saved->trainer_state->epoch : 0);
   std::vector<std::shared_ptr<mapping::Callback>> callbacks;
-  if (tty) callbacks.push_back(std::make_shared<mapping::ProgressCallback>());
-  callbacks.push_back(std::make_shared<EpochWriter>(o, metrics, checkpoint, run_identity(o).dump(), tty));
+  if (sharder) callbacks.push_back(sharder);  // first: the others read the loader
+  if (tty && dist.main()) callbacks.push_back(std::make_shared<mapping::ProgressCallback>());
+  if (dist.main())
+    callbacks.push_back(std::make_shared<EpochWriter>(o, *metrics, checkpoint,
+                                                      run_identity(o, dist.world_size).dump(), tty));
   mapping::MappingTrainer trainer(model, train_loader, &test_loader, loss, config, callbacks);
   if (o.resume) {
-    mapping::load_checkpoint(checkpoint, model, &trainer);
-    if (!o.json)
+    mapping::load_checkpoint(checkpoint, model, &trainer);  // in place: the latents stay the same tensors
+    if (!o.json && dist.main())
       std::printf("resumed %s at epoch %lld\n", checkpoint.c_str(), static_cast<long long>(trainer.epoch()));
   }
 
-  if (!o.json || tty)
+  // Wrapped after the move and the resume: the wrapper broadcasts rank 0's latents, checks that every
+  // rank built the same mappers and hooks the latents' gradients. The trainer calls the model directly;
+  // the hooks all-reduce the latent gradients during each backward.
+  std::optional<dist::DistributedDataParallel> ddp;
+  if (dist.active) {
+    ddp.emplace(dist::wrap_ddp(model));
+    trainer.set_metrics_reducer(
+        [device](const mapping::Metrics& m, int64_t samples) { return reduce_metrics(m, samples, device); });
+  }
+
+  if ((!o.json || tty) && dist.main()) {
     std::printf(
         "%s %s: %lld target parameters from %lld trainable (%.1fx), %lld train / %lld test images, %s lr %g\n",
         o.target.c_str(), o.strategy.c_str(), static_cast<long long>(model.target_parameter_count()),
         static_cast<long long>(model.trainable_parameter_count()), model.compression_ratio(),
         static_cast<long long>(train.size()), static_cast<long long>(test.size()), o.optimizer.c_str(),
         trainer.learning_rate());
+    if (ddp)
+      std::printf("data parallel: %d ranks (%s), batch %lld per rank = %lld global, %lld steps per epoch, "
+                  "%zu bytes all-reduced per step\n",
+                  dist.world_size, dist.backend.c_str(), static_cast<long long>(o.batch_size),
+                  static_cast<long long>(o.batch_size * dist.world_size),
+                  static_cast<long long>(train_loader.size()), ddp->bytes_per_step());
+  }
   const int64_t first_epoch = trainer.epoch();
   const auto start = std::chrono::steady_clock::now();
   const mapping::History history = trainer.fit();
@@ -258,6 +384,7 @@ Summary train_mapped(const Options& o, Device device, const data::Dataset& train
   s.train_accuracy = last(history, mapping::history_keys::kTrainAccuracy);
   s.trainable_params = model.trainable_parameter_count();
   s.target_params = model.target_parameter_count();
+  if (ddp) s.bytes_per_step = static_cast<int64_t>(ddp->bytes_per_step());
   return s;
 }
 
@@ -324,7 +451,7 @@ Summary train_direct(const Options& o, Device device, const data::Dataset& train
     safetensors::File file = safetensors::load(checkpoint);
     MN_CHECK(file.metadata.count("format") && json::parse(file.metadata.at("format")) == "mn-train.direct",
              ValueError, "--resume: ", checkpoint, " is not a direct-training checkpoint of mn-train");
-    check_same_run(json::parse(file.metadata.at("config")), o, checkpoint);
+    check_same_run(json::parse(file.metadata.at("config")), o, 1, checkpoint);
     nn::StateDict state;
     nn::optim::OptimizerState opt_state;
     for (const auto& e : file.tensors) {
@@ -390,7 +517,7 @@ Summary train_direct(const Options& o, Device device, const data::Dataset& train
     history["train_accuracy"].push_back(num(train_acc));
     history["test_accuracy"].push_back(num(test_acc));
     metrics.append(epoch + 1, seconds, train_loss, train_acc, test_loss, test_acc, epoch_lr);
-    save_direct(checkpoint, *net, *optimizer, epoch + 1, history, run_identity(o));
+    save_direct(checkpoint, *net, *optimizer, epoch + 1, history, run_identity(o, 1));
     std::fflush(stdout);
   }
   s.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -425,7 +552,9 @@ int main(int argc, char** argv) {
   app.add_option("--epochs", o.epochs, "train up to this many epochs in total")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
-  app.add_option("--batch-size", o.batch_size, "batch size")->check(CLI::PositiveNumber)->capture_default_str();
+  app.add_option("--batch-size", o.batch_size, "batch size; with --backend per rank (global = this x WORLD_SIZE)")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
   app.add_option("--lr", o.lr, "learning rate (default 1e-3 direct, 1e-2 mapped)")->check(CLI::PositiveNumber);
   app.add_option("--optimizer", o.optimizer, "optimizer")
       ->check(CLI::IsMember({"adam", "adamw", "sgd"}))
@@ -444,21 +573,59 @@ int main(int argc, char** argv) {
   app.add_option("--limit", o.limit, "use only the first N training and test images (0 = all)")
       ->check(CLI::NonNegativeNumber);
   app.add_flag("--json", o.json, "print a JSON summary as the last line of stdout");
+  app.add_option("--backend", o.backend,
+                 "data-parallel training under mn-run: gloo (CPU) or nccl (--device cuda); default: one process");
   CLI11_PARSE(app, argc, argv);
 
+  DistInfo dist;
   try {
-    const Device device = Device::parse(o.device);
+    Device device = Device::parse(o.device);
+    if (!o.backend.empty()) {
+      MN_CHECK(o.backend == "gloo" || o.backend == "nccl", ValueError, "--backend '", o.backend,
+               "' is not supported; use gloo (CPU) or nccl (CUDA), or leave --backend out for one process");
+      MN_CHECK(o.strategy != "direct", ValueError,
+               "--backend: data-parallel training needs a mapped strategy; the DDP wrapper synchronises a "
+               "MappingModel's latents, and --strategy direct trains a plain module (not supported)");
+      if (o.backend == "nccl") {
+        MN_CHECK(dist::is_backend_available("nccl"), RuntimeError,
+                 "--backend nccl needs a CUDA build with NCCL, and this build has no CUDA; use --backend gloo "
+                 "(CPU)");
+        MN_CHECK(device.is_cuda(), ValueError,
+                 "--backend nccl moves CUDA tensors only; add --device cuda, or use --backend gloo for CPU training");
+        MN_CHECK(cuda_available(), DeviceError, "--device ", o.device,
+                 ": CUDA is not available here (no usable GPU), so --backend nccl cannot run; use --backend gloo");
+      } else {
+        MN_CHECK(device.is_cpu(), ValueError, "--backend gloo trains on the CPU; use --backend nccl with --device ",
+                 o.device, ", or --device cpu");
+      }
+      dist::EnvConfig env;
+      try {
+        env = dist::from_env();
+      } catch (const Error& e) {
+        throw ValueError(str("--backend ", o.backend, " runs one process per rank under a launcher (mn-run "
+                             "--nproc-per-node N mn-train --backend ", o.backend, " ...): ", e.what()));
+      }
+      // One GPU per rank: plain "cuda" means this rank's local device.
+      if (o.backend == "nccl" && o.device == "cuda") device = cuda_device(env.local_rank);
+      dist.active = true;
+      dist.rank = env.rank;
+      dist.world_size = env.world_size;
+      dist.backend = o.backend;
+    }
     if (device.is_cuda())
       MN_CHECK(cuda_available() && device.index < cuda_device_count(), DeviceError, "--device ", o.device,
                ": CUDA is not available here (built without CUDA, or no usable GPU); use --device cpu");
-    const bool tty = isatty(STDOUT_FILENO) != 0;
+    const bool tty = dist.main() && isatty(STDOUT_FILENO) != 0;
     const fs::path out_dir(o.out);
     fs::create_directories(out_dir);
+    if (dist.active) dist::setup_ddp(dist.rank, dist.world_size, dist.backend);
     const data::Dataset train = prepare(data::load_fashion_mnist("train", o.data), o.limit, device);
     const data::Dataset test = prepare(data::load_fashion_mnist("test", o.data), o.limit, device);
 
     const Summary s = o.strategy == "direct" ? train_direct(o, device, train, test, out_dir, tty)
-                                             : train_mapped(o, device, train, test, out_dir, tty);
+                                             : train_mapped(o, device, train, test, out_dir, tty, dist);
+    if (dist.active) dist::cleanup_ddp();
+    if (!dist.main()) return 0;  // rank 0 reports for the job
     plot(out_dir / "metrics.csv", out_dir / "curves.png", o.json);
     if (o.json) {
       json j = {{"target", o.target},
@@ -472,6 +639,12 @@ int main(int argc, char** argv) {
                 {"epochs", s.epochs},
                 {"seconds", s.seconds},
                 {"steps_per_second", num(s.seconds > 0 ? static_cast<double>(s.steps) / s.seconds : 0.0)}};
+      if (dist.active) {
+        j["world_size"] = dist.world_size;
+        j["backend"] = dist.backend;
+        j["global_batch_size"] = o.batch_size * dist.world_size;
+        j["bytes_per_step"] = s.bytes_per_step;
+      }
       std::printf("%s\n", j.dump().c_str());
     } else {
       std::printf("test accuracy %.2f%%, train accuracy %.2f%% after %lld epochs (%.1f s); %s\n",
@@ -479,7 +652,14 @@ int main(int argc, char** argv) {
                   s.seconds, (out_dir / "metrics.csv").c_str());
     }
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "mn-train: %s\n", e.what());
+    // Under a launcher, name the rank (also for errors before the group exists).
+    const char* rank = std::getenv("RANK");
+    if (dist.active)
+      std::fprintf(stderr, "mn-train: rank %d: %s\n", dist.rank, e.what());
+    else if (!o.backend.empty() && rank != nullptr && *rank != '\0')
+      std::fprintf(stderr, "mn-train: rank %s: %s\n", rank, e.what());
+    else
+      std::fprintf(stderr, "mn-train: %s\n", e.what());
     return 1;
   }
   return 0;

@@ -537,6 +537,7 @@ Metrics MappingTrainer::fit_epoch(DataLoader& loader) {
   MN_CHECK(index > 0, ValueError, "MappingTrainer: the training loader yielded no batches (",
            loader.num_samples(), " samples, batch_size ", loader.options().batch_size, ")");
   finish_accumulation_window();
+  last_pass_samples_ = averages.samples;
   return averages.finish(history_keys::kTrainTaskLoss, history_keys::kTrainTotalLoss, history_keys::kTrainAccuracy);
 }
 
@@ -557,6 +558,7 @@ Metrics MappingTrainer::validate(DataLoader& loader) {
   }
   model_.train(was_training);
   MN_CHECK(averages.samples > 0, ValueError, "MappingTrainer: the validation loader yielded no batches");
+  last_pass_samples_ = averages.samples;
   return averages.finish(history_keys::kValTaskLoss, history_keys::kValTotalLoss, history_keys::kValAccuracy);
 }
 
@@ -596,10 +598,13 @@ History MappingTrainer::fit(bool auto_lr_find) {
       fire("on_epoch_start", [&](Callback& cb) { cb.on_epoch_start(*this, epoch); });
       const double epoch_lr = learning_rate();
       train_loader_.set_epoch(static_cast<uint64_t>(epoch));
-      Metrics metrics = fit_epoch(train_loader_);
+      auto reduced = [this](Metrics local) {
+        return metrics_reducer_ ? metrics_reducer_(local, last_pass_samples_) : local;
+      };
+      Metrics metrics = reduced(fit_epoch(train_loader_));
       if (val_loader_ != nullptr) {
         fire("on_validation_start", [&](Callback& cb) { cb.on_validation_start(*this); });
-        const Metrics val = validate(*val_loader_);
+        const Metrics val = reduced(validate(*val_loader_));
         fire("on_validation_end", [&](Callback& cb) { cb.on_validation_end(*this, val); });
         metrics.insert(val.begin(), val.end());
       }

@@ -302,6 +302,12 @@ class MappingTrainer {
   const std::vector<std::shared_ptr<Callback>>& callbacks() const { return callbacks_; }
   void add_callback(std::shared_ptr<Callback> callback);
   void set_batch_forward(BatchForward forward) { batch_forward_ = std::move(forward); }
+  // Data-parallel training: combines one pass's metrics (an epoch's train_* metrics, or the val_* ones)
+  // with those of the other ranks. `samples` is the number of samples this rank's pass averaged over.
+  // fit() calls it on every rank after each pass, before callbacks, history and scheduler see the
+  // metrics, so all ranks record the same values. Unset (the default): metrics stay local.
+  using MetricsReducer = std::function<Metrics(const Metrics& metrics, int64_t samples)>;
+  void set_metrics_reducer(MetricsReducer reducer) { metrics_reducer_ = std::move(reducer); }
   // The optimizer's tensors: latents, then the loss's rho's.
   std::vector<Tensor> trainable_parameters() const;
 
@@ -331,6 +337,8 @@ class MappingTrainer {
   std::unique_ptr<nn::optim::LRScheduler> scheduler_;
   Generator generator_;
   BatchForward batch_forward_;
+  MetricsReducer metrics_reducer_;
+  int64_t last_pass_samples_ = 0;  // samples averaged by the last fit_epoch / validate
   History history_;
   int64_t epoch_ = 0;
   int64_t current_epoch_ = 0;

@@ -1,14 +1,27 @@
 // Distributed benchmarks (a program, not a test):
 //
-//   mn-run --nproc-per-node 2 mn_dist_bench allreduce
-//       Gloo all-reduce (sum, f32) on loopback for 1 KiB .. 64 MiB; bus bandwidth as in nccl-tests:
+//   mn-run --nproc-per-node 2 mn_dist_bench allreduce [--max-bytes 67108864]
+//       Gloo all-reduce (sum, f32) on loopback for 1 KiB .. 64 MiB (up to 256 KiB gathered: all-gather + local
+//       sum; MN_GLOO_GATHER_REDUCE_BYTES=0 forces Gloo's ring for comparison); bus bandwidth as in nccl-tests:
 //       busbw = 2 (n - 1) / n * bytes / time (best of three rounds; the slowest rank's time).
 //   mn-run --nproc-per-node 2 mn_dist_bench ddp [--batch 32] [--steps 20]
 //   mn_dist_bench ddp [--batch 64] [--steps 20]            (no launcher: one process, no DDP)
 //       Training step time of CNN2 through a layer-wise mapping network (4 groups x 672 latents) on random
-//       Fashion-MNIST-shaped data; per-sample time = step time / global batch.
+//       Fashion-MNIST-shaped data: the median step (the slowest rank's median under DDP) and the best
+//       mean of three rounds; per-sample time = step time / global batch.
+//   mn_dist_bench compare [--batch 32] [--steps 100] [--repeats 3]
+//       The DDP target in one command: runs `ddp` as one process and under mn-run as 2 ranks,
+//       every process with OMP_NUM_THREADS=1 (one core per rank), alternating, --repeats times (plus two
+//       independent processes at once: the cost of sharing the machine without communication), and prints
+//       the median step and per-sample times side by side with the bytes all-reduced per step. Both use the
+//       same per-process batch, so "DDP / 1 process" of the step time is the per-sample overhead of DDP
+//       (target: <= 1.10 with 2 ranks on 2 cores; bytes per step 10,752 = 2,688 floats).
 // Rank 0 prints the results.
+#include <sys/resource.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -40,28 +53,40 @@ double seconds_since(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
 }
 
-void bench_allreduce() {
+long voluntary_switches() {
+  rusage usage{};
+  getrusage(RUSAGE_SELF, &usage);
+  return usage.ru_nvcsw;
+}
+
+void bench_allreduce(int argc, char** argv) {
+  const size_t max_bytes = std::stoull(arg_value(argc, argv, "--max-bytes", std::to_string(size_t{64} << 20)));
   dist::EnvConfig env = dist::from_env();
   dist::setup_ddp(env.rank, env.world_size, "gloo", "env://", std::chrono::milliseconds(120'000));
   auto pg = dist::default_process_group();
   const int world = pg->size();
   if (pg->rank() == 0) {
     std::printf("Gloo allreduce (sum, f32), %d ranks on 127.0.0.1\n", world);
-    std::printf("%12s %8s %12s %12s %12s\n", "bytes", "iters", "time [us]", "algbw [GB/s]", "busbw [GB/s]");
+    std::printf("%12s %8s %12s %12s %12s %12s\n", "bytes", "iters", "time [us]", "algbw [GB/s]", "busbw [GB/s]",
+                "csw/call");
   }
-  for (size_t bytes = 1024; bytes <= (size_t{64} << 20); bytes *= 4) {
+  for (size_t bytes = 1024; bytes <= max_bytes; bytes *= 4) {
     const int64_t n = static_cast<int64_t>(bytes / sizeof(float));
     Tensor t = ones({n});
     // The same count on every rank (collectives must match): ~128 MiB of traffic per round, 5..500 calls.
     const int iterations = static_cast<int>(std::clamp<size_t>((size_t{128} << 20) / bytes, 5, 500));
     for (int w = 0; w < 3; ++w) pg->allreduce(t)->wait();
     // Best of three rounds: a shared machine's other work only ever adds time.
-    double per_call = 1e30;
+    // csw/call: rank 0's voluntary context switches (all threads) per call, the thread wake-ups a call costs;
+    // each waits for a free core on a busy machine.
+    double per_call = 1e30, switches = 0;
     for (int round = 0; round < 3; ++round) {
       pg->barrier()->wait();
+      const long csw_start = voluntary_switches();
       const auto start = Clock::now();
       for (int i = 0; i < iterations; ++i) pg->allreduce(t)->wait();
       per_call = std::min(per_call, seconds_since(start) / iterations);
+      switches += static_cast<double>(voluntary_switches() - csw_start) / iterations / 3;
     }
     // The slowest rank defines the time.
     Tensor slowest = full({1}, per_call);
@@ -72,9 +97,15 @@ void bench_allreduce() {
     const double algbw = static_cast<double>(bytes) / worst / 1e9;
     const double busbw = algbw * 2.0 * (world - 1) / world;
     if (pg->rank() == 0)
-      std::printf("%12zu %8d %12.1f %12.3f %12.3f\n", bytes, iterations, worst * 1e6, algbw, busbw);
+      std::printf("%12zu %8d %12.1f %12.3f %12.3f %12.1f\n", bytes, iterations, worst * 1e6, algbw, busbw, switches);
   }
   dist::cleanup_ddp();
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n == 0 ? 0.0 : n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
 void bench_ddp(int argc, char** argv) {
@@ -116,20 +147,38 @@ void bench_ddp(int argc, char** argv) {
   };
   for (int i = 0; i < warmup; ++i) step();
   double per_step = 1e30;  // best of three rounds, as above
+  std::vector<double> step_times;
   for (int round = 0; round < 3; ++round) {
     if (distributed) dist::default_process_group()->barrier()->wait();
     const auto start = Clock::now();
-    for (int i = 0; i < steps; ++i) step();
+    for (int i = 0; i < steps; ++i) {
+      const auto step_start = Clock::now();
+      step();
+      step_times.push_back(seconds_since(step_start));
+    }
     per_step = std::min(per_step, seconds_since(start) / steps);
   }
-  if (rank == 0) {
+  // The median step of each rank; the job runs at the pace of the slowest.
+  double median_step = median(step_times);
+  if (distributed) {
+    Tensor mine = full({1}, median_step);
+    Tensor all = zeros({world});
+    dist::default_process_group()->allgather(mine, all)->wait();
+    for (float v : all.to_vector<float>()) median_step = std::max(median_step, static_cast<double>(v));
+  }
+  if (rank == 0 && std::getenv("MN_DIST_BENCH_MACHINE") != nullptr) {
+    // One line for `compare` to parse.
+    std::printf("RESULT world=%d batch=%lld median_step_s=%.9g best_mean_step_s=%.9g bytes_per_step=%zu\n", world,
+                static_cast<long long>(batch), median_step, per_step, ddp ? ddp->bytes_per_step() : size_t{0});
+  } else if (rank == 0) {
     const int64_t global_batch = batch * world;
     std::printf("CNN2 layerwise 4x672: %s, batch %lld per rank (%lld global), %d steps\n",
                 distributed ? (std::to_string(world) + " ranks, DDP over Gloo").c_str() : "1 process, no DDP",
                 static_cast<long long>(batch), static_cast<long long>(global_batch), steps);
     std::printf("  trainable floats %lld, bytes all-reduced per step %zu\n",
                 static_cast<long long>(model.trainable_parameter_count()), ddp ? ddp->bytes_per_step() : size_t{0});
-    std::printf("  step %.2f ms, per sample %.1f us\n", per_step * 1e3, per_step / global_batch * 1e6);
+    std::printf("  median step %.2f ms, per sample %.1f us; best mean of 3 rounds %.2f ms\n", median_step * 1e3,
+                median_step / global_batch * 1e6, per_step * 1e3);
     if (ddp)
       std::printf("  wrap_ddp %.1f ms (hashing %.1f MB of mapper buffers)\n", wrap_seconds * 1e3,
                   static_cast<double>(model.generator().fixed_bytes()) / 1e6);
@@ -138,17 +187,102 @@ void bench_ddp(int argc, char** argv) {
   if (distributed) dist::cleanup_ddp();
 }
 
+struct Measured {
+  double median_step = 0, best_mean = 0;
+  size_t bytes = 0;
+};
+
+Measured finish_measurement(FILE* pipe, const std::string& command) {
+  std::string output;
+  std::array<char, 4096> buffer;
+  size_t n;
+  while ((n = std::fread(buffer.data(), 1, buffer.size(), pipe)) > 0) output.append(buffer.data(), n);
+  const int status = ::pclose(pipe);
+  const size_t at = output.find("RESULT ");
+  MN_CHECK(status == 0 && at != std::string::npos, RuntimeError, "measurement failed (status ", status, "): ",
+           command, "\n", output);
+  Measured m;
+  int world = 0;
+  long long batch = 0;
+  MN_CHECK(std::sscanf(output.c_str() + at, "RESULT world=%d batch=%lld median_step_s=%lf best_mean_step_s=%lf "
+                       "bytes_per_step=%zu", &world, &batch, &m.median_step, &m.best_mean, &m.bytes) == 5,
+           RuntimeError, "cannot parse: ", output.substr(at));
+  return m;
+}
+
+// Runs `ddp` measurements (shell command lines) at the same time and parses their RESULT lines.
+std::vector<Measured> run_measurements(const std::vector<std::string>& commands) {
+  std::vector<FILE*> pipes;
+  for (const std::string& command : commands) {
+    pipes.push_back(::popen(command.c_str(), "r"));
+    MN_CHECK(pipes.back() != nullptr, RuntimeError, "cannot run: ", command);
+  }
+  std::vector<Measured> out;
+  for (size_t i = 0; i < commands.size(); ++i) out.push_back(finish_measurement(pipes[i], commands[i]));
+  return out;
+}
+
+Measured run_measurement(const std::string& command) { return run_measurements({command}).front(); }
+
+void bench_compare(int argc, char** argv) {
+  const int64_t batch = std::stoll(arg_value(argc, argv, "--batch", "32"));
+  const int steps = std::stoi(arg_value(argc, argv, "--steps", "100"));
+  const int repeats = std::stoi(arg_value(argc, argv, "--repeats", "3"));
+  MN_CHECK(batch > 0 && steps > 0 && repeats > 0, ValueError, "--batch, --steps and --repeats must be positive");
+  char self[4096] = {};
+  const ssize_t len = ::readlink("/proc/self/exe", self, sizeof(self) - 1);
+  MN_CHECK(len > 0, RuntimeError, "cannot find this program's path");
+  const std::string args = str(" ddp --batch ", batch, " --steps ", steps);
+  const std::string env = "env -u RANK -u WORLD_SIZE OMP_NUM_THREADS=1 MN_DIST_BENCH_MACHINE=1 ";
+  const std::string single = env + self + args;
+  const std::string two = env + MN_RUN_EXE + std::string(" --nproc-per-node 2 ") + self + args;
+  std::printf("CNN2 layerwise 4x672, batch %lld per process, 1 OpenMP thread per process, %d steps x 3 rounds, "
+              "%d alternating repeats\n", static_cast<long long>(batch), steps, repeats);
+  std::vector<double> one_steps, pair_steps, two_steps;
+  size_t bytes = 0;
+  for (int r = 0; r < repeats; ++r) {
+    const Measured a = run_measurement(single);
+    // Two independent processes at once: what sharing the machine costs before any communication.
+    const std::vector<Measured> pair = run_measurements({single, single});
+    const Measured b = run_measurement(two);
+    one_steps.push_back(a.median_step);
+    pair_steps.push_back(std::max(pair[0].median_step, pair[1].median_step));
+    two_steps.push_back(b.median_step);
+    bytes = b.bytes;
+    std::printf("  repeat %d: 1 process %.3f ms, 2 processes side by side %.3f ms, 2 ranks %.3f ms per step "
+                "(x%.3f)\n", r + 1, a.median_step * 1e3, pair_steps.back() * 1e3, b.median_step * 1e3,
+                b.median_step / a.median_step);
+    std::fflush(stdout);
+  }
+  const double one = median(one_steps), side_by_side = median(pair_steps), two_ranks = median(two_steps);
+  const double b = static_cast<double>(batch);
+  std::printf("\n%-22s %12s %22s %24s\n", "median over repeats", "step [ms]", "per sample/rank [us]",
+              "global per sample [us]");
+  std::printf("%-22s %12.3f %22.2f %24.2f\n", "1 process", one * 1e3, one / b * 1e6, one / b * 1e6);
+  std::printf("%-22s %12.3f %22.2f %24.2f\n", "2 processes, no DDP", side_by_side * 1e3, side_by_side / b * 1e6,
+              side_by_side / (2 * b) * 1e6);
+  std::printf("%-22s %12.3f %22.2f %24.2f\n", "2 ranks, DDP (Gloo)", two_ranks * 1e3, two_ranks / b * 1e6,
+              two_ranks / (2 * b) * 1e6);
+  std::printf("DDP / 1 process per-sample step time: %.3f (target <= 1.10); of which sharing the machine %.3f, "
+              "communication and waiting %.3f\n", two_ranks / one, side_by_side / one, two_ranks / side_by_side);
+  std::printf("bytes all-reduced per step: %zu (%zu floats; target 2688)\n", bytes, bytes / sizeof(float));
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   const std::string mode = argc > 1 ? argv[1] : "";
   try {
     if (mode == "allreduce") {
-      bench_allreduce();
+      bench_allreduce(argc, argv);
     } else if (mode == "ddp") {
       bench_ddp(argc, argv);
+    } else if (mode == "compare") {
+      bench_compare(argc, argv);
     } else {
-      std::fprintf(stderr, "usage: mn_dist_bench allreduce | ddp [--batch B] [--steps S]\n");
+      std::fprintf(stderr,
+                   "usage: mn_dist_bench allreduce [--max-bytes N] | ddp [--batch B] [--steps S] | compare [--batch B] [--steps S] "
+                   "[--repeats R]\n");
       return 2;
     }
   } catch (const std::exception& e) {

@@ -125,6 +125,21 @@ void run_collectives() {
     }
     std::printf("rank %d: collectives on %lld elements ok\n", rank, static_cast<long long>(n));
   }
+  // Inexact sums (random values per rank) must still come out bitwise the same on every rank, on both
+  // sides of the Gloo backend's switch from gather-and-sum (small) to the ring (large).
+  for (int64_t n : {int64_t{2688}, int64_t{70'000}}) {
+    Generator gen(1000 + static_cast<uint64_t>(rank));
+    Tensor values = randn({n}, {}, &gen);
+    pg->allreduce(values, dist::ReduceOp::Sum)->wait();
+    Tensor everyone = zeros({n * world});
+    pg->allgather(values, everyone)->wait();
+    const std::vector<float> all = everyone.to_vector<float>();
+    int64_t differing = 0;
+    for (int r = 1; r < world; ++r)
+      for (int64_t i = 0; i < n; ++i)
+        differing += std::memcmp(&all[static_cast<size_t>(r * n + i)], &all[static_cast<size_t>(i)], sizeof(float)) != 0;
+    WORKER_CHECK(differing == 0, differing, " all-reduced values differ between ranks for n=", n);
+  }
   Tensor ints = from_vector(std::vector<int64_t>{rank, int64_t{1} << 40});
   pg->allreduce(ints)->wait();
   WORKER_CHECK(

@@ -9,6 +9,8 @@ target_link_libraries(mn_dist_worker PRIVATE mn::mapping_networks)
 # Benchmark program, not a test: mn-run --nproc-per-node 2 mn_dist_bench (see its header).
 add_executable(mn_dist_bench ${CMAKE_CURRENT_SOURCE_DIR}/dist/dist_bench.cpp)
 target_link_libraries(mn_dist_bench PRIVATE mn::mapping_networks)
+target_compile_definitions(mn_dist_bench PRIVATE MN_RUN_EXE="$<TARGET_FILE:mn-run>")  # for `compare`
+add_dependencies(mn_dist_bench mn-run)
 
 set(MN_DIST_WORKER $<TARGET_FILE:mn_dist_worker>)
 set(MN_DIST_EXPECT_FAILURE ${CMAKE_CURRENT_SOURCE_DIR}/dist/expect_failure.cmake)
@@ -97,3 +99,15 @@ add_test(NAME dist_env_bad_world_size
                  ${MN_DIST_WORKER} env)
 set_tests_properties(dist_env_bad_world_size PROPERTIES LABELS dist TIMEOUT 30
                      PASS_REGULAR_EXPRESSION "environment variable WORLD_SIZE='abc' is not a positive integer")
+
+# mn-train under mn-run (examples/mn-train.cpp --backend): equivalence with one process, resume, errors.
+if(TARGET mn-train)
+  add_executable(mn_dist_train_test ${CMAKE_CURRENT_SOURCE_DIR}/dist/test_mn_train_ddp.cpp
+                                    ${CMAKE_CURRENT_SOURCE_DIR}/main.cpp)
+  target_link_libraries(mn_dist_train_test PRIVATE mn::mapping_networks doctest::doctest)
+  target_compile_definitions(mn_dist_train_test PRIVATE MN_TRAIN_EXE="$<TARGET_FILE:mn-train>"
+                                                        MN_RUN_EXE="$<TARGET_FILE:mn-run>")
+  add_dependencies(mn_dist_train_test mn-train mn-run)
+  add_test(NAME dist_mn_train COMMAND mn_dist_train_test --no-intro=true)
+  set_tests_properties(dist_mn_train PROPERTIES LABELS dist TIMEOUT 300)
+endif()
