@@ -1,7 +1,8 @@
 // Reductions, softmax and cross entropy at sizes a training step meets: a full sum over 1M elements,
 // row and column sums of a [1024, 1024] matrix (column = bias gradient layout), softmax and fused cross
 // entropy (forward + backward) on [256, 1000] logits. Bytes processed let the numbers be read as
-// memory bandwidth.
+// memory bandwidth. Wall time (UseRealTime): the kernels are OpenMP-parallel, and the calling
+// thread's CPU time would undercount them.
 #include <benchmark/benchmark.h>
 
 #include "autograd/node.h"
@@ -29,42 +30,42 @@ static void BM_SumAll_1M(benchmark::State& state) {
   for (auto _ : state) benchmark::DoNotOptimize(sum(x).raw_data());
   set_bytes(state, x);
 }
-BENCHMARK(BM_SumAll_1M);
+BENCHMARK(BM_SumAll_1M)->UseRealTime();
 
 static void BM_SumRows_1024x1024(benchmark::State& state) {
   Tensor x = random_matrix({1024, 1024});
   for (auto _ : state) benchmark::DoNotOptimize(sum(x, {1}).raw_data());
   set_bytes(state, x);
 }
-BENCHMARK(BM_SumRows_1024x1024);
+BENCHMARK(BM_SumRows_1024x1024)->UseRealTime();
 
 static void BM_SumColumns_1024x1024(benchmark::State& state) {
   Tensor x = random_matrix({1024, 1024});
   for (auto _ : state) benchmark::DoNotOptimize(sum(x, {0}).raw_data());
   set_bytes(state, x);
 }
-BENCHMARK(BM_SumColumns_1024x1024);
+BENCHMARK(BM_SumColumns_1024x1024)->UseRealTime();
 
 static void BM_MaxAll_1M(benchmark::State& state) {
   Tensor x = random_matrix({1 << 20});
   for (auto _ : state) benchmark::DoNotOptimize(max(x).raw_data());
   set_bytes(state, x);
 }
-BENCHMARK(BM_MaxAll_1M);
+BENCHMARK(BM_MaxAll_1M)->UseRealTime();
 
 static void BM_VarRows_1024x1024(benchmark::State& state) {
   Tensor x = random_matrix({1024, 1024});
   for (auto _ : state) benchmark::DoNotOptimize(var(x, {1}).raw_data());
   set_bytes(state, x);
 }
-BENCHMARK(BM_VarRows_1024x1024);
+BENCHMARK(BM_VarRows_1024x1024)->UseRealTime();
 
 static void BM_Softmax_256x1000(benchmark::State& state) {
   Tensor x = random_matrix({256, 1000});
   for (auto _ : state) benchmark::DoNotOptimize(softmax(x, 1).raw_data());
   set_bytes(state, x);
 }
-BENCHMARK(BM_Softmax_256x1000);
+BENCHMARK(BM_Softmax_256x1000)->UseRealTime();
 
 static void BM_CrossEntropy_ForwardBackward_256x1000(benchmark::State& state) {
   Tensor x = random_matrix({256, 1000}).requires_grad_(true);
@@ -77,4 +78,4 @@ static void BM_CrossEntropy_ForwardBackward_256x1000(benchmark::State& state) {
   }
   set_bytes(state, x);
 }
-BENCHMARK(BM_CrossEntropy_ForwardBackward_256x1000);
+BENCHMARK(BM_CrossEntropy_ForwardBackward_256x1000)->UseRealTime();

@@ -1,8 +1,27 @@
 // Full training steps (forward + backward + optimizer), the figures bench/compare_torch.py sets
 // beside PyTorch: CNN2 trained directly (batch 128, Adam), CNN2 through a layerwise mapping network
-// (4 groups x 672, batch 256) and MLP 784-256-256-10 layerwise L = 64 (batch 64, no regularisers).
+// (4 groups x 672, batch 256) and MLP 784-256-256-10 layerwise L = 64 (batch 64, no regularisers),
+// and the MLP trained directly (batch 64).
+//
+// BM_MappedStepBound/<target> sets a mapped step against its bandwidth bound, all measured in this
+// process: each iteration runs one direct step of the target (its own parameters, Adam, same batch)
+// and one mapped step, timed separately, so both see the same machine state; the read bandwidth is
+// a quick read-only pass with all OpenMP threads (bandwidth_probe.h). Counters:
+//   mapper_bytes   what one pass over the mapper touches: the fixed factors it reads (block,
+//                  signs, tail, per-element scales: generator.fixed_bytes()) + the n generated
+//                  values (written forward, their gradient read backward), 4 n bytes
+//   dense_bytes    the reference library's dense n x L matrices, sum_g n_g L_g x 4 (context)
+//   bound_ms       2 x mapper_bytes / read bandwidth + direct_ms      (the bound)
+//   ratio          mapped_ms / bound_ms  (target <= 1.5); the benchmark's time is mapped_ms
+//   ratio_dense    mapped_ms / (2 x dense_bytes / read bandwidth + direct_ms), for context
+// direct_ms and mapped_ms are medians over the iterations.
 #include <benchmark/benchmark.h>
 
+#include <algorithm>
+#include <chrono>
+#include <vector>
+
+#include "bench/bandwidth_probe.h"
 #include "mapping/mapping_model.h"
 #include "mapping/targets.h"
 #include "nn/functional.h"
@@ -58,3 +77,100 @@ BENCHMARK(BM_CNN2_LayerwiseStep)->Unit(benchmark::kMillisecond)->UseRealTime();
 
 static void BM_MLP_LayerwiseStep(benchmark::State& state) { mapped_step(state, "mlp", 64, {64, 784}); }
 BENCHMARK(BM_MLP_LayerwiseStep)->Unit(benchmark::kMillisecond)->UseRealTime();
+
+static void BM_MLP_DirectStep(benchmark::State& state) {
+  manual_seed(0);
+  auto net = mapping::make_target("mlp");
+  nn::optim::Adam adam(net->parameters(), nn::optim::AdamOptions{1e-3});
+  const int64_t batch = state.range(0);
+  Tensor x = randn({batch, 784}), y = labels(batch);
+  for (auto _ : state) {
+    Tensor loss = F::cross_entropy(net->forward(x), y);
+    adam.zero_grad();
+    loss.backward();
+    adam.step();
+  }
+  state.SetItemsProcessed(state.iterations() * batch);
+}
+BENCHMARK(BM_MLP_DirectStep)->Arg(64)->Unit(benchmark::kMillisecond)->UseRealTime();
+
+namespace {
+
+struct BoundConfig {
+  const char* target;
+  int64_t latent;
+  Shape input;
+};
+const BoundConfig kBoundConfigs[] = {{"mlp", 64, {64, 784}}, {"cnn2", 672, {256, 1, 28, 28}}};
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const size_t m = v.size() / 2;
+  return v.size() % 2 ? v[m] : 0.5 * (v[m - 1] + v[m]);
+}
+
+}  // namespace
+
+static void BM_MappedStepBound(benchmark::State& state) {
+  const BoundConfig& c = kBoundConfigs[state.range(0)];
+  const mn_bench::Bandwidth& bw = mn_bench::measured_bandwidth(mn_bench::max_threads());
+  manual_seed(0);
+  auto direct_net = mapping::make_target(c.target);
+  nn::optim::Adam direct_adam(direct_net->parameters(), nn::optim::AdamOptions{1e-3});
+  mapping::MappingOptions o;
+  o.latent_dim = c.latent;
+  o.strategy = "layerwise";
+  mapping::MappingModel model(mapping::make_target(c.target), o);
+  nn::optim::Adam adam(model.parameters(), nn::optim::AdamOptions{1e-2});
+  Tensor x = randn(c.input), y = labels(c.input[0]);
+  auto direct_step = [&] {
+    Tensor loss = F::cross_entropy(direct_net->forward(x), y);
+    direct_adam.zero_grad();
+    loss.backward();
+    direct_adam.step();
+  };
+  auto mapped = [&] {
+    Tensor loss = F::cross_entropy(model.forward(x).predictions, y);
+    adam.zero_grad();
+    loss.backward();
+    adam.step();
+  };
+  direct_step();  // warm: optimizer state, allocator segments
+  mapped();
+  using clock = std::chrono::steady_clock;
+  std::vector<double> direct_ms, mapped_ms;
+  for (auto _ : state) {
+    const auto t0 = clock::now();
+    direct_step();
+    const auto t1 = clock::now();
+    mapped();
+    const auto t2 = clock::now();
+    direct_ms.push_back(std::chrono::duration<double, std::milli>(t1 - t0).count());
+    mapped_ms.push_back(std::chrono::duration<double, std::milli>(t2 - t1).count());
+    state.SetIterationTime(mapped_ms.back() * 1e-3);
+  }
+  const auto& gen = model.generator();
+  const double theta_bytes = 4.0 * static_cast<double>(gen.parameter_spec().total_numel());
+  const double fixed = static_cast<double>(gen.fixed_bytes());
+  const double mapper_bytes = fixed + theta_bytes;
+  const double dense_bytes = static_cast<double>(gen.fixed_projection_bytes());
+  const double direct = median(direct_ms), mapped_median = median(mapped_ms);
+  const double bytes_per_ms = bw.read_GBps * 1e6;
+  const double bound = 2.0 * mapper_bytes / bytes_per_ms + direct;
+  const double bound_dense = 2.0 * dense_bytes / bytes_per_ms + direct;
+  state.counters["direct_ms"] = direct;
+  state.counters["mapped_ms"] = mapped_median;
+  state.counters["read_GBps"] = bw.read_GBps;
+  state.counters["mapper_bytes"] = mapper_bytes;
+  state.counters["mapper_fixed_bytes"] = fixed;
+  state.counters["theta_bytes"] = theta_bytes;
+  state.counters["dense_bytes"] = dense_bytes;
+  state.counters["bound_ms"] = bound;
+  state.counters["ratio"] = mapped_median / bound;
+  state.counters["bound_dense_ms"] = bound_dense;
+  state.counters["ratio_dense"] = mapped_median / bound_dense;
+  state.counters["batch"] = static_cast<double>(c.input[0]);
+  state.SetLabel(std::string(c.target) + " layerwise " + std::to_string(gen.groups().size()) + "x" +
+                 std::to_string(c.latent) + " batch " + std::to_string(c.input[0]));
+}
+BENCHMARK(BM_MappedStepBound)->Arg(0)->Arg(1)->ArgName("target")->Unit(benchmark::kMillisecond)->UseManualTime();

@@ -1,0 +1,616 @@
+// mn_bench_report DIR: reads the Google Benchmark JSON files `./mn bench` wrote into DIR
+// (mn_bench_<name>.json), prints one readable summary and writes DIR/summary.json.
+//
+// Every figure is a median over the repetitions of a benchmark (its iteration runs; when the file
+// holds only aggregates, the "median" aggregate). Derived figures: STREAM bandwidth per kernel and
+// thread count, GEMV rate as a fraction of the read and triad bandwidth, mapped step against its
+// bandwidth bound (target <= 1.5), allocator cached hit against malloc, and per spec and latent the
+// generator peaks with the lazy_layerwise < layerwise < slvt ordering. Programs it does not know are
+// listed generically (time and counters). Missing files are skipped: a build without CUDA or
+// without some program still gets a summary of what is there.
+#include <algorithm>
+#include <cmath>
+#include <cstdarg>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <map>
+#include <optional>
+#include <regex>
+#include <set>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+namespace {
+
+std::string fmt(const char* f, ...) {
+  char buf[512];
+  va_list ap;
+  va_start(ap, f);
+  std::vsnprintf(buf, sizeof buf, f, ap);
+  va_end(ap);
+  return buf;
+}
+
+double median(std::vector<double> v) {
+  if (v.empty()) return std::nan("");
+  std::sort(v.begin(), v.end());
+  const size_t m = v.size() / 2;
+  return v.size() % 2 ? v[m] : 0.5 * (v[m - 1] + v[m]);
+}
+
+double to_ms(double t, const std::string& unit) {
+  if (unit == "ns") return t * 1e-6;
+  if (unit == "us") return t * 1e-3;
+  if (unit == "s") return t * 1e3;
+  return t;  // ms
+}
+
+// One benchmark (one run_name), reduced to medians.
+struct Result {
+  std::string program;  // mn_bench_<name>
+  std::string run_name;
+  std::string label;
+  std::string error;  // non-empty: skipped / failed, with the reason
+  int repetitions = 0;
+  double real_ms = std::nan("");
+  std::map<std::string, double> counters;
+  std::map<std::string, std::string> args;  // "kernel:3" segments of the name
+
+  double counter(const std::string& k) const {
+    auto it = counters.find(k);
+    return it == counters.end() ? std::nan("") : it->second;
+  }
+  long arg(const std::string& k, long fallback = -1) const {
+    auto it = args.find(k);
+    return it == args.end() ? fallback : std::atol(it->second.c_str());
+  }
+  std::string family() const { return run_name.substr(0, run_name.find('/')); }
+};
+
+const std::set<std::string> kReservedKeys = {
+    "name",        "family_index", "per_family_instance_index", "run_name", "run_type",  "repetitions",
+    "repetition_index", "threads", "iterations", "real_time", "cpu_time", "time_unit", "aggregate_name",
+    "aggregate_unit", "error_occurred", "error_message", "label", "big_o", "rms", "complexity", "skipped",
+    "skip_message"};
+
+std::map<std::string, std::string> parse_args(const std::string& run_name) {
+  std::map<std::string, std::string> out;
+  size_t pos = run_name.find('/');
+  int positional = 0;
+  while (pos != std::string::npos) {
+    const size_t next = run_name.find('/', pos + 1);
+    const std::string seg = run_name.substr(pos + 1, next == std::string::npos ? std::string::npos : next - pos - 1);
+    const size_t colon = seg.find(':');
+    if (colon != std::string::npos)
+      out[seg.substr(0, colon)] = seg.substr(colon + 1);
+    else if (!seg.empty() && (std::isdigit(static_cast<unsigned char>(seg[0])) || seg[0] == '-'))
+      out["arg" + std::to_string(positional++)] = seg;
+    pos = next;
+  }
+  return out;
+}
+
+struct Program {
+  std::string name;
+  json context;
+  std::vector<Result> results;  // in file order
+};
+
+Program load(const fs::path& file) {
+  Program p;
+  p.name = file.stem().string();
+  std::ifstream in(file);
+  std::stringstream text;
+  text << in.rdbuf();
+  // Google Benchmark writes NaN / inf for some aggregates (the cv of a counter that is always 0),
+  // which JSON has no literal for: read them as null.
+  static const std::regex non_finite(R"((:\s*)-?(NaN|nan|inf|Infinity)\b)");
+  json j = json::parse(std::regex_replace(text.str(), non_finite, "$1null"));
+  p.context = j.value("context", json::object());
+  struct Acc {
+    Result r;
+    std::vector<double> times;
+    std::map<std::string, std::vector<double>> counters;
+    std::optional<double> agg_time;
+    std::map<std::string, double> agg_counters;
+  };
+  std::vector<std::string> order;
+  std::map<std::string, Acc> acc;
+  for (const json& b : j.value("benchmarks", json::array())) {
+    const std::string run_name = b.value("run_name", b.value("name", std::string()));
+    auto [it, inserted] = acc.try_emplace(run_name);
+    Acc& a = it->second;
+    if (inserted) {
+      order.push_back(run_name);
+      a.r.program = p.name;
+      a.r.run_name = run_name;
+      a.r.args = parse_args(run_name);
+    }
+    if (b.contains("label")) a.r.label = b["label"].get<std::string>();
+    if (b.value("error_occurred", false) || b.value("skipped", false)) {
+      a.r.error = b.value("error_message", b.value("skip_message", std::string("skipped")));
+      continue;
+    }
+    const std::string type = b.value("run_type", std::string("iteration"));
+    const std::string unit = b.value("time_unit", std::string("ns"));
+    std::map<std::string, double> counters;
+    for (auto& [k, v] : b.items())
+      if (!kReservedKeys.count(k) && v.is_number()) counters[k] = v.get<double>();
+    if (type == "aggregate") {
+      if (b.value("aggregate_name", std::string()) != "median") continue;
+      a.agg_time = to_ms(b.value("real_time", 0.0), unit);
+      a.agg_counters = counters;
+    } else {
+      a.times.push_back(to_ms(b.value("real_time", 0.0), unit));
+      for (auto& [k, v] : counters) a.counters[k].push_back(v);
+    }
+  }
+  for (const std::string& name : order) {
+    Acc& a = acc[name];
+    if (!a.times.empty()) {
+      a.r.repetitions = static_cast<int>(a.times.size());
+      a.r.real_ms = median(a.times);
+      for (auto& [k, v] : a.counters) a.r.counters[k] = median(v);
+    } else if (a.agg_time) {
+      a.r.real_ms = *a.agg_time;
+      a.r.counters = a.agg_counters;
+    }
+    p.results.push_back(a.r);
+  }
+  return p;
+}
+
+// ---- output helpers ----
+
+std::string human_bytes(double b) {
+  if (!std::isfinite(b)) return "-";
+  if (b >= 1e9) return fmt("%.2f GB", b / 1e9);
+  if (b >= 1e6) return fmt("%.2f MB", b / 1e6);
+  if (b >= 1e3) return fmt("%.1f kB", b / 1e3);
+  return fmt("%.0f B", b);
+}
+
+std::string human_time_ms(double ms) {
+  if (!std::isfinite(ms)) return "-";
+  if (ms >= 1000) return fmt("%.2f s", ms / 1e3);
+  if (ms >= 1) return fmt("%.2f ms", ms);
+  if (ms >= 1e-3) return fmt("%.2f us", ms * 1e3);
+  return fmt("%.1f ns", ms * 1e6);
+}
+
+std::string grouped_int(double v) {
+  if (!std::isfinite(v)) return "-";
+  std::string s = fmt("%.0f", v), out;
+  int n = 0;
+  for (auto it = s.rbegin(); it != s.rend(); ++it) {
+    if (n && n % 3 == 0 && *it != '-') out.insert(out.begin(), ',');
+    out.insert(out.begin(), *it);
+    ++n;
+  }
+  return out;
+}
+
+void section(const std::string& title) { std::cout << "\n== " << title << " ==\n"; }
+
+json num(double v) { return std::isfinite(v) ? json(v) : json(nullptr); }
+
+const Program* find(const std::vector<Program>& programs, const std::string& name) {
+  for (const auto& p : programs)
+    if (p.name == name) return &p;
+  return nullptr;
+}
+
+std::vector<const Result*> family(const Program* p, const std::string& fam) {
+  std::vector<const Result*> out;
+  if (p)
+    for (const auto& r : p->results)
+      if (r.family() == fam) out.push_back(&r);
+  return out;
+}
+
+const Result* first(const Program* p, const std::string& fam) {
+  auto v = family(p, fam);
+  return v.empty() ? nullptr : v.front();
+}
+
+// ---- headline figures: one table at the end, the derived figures and their targets ----
+
+struct Headline {
+  std::string figure, value, target, status;
+};
+std::vector<Headline> headlines;
+
+void headline(std::string figure, std::string value, std::string target = "", std::string status = "") {
+  headlines.push_back({std::move(figure), std::move(value), std::move(target), std::move(status)});
+}
+
+// ---- sections ----
+
+const char* const kStreamKernels[] = {"copy", "scale", "add", "triad", "read_sum"};
+
+json report_bandwidth(const Program* p) {
+  json out = json::object();
+  if (!p) return out;
+  section("memory bandwidth (STREAM-style best rate, GB/s = 1e9 B/s; mn_bench_bandwidth)");
+  std::map<long, std::map<long, double>> rates;  // threads -> kernel -> GB/s
+  double array_mib = std::nan(""), llc_mib = std::nan("");
+  for (const Result* r : family(p, "BM_Stream")) {
+    if (!r->error.empty()) continue;
+    rates[r->arg("threads")][r->arg("kernel")] = r->counter("GBps");
+    array_mib = r->counter("array_MiB");
+    llc_mib = r->counter("LLC_MiB");
+  }
+  std::cout << fmt("%-8s", "threads");
+  for (const char* k : kStreamKernels) std::cout << fmt(" %10s", k);
+  std::cout << "\n";
+  for (auto& [threads, per] : rates) {
+    std::cout << fmt("%-8ld", threads);
+    json row = json::object();
+    for (long k = 0; k < 5; ++k) {
+      auto it = per.find(k);
+      const double v = it == per.end() ? std::nan("") : it->second;
+      std::cout << (std::isfinite(v) ? fmt(" %10.1f", v) : fmt(" %10s", "-"));
+      row[kStreamKernels[k]] = num(v);
+    }
+    std::cout << "\n";
+    out["threads_" + std::to_string(threads)] = row;
+  }
+  std::cout << fmt("arrays of %.0f MiB each; the OS reports a last-level cache of %.0f MiB\n", array_mib, llc_mib);
+  if (!rates.empty()) {
+    auto& all = rates.rbegin()->second;
+    const long t = rates.rbegin()->first;
+    if (all.count(4)) headline(fmt("read bandwidth, %ld threads", t), fmt("%.1f GB/s", all[4]));
+    if (all.count(3)) headline(fmt("triad bandwidth, %ld threads", t), fmt("%.1f GB/s", all[3]));
+  }
+  out["array_MiB"] = num(array_mib);
+  out["LLC_MiB"] = num(llc_mib);
+
+  // GEMV against the bandwidth.
+  const char* const shapes[] = {"mlp_slvt_L64", "mlp_fc1_L64", "cnn2_fc1_L672"};
+  std::map<std::pair<long, long>, const Result*> dense, dense_t, block;
+  for (const Result* r : family(p, "BM_DenseGemv")) dense[{r->arg("shape"), r->arg("threads")}] = r;
+  for (const Result* r : family(p, "BM_DenseGemvT")) dense_t[{r->arg("shape"), r->arg("threads")}] = r;
+  for (const Result* r : family(p, "BM_BlockOrthogonalApply")) block[{r->arg("shape"), r->arg("threads")}] = r;
+  if (!dense.empty() || !block.empty()) {
+    section("mapper-sized GEMV against the bandwidth (mn_bench_bandwidth)");
+    std::cout << fmt("%-15s %3s  %-13s %10s %8s %9s %10s\n", "shape [n x L]", "thr", "op", "time", "GB/s",
+                     "of read", "of triad");
+    json rows = json::array();
+    for (auto& [key, r] : dense) {
+      const std::string shape = key.first >= 0 && key.first < 3 ? shapes[key.first] : std::to_string(key.first);
+      for (auto [op, res] : {std::pair{"W z (dense)", r}, std::pair{"W^T g (dense)", dense_t.count(key) ? dense_t[key] : nullptr},
+                             std::pair{"W z (ours)", block.count(key) ? block[key] : nullptr}}) {
+        if (!res || !res->error.empty()) continue;
+        std::cout << fmt("%-15s %3ld  %-13s %10s %8.1f %8.0f%% %9.0f%%", shape.c_str(), key.second, op,
+                         human_time_ms(res->real_ms).c_str(), res->counter("GBps"), 100 * res->counter("frac_read"),
+                         100 * res->counter("frac_triad"));
+        json row = {{"shape", shape},
+                    {"threads", key.second},
+                    {"op", op},
+                    {"time_ms", num(res->real_ms)},
+                    {"GBps", num(res->counter("GBps"))},
+                    {"frac_read", num(res->counter("frac_read"))},
+                    {"frac_triad", num(res->counter("frac_triad"))}};
+        const bool headline_row = key.first == 0 && key.second == dense.rbegin()->first.second;
+        if (std::string(op) == "W z (ours)") {
+          const double speedup = r->real_ms / res->real_ms;
+          std::cout << fmt("  dense / ours = %.1fx", speedup);
+          row["speedup_vs_dense"] = num(speedup);
+          if (headline_row)
+            headline(fmt("our mapper W z vs dense GEMV, %s, %ld thr", shape.c_str(), key.second),
+                     fmt("dense time / ours = %.1fx", speedup));
+        } else if (std::string(op) == "W z (dense)" && headline_row) {
+          headline(fmt("dense GEMV W z, %s, %ld thr", shape.c_str(), key.second),
+                   fmt("%.1f GB/s = %.0f%% of read", res->counter("GBps"), 100 * res->counter("frac_read")));
+        }
+        std::cout << "\n";
+        rows.push_back(row);
+      }
+    }
+    std::cout << "(GB/s counts the bytes each op touches: dense W + vectors; ours: its factors + vectors)\n";
+    out["gemv"] = rows;
+  }
+  return out;
+}
+
+json report_train(const Program* p) {
+  json out = json::object();
+  if (!p) return out;
+  section("training steps (mn_bench_train_step; ms per step)");
+  json steps = json::object();
+  for (const auto& r : p->results) {
+    if (r.family() == "BM_MappedStepBound") continue;
+    std::cout << fmt("%-34s %10s", r.run_name.substr(0, r.run_name.find("/real_time")).c_str(),
+                     r.error.empty() ? human_time_ms(r.real_ms).c_str() : "skipped");
+    if (!r.error.empty()) std::cout << "  " << r.error;
+    std::cout << "\n";
+    steps[r.run_name] = num(r.real_ms);
+  }
+  out["steps_ms"] = steps;
+  auto bounds = family(p, "BM_MappedStepBound");
+  if (!bounds.empty()) {
+    section("mapped step against its bandwidth bound (target: mapped / bound <= 1.5)");
+    std::cout << "bound = 2 x mapper bytes / read bandwidth + direct step (all measured in one process)\n";
+    std::cout << fmt("%-32s %9s %9s %8s %10s %9s %7s %6s %12s %7s\n", "config", "direct", "mapped", "read",
+                     "mapper", "bound", "ratio", "", "dense W", "ratio");
+    std::cout << fmt("%-32s %9s %9s %8s %10s %9s %7s %6s %12s %7s\n", "", "ms", "ms", "GB/s", "bytes", "ms",
+                     "", "", "bytes", "dense");
+    json rows = json::array();
+    for (const Result* r : bounds) {
+      if (!r->error.empty()) {
+        std::cout << fmt("%-32s skipped: %s\n", r->label.c_str(), r->error.c_str());
+        continue;
+      }
+      const double ratio = r->counter("ratio");
+      std::cout << fmt("%-32s %9.3f %9.3f %8.1f %10s %9.3f %7.2f %6s %12s %7.2f\n", r->label.c_str(),
+                       r->counter("direct_ms"), r->counter("mapped_ms"), r->counter("read_GBps"),
+                       human_bytes(r->counter("mapper_bytes")).c_str(), r->counter("bound_ms"), ratio,
+                       ratio <= 1.5 ? "ok" : "OVER", human_bytes(r->counter("dense_bytes")).c_str(),
+                       r->counter("ratio_dense"));
+      headline("mapped step / bound: " + r->label, fmt("%.2f (%.3f / %.3f ms)", ratio, r->counter("mapped_ms"),
+                                                        r->counter("bound_ms")),
+               "<= 1.5", ratio <= 1.5 ? "ok" : "OVER");
+      rows.push_back({{"config", r->label},
+                      {"direct_ms", num(r->counter("direct_ms"))},
+                      {"mapped_ms", num(r->counter("mapped_ms"))},
+                      {"read_GBps", num(r->counter("read_GBps"))},
+                      {"mapper_bytes", num(r->counter("mapper_bytes"))},
+                      {"mapper_fixed_bytes", num(r->counter("mapper_fixed_bytes"))},
+                      {"theta_bytes", num(r->counter("theta_bytes"))},
+                      {"dense_bytes", num(r->counter("dense_bytes"))},
+                      {"bound_ms", num(r->counter("bound_ms"))},
+                      {"ratio", num(ratio)},
+                      {"within_target", std::isfinite(ratio) && ratio <= 1.5},
+                      {"bound_dense_ms", num(r->counter("bound_dense_ms"))},
+                      {"ratio_dense", num(r->counter("ratio_dense"))}});
+    }
+    std::cout << "(mapper bytes: the fixed factors and scales read + the n generated values; dense W: the\n"
+                 " reference library's n x L matrices, whose bound ratio_dense is given for context)\n";
+    out["bound"] = rows;
+  }
+  return out;
+}
+
+json report_allocator(const Program* p) {
+  json out = json::object();
+  if (!p) return out;
+  section("caching allocator (mn_bench_allocator; alloc + free)");
+  const Result* small64 = nullptr;
+  const Result* small4k = nullptr;
+  for (const Result* r : family(p, "BM_CachedSmallHit")) (r->arg("arg0") == 64 ? small64 : small4k) = r;
+  const Result* cached = first(p, "BM_Cached64MiB");
+  const Result* malloc64 = first(p, "BM_Malloc64MiB");
+  const Result* split = first(p, "BM_SplitPath");
+  auto line = [&](const char* what, const Result* r, const char* key) {
+    if (!r) return;
+    std::cout << fmt("%-44s %10s\n", what, human_time_ms(r->real_ms).c_str());
+    out[key] = num(r->real_ms * 1e6);
+  };
+  line("cached small hit, 64 B (target <= 100 ns)", small64, "small_hit_64B_ns");
+  line("cached small hit, 4 KiB", small4k, "small_hit_4KiB_ns");
+  line("cached 64 MiB", cached, "cached_64MiB_ns");
+  line("malloc + free 64 MiB", malloc64, "malloc_64MiB_ns");
+  if (split) {
+    const double per = split->real_ms / 16;
+    std::cout << fmt("%-44s %10s\n", "split + merge path, per allocation", human_time_ms(per).c_str());
+    out["split_per_alloc_ns"] = num(per * 1e6);
+  }
+  for (const Result* r : family(p, "BM_EmptyCache")) {
+    const long segs = r->arg("arg0");
+    std::cout << fmt("%-44s %10s\n", fmt("empty_cache, %ld cached 12 MiB segments", segs).c_str(),
+                     human_time_ms(r->real_ms).c_str());
+    out["empty_cache_ns"][std::to_string(segs)] = num(r->real_ms * 1e6);
+  }
+  if (small64)
+    headline("allocator cached small hit (64 B)", human_time_ms(small64->real_ms), "<= 100 ns",
+             small64->real_ms * 1e6 <= 100 ? "ok" : "OVER");
+  if (cached && malloc64) {
+    const double speedup = malloc64->real_ms / cached->real_ms;
+    headline("allocator cached 64 MiB vs malloc", fmt("%.0fx faster", speedup), ">= 10x", speedup >= 10 ? "ok" : "UNDER");
+    std::cout << fmt("cached 64 MiB is %.0fx faster than malloc (target >= 10x)\n", speedup);
+    out["cached_vs_malloc_64MiB"] = num(speedup);
+  }
+  return out;
+}
+
+json report_generators(const Program* p) {
+  json out = json::object();
+  if (!p) return out;
+  const char* const strategies[] = {"slvt", "layerwise", "lazy_layerwise"};
+  const char* const specs[] = {"guide", "cnn1", "cnn2", "mlp1024"};
+  section("generators (mn_bench_generators; fwd = generate, f+b = generate + backward, peak = exact allocator bytes of one generate)");
+  std::map<std::tuple<long, long, long>, const Result*> fwd, bwd;  // (spec, L, strategy)
+  for (const Result* r : family(p, "BM_Generate")) fwd[{r->arg("spec"), r->arg("L"), r->arg("strategy")}] = r;
+  for (const Result* r : family(p, "BM_GenerateBackward")) bwd[{r->arg("spec"), r->arg("L"), r->arg("strategy")}] = r;
+  std::set<std::pair<long, long>> configs;
+  for (auto& [k, r] : fwd) configs.insert({std::get<0>(k), std::get<1>(k)});
+  std::cout << fmt("%-8s %5s %10s  %-16s %10s %10s %14s %14s\n", "spec", "L", "N", "strategy", "fwd", "f+b",
+                   "peak bytes", "peak f+b");
+  json rows = json::array();
+  int ordered = 0, checked = 0;
+  bool any_large = false;
+  for (auto [spec, latent] : configs) {
+    const std::string spec_name = spec >= 0 && spec < 4 ? specs[spec] : std::to_string(spec);
+    double peaks[3] = {std::nan(""), std::nan(""), std::nan("")};
+    double n = std::nan("");
+    for (long s = 0; s < 3; ++s) {
+      auto it = fwd.find({spec, latent, s});
+      if (it == fwd.end()) continue;
+      const Result* f = it->second;
+      const Result* b = bwd.count({spec, latent, s}) ? bwd[{spec, latent, s}] : nullptr;
+      json row = {{"spec", spec_name}, {"L", latent}, {"strategy", strategies[s]}};
+      if (!f->error.empty()) {
+        // "skipped: fixed projection would contain N elements (...)": the reason up to the details.
+        std::string reason = f->error;
+        if (reason.rfind("skipped: ", 0) == 0) reason.erase(0, 9);
+        reason = reason.substr(0, std::min(reason.find(" ("), size_t{100}));
+        std::cout << fmt("%-8s %5ld %10s  %-16s skipped: %s\n", spec_name.c_str(), latent, "", strategies[s],
+                         reason.c_str());
+        row["skipped"] = f->error;
+        rows.push_back(row);
+        continue;
+      }
+      n = f->counter("N");
+      peaks[s] = f->counter("peak_bytes");
+      const bool b_ok = b && b->error.empty();
+      const bool large = f->counter("allow_large") > 0;
+      any_large = any_large || large;
+      const std::string strategy = std::string(strategies[s]) + (large ? " *" : "");
+      std::cout << fmt("%-8s %5ld %10s  %-16s %10s %10s %14s %14s\n", spec_name.c_str(), latent,
+                       grouped_int(n).c_str(), strategy.c_str(), human_time_ms(f->real_ms).c_str(),
+                       b_ok ? human_time_ms(b->real_ms).c_str() : "-", grouped_int(peaks[s]).c_str(),
+                       b_ok ? grouped_int(b->counter("peak_bytes")).c_str() : "-");
+      row["N"] = num(n);
+      row["generate_ms"] = num(f->real_ms);
+      row["generate_backward_ms"] = b_ok ? num(b->real_ms) : json(nullptr);
+      row["peak_bytes"] = num(peaks[s]);
+      row["peak_bytes_backward"] = b_ok ? num(b->counter("peak_bytes")) : json(nullptr);
+      row["fixed_bytes"] = num(f->counter("fixed_bytes"));
+      row["allow_large"] = large;
+      rows.push_back(row);
+    }
+    // Ordering of the generate peaks: lazy < layerwise (< slvt when slvt ran).
+    if (std::isfinite(peaks[1]) && std::isfinite(peaks[2])) {
+      const bool lazy_ok = peaks[2] < peaks[1];
+      const bool slvt_ok = !std::isfinite(peaks[0]) || peaks[1] < peaks[0];
+      ++checked;
+      ordered += lazy_ok && slvt_ok;
+      std::cout << fmt("%-8s %5ld   peak ordering lazy < layerwise%s: %s\n", "", latent,
+                       std::isfinite(peaks[0]) ? " < slvt" : " (slvt skipped)", lazy_ok && slvt_ok ? "yes" : "NO");
+      out["ordering"][spec_name + "/L=" + std::to_string(latent)] = lazy_ok && slvt_ok;
+      if (spec_name == "guide" && latent == 64 && std::isfinite(peaks[0]))
+        headline("generator peak bytes, guide L=64: lazy < layerwise < slvt",
+                 grouped_int(peaks[2]) + " < " + grouped_int(peaks[1]) + " < " + grouped_int(peaks[0]), "ordered",
+                 lazy_ok && slvt_ok ? "ok" : "NO");
+    }
+  }
+  if (any_large)
+    std::cout << "* refused by the projection-size guard with default options (which the library applies to every\n"
+                 "  strategy), so built with allow_large = true; slvt is never run that way\n";
+  std::cout << fmt("peak ordering holds in %d of %d configurations\n", ordered, checked);
+  if (checked)
+    headline("generator peak ordering (all specs, L)", fmt("%d of %d", ordered, checked), "all",
+             ordered == checked ? "ok" : "NO");
+  out["rows"] = rows;
+  out["ordering_holds"] = ordered;
+  out["ordering_checked"] = checked;
+  return out;
+}
+
+// Everything else: name, median time, counters.
+json report_generic(const Program& p) {
+  json out = json::array();
+  section(p.name);
+  for (const auto& r : p.results) {
+    std::string name = r.run_name;
+    for (const char* suffix : {"/real_time", "/manual_time"}) {
+      const size_t at = name.find(suffix);
+      if (at != std::string::npos) name.erase(at);
+    }
+    std::cout << fmt("%-48s %10s", name.c_str(), r.error.empty() ? human_time_ms(r.real_ms).c_str() : "skipped");
+    json row = {{"name", name}, {"time_ms", num(r.real_ms)}};
+    if (!r.error.empty()) {
+      std::cout << "  " << r.error;
+      row["skipped"] = r.error;
+    }
+    for (auto& [k, v] : r.counters) {
+      if (k == "bytes_per_second")
+        std::cout << fmt("  %.2f GB/s", v / 1e9);
+      else if (k == "items_per_second")
+        std::cout << fmt("  %.3g items/s", v);
+      else if (k == "GFLOPS")
+        std::cout << fmt("  %.1f GFLOP/s", v / 1e9);
+      else
+        std::cout << fmt("  %s=%.4g", k.c_str(), v);
+      row[k] = num(v);
+    }
+    if (!r.label.empty()) std::cout << "  [" << r.label << "]";
+    std::cout << "\n";
+    out.push_back(row);
+  }
+  return out;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc != 2 || std::string(argv[1]) == "--help" || std::string(argv[1]) == "-h") {
+    std::cerr << "usage: mn_bench_report DIR   (reads DIR/mn_bench_*.json, writes DIR/summary.json)\n";
+    return argc == 2 ? 0 : 2;
+  }
+  const fs::path dir = argv[1];
+  std::vector<fs::path> files;
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(dir, ec)) {
+    const std::string name = e.path().filename().string();
+    if (e.is_regular_file() && name.rfind("mn_bench_", 0) == 0 && e.path().extension() == ".json") files.push_back(e.path());
+  }
+  if (ec) {
+    std::cerr << "mn_bench_report: cannot read " << dir << ": " << ec.message() << "\n";
+    return 1;
+  }
+  std::sort(files.begin(), files.end());
+  std::vector<Program> programs;
+  for (const auto& f : files) {
+    try {
+      programs.push_back(load(f));
+    } catch (const std::exception& e) {
+      std::cerr << "mn_bench_report: skipping " << f << ": " << e.what() << "\n";
+    }
+  }
+  if (programs.empty()) {
+    std::cerr << "mn_bench_report: no mn_bench_*.json results in " << dir << "\n";
+    return 1;
+  }
+
+  json summary = json::object();
+  const json& ctx = programs.front().context;
+  std::cout << "mapping_networks benchmark summary (medians";
+  int reps = 0;
+  for (const auto& p : programs)
+    for (const auto& r : p.results) reps = std::max(reps, r.repetitions);
+  std::cout << " of " << reps << " repetition" << (reps == 1 ? "" : "s") << ")\n";
+  std::cout << "host " << ctx.value("host_name", std::string("?")) << ", " << ctx.value("num_cpus", 0) << " CPUs at "
+            << ctx.value("mhz_per_cpu", 0) << " MHz, " << ctx.value("date", std::string(""));
+  if (ctx.contains("load_avg") && ctx["load_avg"].is_array() && !ctx["load_avg"].empty())
+    std::cout << ", load average " << fmt("%.2f", ctx["load_avg"][0].get<double>()) << " at start";
+  std::cout << "\n";
+  summary["context"] = ctx;
+  summary["repetitions"] = reps;
+
+  const std::set<std::string> known = {"mn_bench_bandwidth", "mn_bench_train_step", "mn_bench_allocator",
+                                       "mn_bench_generators"};
+  summary["bandwidth"] = report_bandwidth(find(programs, "mn_bench_bandwidth"));
+  summary["train_step"] = report_train(find(programs, "mn_bench_train_step"));
+  summary["allocator"] = report_allocator(find(programs, "mn_bench_allocator"));
+  summary["generators"] = report_generators(find(programs, "mn_bench_generators"));
+  for (const auto& p : programs)
+    if (!known.count(p.name)) summary["other"][p.name] = report_generic(p);
+
+  if (!headlines.empty()) {
+    section("headline figures");
+    size_t w = 6;
+    for (const auto& h : headlines) w = std::max(w, h.figure.size());
+    std::cout << fmt("%-*s  %-28s %-10s %s\n", static_cast<int>(w), "figure", "value", "target", "");
+    json rows = json::array();
+    for (const auto& h : headlines) {
+      std::cout << fmt("%-*s  %-28s %-10s %s\n", static_cast<int>(w), h.figure.c_str(), h.value.c_str(),
+                       h.target.c_str(), h.status.c_str());
+      rows.push_back({{"figure", h.figure}, {"value", h.value}, {"target", h.target}, {"status", h.status}});
+    }
+    summary["headline"] = rows;
+  }
+
+  const fs::path out = dir / "summary.json";
+  std::ofstream(out) << summary.dump(2) << "\n";
+  std::cout << "\nwrote " << out.string() << "\n";
+  return 0;
+}
