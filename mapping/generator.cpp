@@ -104,21 +104,11 @@ ParameterGenerator::ParameterGenerator(ParameterSpec spec,
     if (!covered.count(e.name)) missing.push_back(e.name);
   MN_CHECK(missing.empty() && unexpected.empty(), ValueError, "Groups must cover the spec exactly; missing=",
            bracket_list(missing), ", unexpected=", bracket_list(unexpected));
-  // Projection guard before anything is allocated.
-  int64_t projection = 0;
   for (const auto& [gname, names] : groups) {
     auto it = latent_dims.find(gname);
     MN_CHECK(it != latent_dims.end(), KeyError, "no latent dimension given for group '", gname, "'");
     MN_CHECK(it->second > 0, ValueError, "latent_dim must be positive, got ", it->second, " for group '", gname, "'");
-    int64_t n = 0;
-    for (const auto& name : names) n += spec_.entry(name).numel;
-    projection += it->second * n;
   }
-  if (projection > options_.max_projection_elements && !options_.allow_large)
-    throw MemoryError(str("fixed projection would contain ", thousands(projection), " elements (",
-                          thousands(projection * 4), " bytes as a dense matrix, more than max_projection_elements = ",
-                          thousands(options_.max_projection_elements),
-                          "); use layerwise/grouped generation or set allow_large=true explicitly"));
 
   size_t position = 0;
   groups_in_spec_order_ = true;
@@ -265,8 +255,24 @@ std::vector<std::pair<std::string, std::vector<std::string>>> single_group(const
 }
 }  // namespace
 
+namespace {
+// The reference's guard on the one L x N projection of slvt, checked before anything is allocated. (Our
+// mapper never stores that matrix, but the option keeps the reference's contract; layerwise and grouped
+// generation are not guarded, as in the reference.)
+const ParameterSpec& check_projection(const ParameterSpec& spec, int64_t latent_dim, const GeneratorOptions& options) {
+  const int64_t projection = latent_dim * spec.total_numel();
+  if (projection > options.max_projection_elements && !options.allow_large)
+    throw MemoryError(str("fixed projection would contain ", thousands(projection), " elements (",
+                          thousands(projection * 4), " bytes as a dense matrix, more than max_projection_elements = ",
+                          thousands(options.max_projection_elements),
+                          "); use layerwise/grouped generation or set allow_large=true explicitly"));
+  return spec;
+}
+}  // namespace
+
 SingleVectorGenerator::SingleVectorGenerator(ParameterSpec spec, int64_t latent_dim, GeneratorOptions options)
-    : ParameterGenerator(spec, single_group(spec), {{"all", latent_dim}}, std::move(options)) {}
+    : ParameterGenerator(check_projection(spec, latent_dim, options), single_group(spec), {{"all", latent_dim}},
+                         options) {}  // a copy: the guard reads options, and argument order is unspecified
 
 ParameterTree SingleVectorGenerator::generate_parameters(const LatentOverrides& latents) const {
   check_overrides(latents);

@@ -43,7 +43,7 @@ struct GeneratorOptions {
   MapperFactory mapper_factory;  // default: default_mapper_factory()
   Device device = kCPU;
   bool empty_cache_on_cuda = true;  // lazy_layerwise only
-  int64_t max_projection_elements = 100'000'000;  // guard on sum_g L_g * n_g
+  int64_t max_projection_elements = 100'000'000;  // slvt only: guard on L * N (the reference's)
   bool allow_large = false;
 };
 

@@ -198,6 +198,8 @@ TEST_CASE("mapping: generator strategies, groups, guard and overrides") {
   small_limit.max_projection_elements = 100;
   CHECK_THROWS_WITH_AS(SingleVectorGenerator(big, 10, small_limit), doctest::Contains("layerwise/grouped"), MemoryError);
   CHECK_THROWS_WITH_AS(SingleVectorGenerator(big, 10, small_limit), doctest::Contains("1,100"), MemoryError);
+  // As in the reference, only slvt is guarded: layerwise is what the message recommends.
+  CHECK_NOTHROW(LayerwiseGenerator(big, 10, small_limit));
   small_limit.allow_large = true;
   CHECK_NOTHROW(SingleVectorGenerator(big, 10, small_limit));
 
