@@ -43,3 +43,17 @@ if(NOT MN_WITH_GLOO STREQUAL "OFF")
     message(FATAL_ERROR "MN_WITH_GLOO=ON but Gloo was not found (apt-get install libgloo-dev)")
   endif()
 endif()
+
+# ---- NCCL (the CUDA process group): needed with CUDA and Gloo (data-parallel builds), used when
+# found otherwise, and left out when missing (a CUDA build without Gloo, e.g. ./mn gpu-check on a
+# machine with neither) ----
+set(MN_NCCL_ENABLED OFF)
+if(MN_CUDA_ENABLED)
+  if(NCCL_LIBRARY AND NCCL_INCLUDE_DIR)
+    set(MN_NCCL_ENABLED ON)
+  elseif(MN_GLOO_ENABLED)
+    message(FATAL_ERROR "CUDA and Gloo are on but NCCL was not found (libnccl.so / nccl.h in /usr/local/cuda)")
+  else()
+    message(STATUS "NCCL not found: the nccl process group is not built")
+  endif()
+endif()

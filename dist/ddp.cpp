@@ -162,7 +162,7 @@ bool is_initialized() {
   return g_default.has_value();
 }
 
-bool is_available() { return true; }
+bool is_available() { return !available_backends().empty(); }  // false without Gloo and NCCL
 
 std::shared_ptr<ProcessGroup> default_process_group() {
   std::lock_guard<std::mutex> lock(g_default_mutex);

@@ -4,8 +4,12 @@
 #include <string_view>
 
 #include "core/error.h"
+#ifdef MN_WITH_GLOO
 #include "dist/gloo_process_group.h"
+#endif
+#ifdef MN_WITH_NCCL
 #include "dist/nccl_process_group.h"
+#endif
 
 namespace mn::dist {
 
@@ -22,11 +26,14 @@ Milliseconds default_collective_timeout() {
 }
 
 std::vector<std::string> available_backends() {
-#ifdef MN_WITH_CUDA
-  return {"gloo", "nccl"};
-#else
-  return {"gloo"};
+  std::vector<std::string> out;
+#ifdef MN_WITH_GLOO
+  out.push_back("gloo");
 #endif
+#ifdef MN_WITH_NCCL  // CUDA builds with NCCL (always when Gloo is on too)
+  out.push_back("nccl");
+#endif
+  return out;
 }
 
 bool is_backend_available(const std::string& backend) {
@@ -40,7 +47,9 @@ void check_backend(const std::string& backend) {
   if (backend == "mpi" || backend == "ucc")
     throw RuntimeError(str("backend '", backend, "' is not available in this build; use gloo or nccl"));
   if (backend == "nccl")
-    throw RuntimeError("backend 'nccl' is not available in this build (built without CUDA); use gloo");
+    throw RuntimeError("backend 'nccl' is not available in this build (built without CUDA or NCCL); use gloo");
+  if (backend == "gloo")
+    throw RuntimeError("backend 'gloo' is not available in this build (built without Gloo)");
   throw ValueError(str("unknown backend '", backend, "'; choose from: gloo, nccl"));
 }
 
@@ -58,9 +67,11 @@ void check_collective_tensor(const Tensor& tensor, const char* collective, const
 std::shared_ptr<ProcessGroup> make_process_group(const std::string& backend, std::shared_ptr<Store> store, int rank,
                                                  int size, ProcessGroupOptions options) {
   check_backend(backend);
+#ifdef MN_WITH_GLOO
   if (backend == "gloo")
     return std::make_shared<GlooProcessGroup>(std::move(store), rank, size, std::move(options));
-#ifdef MN_WITH_CUDA
+#endif
+#ifdef MN_WITH_NCCL
   if (backend == "nccl")
     return std::make_shared<NcclProcessGroup>(std::move(store), rank, size, std::move(options));
 #endif

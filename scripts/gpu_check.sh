@@ -1,0 +1,171 @@
+#!/usr/bin/env bash
+# ./mn gpu-check: issue 5's one prepared GPU check, made for a bare device machine (CUDA toolkit,
+# CMake, ninja and PyTorch as python3; no Debian packages, no network; never calls apt-get). Run
+# ./mn gpu-bundle here first: the device then gets Eigen, doctest, CLI11, nlohmann-json, Google
+# Benchmark, zlib and Fashion-MNIST from the carried folder .deps.
+#
+#   1. nvidia-smi; configure $MN_GPU_BUILD_DIR (default build-gpu) with CUDA on, Gloo when found
+#      (else off, and NCCL only where found), CMAKE_PREFIX_PATH=.deps when present, Ninja if there
+#   2. build only mn_gpu_tests, mn_bench_cuda_runtime, mn_bench_cuda_train_step and mn-train
+#   3. ctest -L gpu (skipped, not passed, without a device)
+#   4. the CUDA benchmarks (short: --benchmark_min_time), PyTorch's same steps on the same GPU
+#      (bench/torch_cuda_step.py), and mn-train --device cuda for one epoch of CNN2 layerwise 4 x 672
+#      when the data set is there
+#   5. a summary: tests passed/failed/skipped, GEMM TFLOP/s, allocator hit vs cudaMalloc+cudaFree,
+#      mapped step ms ours vs PyTorch vs our CPU backend, mn-train accuracy and time
+# Outputs go to $OUT when set (the device tool's folder; at most 8 files come back), else
+# out/gpu-check: gpu-check.log (everything), summary.txt, summary.json, gpu_tests.log,
+# mn_bench_cuda_runtime.json, mn_bench_cuda_train_step.json, torch_cuda_step.json, mn-train.log.
+# Exit status: 0 when the build succeeded and no test or program failed (skipped tests are fine).
+#
+# Environment: MN_GPU_BUILD_DIR, MN_GPU_CMAKE_ARGS (extra configure arguments, word-split),
+# MN_JOBS (default: all cores), MN_GPU_BENCH_MIN_TIME (default 0.1 s per runtime benchmark),
+# MN_GPU_STEP_MIN_TIME (default 0.3 s per training-step benchmark),
+# MN_FASHION_MNIST_DIR (default .deps/datasets/fashion-mnist, then /usr/share/datasets/fashion-mnist),
+# MN_GPU_DEADLINE (default 520: seconds after which no phase runs on; the summary still comes).
+set -uo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$ROOT"
+OUT_DIR=${OUT:-$ROOT/out/gpu-check}
+BUILD=${MN_GPU_BUILD_DIR:-$ROOT/build-gpu}
+JOBS=${MN_JOBS:-$(nproc 2>/dev/null || echo 2)}
+MIN_TIME=${MN_GPU_BENCH_MIN_TIME:-0.1}
+STEP_MIN_TIME=${MN_GPU_STEP_MIN_TIME:-0.3}
+mkdir -p "$OUT_DIR" "$BUILD"
+rm -f "$OUT_DIR"/{gpu-check.log,summary.txt,summary.json,gpu_tests.log,mn_bench_cuda_runtime.json} \
+  "$OUT_DIR"/{mn_bench_cuda_train_step.json,torch_cuda_step.json,mn-train.log}
+exec > >(tee "$OUT_DIR/gpu-check.log") 2>&1
+TEE_PID=$!
+
+T0=$SECONDS
+# Every phase ends by this many seconds after the start, so the summary is written even when
+# something hangs (the device call's timeout_s should be ~20 s more).
+DEADLINE=${MN_GPU_DEADLINE:-520}
+declare -A TIMES RCS
+log() { printf '[gpu-check %4ds] %s\n' $((SECONDS - T0)) "$*"; }
+# phase NAME TIMEOUT_S [--tee FILE] CMD...: runs CMD under timeout (its output also copied to FILE),
+# records its exit status and seconds. The timeout shrinks to what the deadline leaves; with less than
+# 10 s left the phase is not started (exit status 125).
+phase() {
+  local name=$1 limit=$2 t=$SECONDS rc=0 copy=/dev/null left
+  shift 2
+  if [[ $1 == --tee ]]; then
+    copy=$2
+    shift 2
+  fi
+  left=$((DEADLINE - (SECONDS - T0) - 10))
+  if ((left < 10)); then
+    log "== $name: not started, the ${DEADLINE} s deadline is (nearly) reached"
+    TIMES[$name]=0
+    RCS[$name]=125
+    return 125
+  fi
+  ((limit <= left)) || limit=$left
+  log "== $name (limit ${limit} s): $*"
+  local rc_file
+  rc_file=$(mktemp)
+  { timeout --kill-after=10 "$limit" "$@" 2>&1; echo $? >"$rc_file"; } | tee "$copy"
+  rc=$(cat "$rc_file")
+  rm -f "$rc_file"
+  TIMES[$name]=$((SECONDS - t))
+  RCS[$name]=$rc
+  ((rc == 124 || rc == 137)) && log "$name ran past its ${limit} s limit"
+  log "$name: exit $rc after ${TIMES[$name]} s"
+  return "$rc"
+}
+
+log "root $ROOT, build $BUILD, out $OUT_DIR, $JOBS jobs, $(nproc) cores"
+if command -v nvidia-smi >/dev/null 2>&1; then
+  nvidia-smi || true
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader \
+    >"$BUILD/nvidia-smi.txt" 2>/dev/null || true
+else
+  log "nvidia-smi not found: the GPU tests will report themselves skipped"
+  rm -f "$BUILD/nvidia-smi.txt"
+fi
+
+# ---- configure ----
+cmake_args=(-S "$ROOT" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DMN_WITH_CUDA=ON -DMN_WITH_GLOO=AUTO
+  -DMN_BUILD_TESTS=ON -DMN_BUILD_BENCH=ON -DMN_BUILD_EXAMPLES=ON)
+if [[ -d $ROOT/.deps ]]; then
+  cmake_args+=("-DCMAKE_PREFIX_PATH=$ROOT/.deps")
+else
+  log "no .deps folder (./mn gpu-bundle makes it): the dependencies must be installed on this machine"
+fi
+if command -v ninja >/dev/null 2>&1 && [[ ! -f $BUILD/Makefile ]]; then
+  cmake_args+=(-G Ninja)
+fi
+# shellcheck disable=SC2206
+[[ -n ${MN_GPU_CMAKE_ARGS:-} ]] && cmake_args+=(${MN_GPU_CMAKE_ARGS})
+TARGETS=(mn_gpu_tests mn_bench_cuda_runtime mn_bench_cuda_train_step mn-train)
+build_ok=0
+if phase configure 300 cmake "${cmake_args[@]}" && phase build 600 cmake --build "$BUILD" -j "$JOBS" --target "${TARGETS[@]}"; then
+  build_ok=1
+else
+  log "configure or build FAILED: nothing to run"
+fi
+
+have_gpu=0
+if ((build_ok)); then
+  # Our own runtime's view: main() exits 77 before running anything when there is no usable device.
+  "$BUILD/tests/mn_gpu_tests" --test-case=__none__ --no-intro=true >/dev/null 2>&1 && have_gpu=1
+  log "CUDA device usable by mapping_networks: $([[ $have_gpu == 1 ]] && echo yes || echo no)"
+
+  # ---- tests ----
+  phase tests 300 --tee "$OUT_DIR/gpu_tests.log" ctest --test-dir "$BUILD" -L gpu -V --output-on-failure
+
+  # ---- benchmarks ----
+  phase bench_runtime 180 "$BUILD/bench/mn_bench_cuda_runtime" --benchmark_min_time="$MIN_TIME" \
+    --benchmark_out="$OUT_DIR/mn_bench_cuda_runtime.json" --benchmark_out_format=json
+  phase bench_train_step 180 "$BUILD/bench/mn_bench_cuda_train_step" --benchmark_min_time="$STEP_MIN_TIME" \
+    --benchmark_out="$OUT_DIR/mn_bench_cuda_train_step.json" --benchmark_out_format=json
+fi
+
+# ---- PyTorch, same steps, same GPU ----
+if command -v python3 >/dev/null 2>&1 && python3 -c 'import torch' >/dev/null 2>&1; then
+  PYTHONUNBUFFERED=1 phase torch_step 240 python3 "$ROOT/bench/torch_cuda_step.py" --out "$OUT_DIR/torch_cuda_step.json"
+else
+  log "python3 with torch not found: no PyTorch figures"
+fi
+
+# ---- one epoch of mn-train on the device ----
+data=${MN_FASHION_MNIST_DIR:-}
+if [[ -z $data ]]; then
+  for d in "$ROOT/.deps/datasets/fashion-mnist" /usr/share/datasets/fashion-mnist; do
+    [[ -f $d/train-images-idx3-ubyte.gz ]] && data=$d && break
+  done
+fi
+if ((build_ok && have_gpu)) && [[ -n $data ]]; then
+  rm -rf "$BUILD/gpu-check-train"  # a fresh run, never a resumed one
+  MN_FASHION_MNIST_DIR=$data phase train 300 --tee "$OUT_DIR/mn-train.log" "$BUILD/examples/mn-train" \
+    --device cuda --target cnn2 --strategy layerwise --latent-dim 672 --epochs 1 --batch-size 256 --json \
+    --out "$BUILD/gpu-check-train"
+elif ((build_ok)); then
+  log "mn-train on cuda skipped: $([[ $have_gpu == 0 ]] && echo 'no CUDA device' || echo 'no Fashion-MNIST (./mn gpu-bundle carries it)')"
+fi
+
+# ---- summary ----
+TIMES[total]=$((SECONDS - T0))
+phase_json="{"
+for k in "${!TIMES[@]}"; do phase_json+="\"$k\": {\"seconds\": ${TIMES[$k]}, \"rc\": ${RCS[$k]:-0}},"; done
+phase_json="${phase_json%,}}"
+summary_py=(python3 "$ROOT/scripts/gpu_check_summary.py")
+command -v python3 >/dev/null 2>&1 || summary_py=()
+if ((${#summary_py[@]})); then
+  "${summary_py[@]}" --out "$OUT_DIR" --phases "$phase_json" --build-ok "$build_ok" --have-gpu "$have_gpu" \
+    --nvidia-smi "$BUILD/nvidia-smi.txt" --jobs "$JOBS" || log "summary script failed"
+else
+  log "no python3: no summary; phases $phase_json"
+fi
+
+rc=0
+((build_ok)) || rc=1
+for k in tests bench_runtime bench_train_step torch_step train; do
+  [[ -n ${RCS[$k]:-} && ${RCS[$k]} != 0 ]] && rc=1 && log "$k failed (exit ${RCS[$k]})"
+done
+log "gpu-check finished in $((SECONDS - T0)) s, exit $rc"
+# Let the log's tee drain before exiting, so the last lines reach the console too.
+exec >&- 2>&-
+wait "$TEE_PID" 2>/dev/null
+exit "$rc"

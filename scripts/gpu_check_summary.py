@@ -1,0 +1,188 @@
+#!/usr/bin/env python3
+"""Summary of ./mn gpu-check (scripts/gpu_check.sh): reads what the check wrote into its output folder
+and prints a short report against issue 5's targets; also writes summary.txt and summary.json there.
+Standard library only (runs with any python3)."""
+import argparse
+import json
+import os
+import re
+
+
+PHASE_ORDER = ["configure", "build", "tests", "bench_runtime", "bench_train_step", "torch_step", "train", "total"]
+
+
+def load_json(path):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def read(path):
+    try:
+        with open(path, errors="replace") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def benchmarks(path):
+    """name without the /manual_time or /real_time suffix -> the benchmark's JSON entry (iterations only)."""
+    data = load_json(path) or {}
+    out = {}
+    for b in data.get("benchmarks", []):
+        if b.get("run_type", "iteration") != "iteration":
+            continue
+        name = re.sub(r"/(manual_time|real_time)$", "", b.get("name", ""))
+        out[name] = b
+    return out
+
+
+def to_ns(b, key="real_time"):
+    scale = {"ns": 1.0, "us": 1e3, "ms": 1e6, "s": 1e9}[b.get("time_unit", "ns")]
+    return b[key] * scale
+
+
+def fmt(v, spec=".2f", unit=""):
+    return "n/a" if v is None else f"{v:{spec}}{unit}"
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--phases", default="{}")
+    ap.add_argument("--build-ok", default="0")
+    ap.add_argument("--have-gpu", default="0")
+    ap.add_argument("--nvidia-smi", default="")
+    ap.add_argument("--jobs", default="")
+    args = ap.parse_args()
+    out = args.out
+    phases = json.loads(args.phases)
+    s = {"build_ok": args.build_ok == "1", "have_gpu": args.have_gpu == "1", "phases": phases,
+         "jobs": args.jobs, "cores": os.cpu_count(), "gpu": read(args.nvidia_smi).strip() or None}
+    lines = []
+
+    # ---- tests ----
+    log = read(os.path.join(out, "gpu_tests.log"))
+    tests = {"ran": bool(log)}
+    m = re.findall(r"\[doctest\] test cases:\s*(\d+)\s*\|\s*(\d+) passed\s*\|\s*(\d+) failed\s*\|\s*(\d+) skipped", log)
+    if m:
+        total, passed, failed, skipped = map(int, m[-1])
+        tests.update(cases=total, passed=passed, failed=failed, skipped=skipped)
+    m = re.findall(r"\[doctest\] assertions:\s*(\d+)\s*\|\s*(\d+) passed\s*\|\s*(\d+) failed", log)
+    if m:
+        tests["assertions"], tests["assertions_passed"], tests["assertions_failed"] = map(int, m[-1])
+    tests["skipped_no_device"] = "***Skipped" in log or "(Skipped)" in log
+    m = re.search(r"(\d+)% tests passed, (\d+) tests? failed out of (\d+)", log)
+    if m:
+        tests["ctest"] = m.group(0)
+    tests["failed_cases"] = sorted(set(re.findall(r"TEST CASE:\s+(.*)", log)))[:20]
+    s["tests"] = tests
+    if not tests["ran"]:
+        lines.append("gpu tests:   not run")
+    elif tests["skipped_no_device"]:
+        lines.append("gpu tests:   SKIPPED (no CUDA device)")
+    elif "cases" in tests:
+        lines.append(f"gpu tests:   {tests['passed']} passed, {tests['failed']} failed, {tests['skipped']} skipped "
+                     f"of {tests['cases']} test cases; assertions {tests.get('assertions_passed', '?')} passed, "
+                     f"{tests.get('assertions_failed', '?')} failed")
+        for name in tests["failed_cases"]:
+            lines.append(f"             failed: {name}")
+    else:
+        lines.append(f"gpu tests:   no doctest summary (crashed or timed out?); {tests.get('ctest', '')}")
+
+    # ---- runtime benchmarks ----
+    rt = benchmarks(os.path.join(out, "mn_bench_cuda_runtime.json"))
+    gemm = {}
+    for key, label in (("BM_GemmF32/8192/0", "f32_8192"), ("BM_GemmF32/8192/1", "tf32_8192"),
+                       ("BM_GemmF32/4096/0", "f32_4096")):
+        if key in rt and "TFLOPS" in rt[key]:
+            gemm[label] = rt[key]["TFLOPS"]  # a rate counter: TFLOP per second
+    s["gemm_tflops"] = gemm
+    if gemm:
+        f32 = gemm.get("f32_8192")
+        lines.append(f"GEMM:        f32 8192^3 {fmt(f32, '.1f')} TFLOP/s (target >= 47, 70% of 67), "
+                     f"TF32 {fmt(gemm.get('tf32_8192'), '.1f')}, f32 4096^3 {fmt(gemm.get('f32_4096'), '.1f')}")
+    alloc = {}
+    for size in ("512", "65536", "1048576", "16777216", "268435456"):
+        hit, raw = rt.get(f"BM_CachingAllocatorHit/{size}"), rt.get(f"BM_CudaMallocFree/{size}")
+        alloc[size] = {"hit_ns": to_ns(hit) if hit else None, "cudaMalloc_free_ns": to_ns(raw) if raw else None}
+    s["allocator"] = alloc
+    if any(v["hit_ns"] for v in alloc.values()):
+        worst = max(v["hit_ns"] for v in alloc.values() if v["hit_ns"] is not None)
+        def size(n):
+            n = int(n)
+            return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB" if n >= 1 << 10 else f"{n} B"
+        parts = [f"{size(k)}: {fmt(v['hit_ns'], '.0f')} vs {fmt(v['cudaMalloc_free_ns'], '.0f')}"
+                 for k, v in alloc.items()]
+        lines.append(f"allocator:   hit (ns) vs cudaMalloc+cudaFree (ns), worst hit {worst:.0f} ns (target <= 1000)")
+        lines.append("             " + "; ".join(parts))
+
+    # ---- training steps ----
+    st = benchmarks(os.path.join(out, "mn_bench_cuda_train_step.json"))
+    torch = load_json(os.path.join(out, "torch_cuda_step.json")) or {}
+
+    def median(name):
+        b = st.get(name)
+        if not b:
+            return None
+        return b.get("median_ms", to_ns(b) / 1e6)
+    step = {"ours_gpu_ms": median("BM_CNN2_LayerwiseStep_CUDA"), "ours_cpu_ms": median("BM_CNN2_LayerwiseStep_CPU"),
+            "torch_gpu_ms": torch.get("cnn2_layerwise_b256_ms"), "torch_cpu_ms": torch.get("cnn2_layerwise_b256_cpu_ms"),
+            "ours_direct_b128_ms": median("BM_CNN2_DirectStep_CUDA/128"),
+            "ours_direct_b256_ms": median("BM_CNN2_DirectStep_CUDA/256"),
+            "torch_direct_b128_ms": torch.get("cnn2_direct_b128_ms"),
+            "torch_direct_b256_ms": torch.get("cnn2_direct_b256_ms"), "torch": torch.get("torch"),
+            "torch_skipped": torch.get("skipped")}
+    if step["ours_gpu_ms"] and step["ours_cpu_ms"]:
+        step["cpu_over_gpu"] = step["ours_cpu_ms"] / step["ours_gpu_ms"]
+    if step["ours_gpu_ms"] and step["torch_gpu_ms"]:
+        step["ours_over_torch"] = step["ours_gpu_ms"] / step["torch_gpu_ms"]
+    s["step"] = step
+    if step["ours_gpu_ms"] or step["torch_gpu_ms"]:
+        lines.append(f"mapped step: CNN2 layerwise 4x672 batch 256, median ms: ours cuda {fmt(step['ours_gpu_ms'])}, "
+                     f"PyTorch cuda {fmt(step['torch_gpu_ms'])}, ours cpu {fmt(step['ours_cpu_ms'])} "
+                     f"(PyTorch cpu {fmt(step['torch_cpu_ms'])})")
+        lines.append(f"             ours cpu / ours cuda = {fmt(step.get('cpu_over_gpu'), '.1f')}x (target >= 5); "
+                     f"ours / PyTorch = {fmt(step.get('ours_over_torch'))} (target <= 1)")
+        lines.append(f"direct step: CNN2 batch 128 / 256, median ms: ours {fmt(step['ours_direct_b128_ms'])} / "
+                     f"{fmt(step['ours_direct_b256_ms'])}, PyTorch {fmt(step['torch_direct_b128_ms'])} / "
+                     f"{fmt(step['torch_direct_b256_ms'])}")
+    elif step["torch_skipped"]:
+        lines.append(f"steps:       no GPU figures (PyTorch: {step['torch_skipped']})")
+
+    # ---- mn-train ----
+    train_log = read(os.path.join(out, "mn-train.log"))
+    train = None
+    for line in reversed(train_log.strip().splitlines()):
+        if line.startswith("{"):
+            try:
+                train = json.loads(line)
+            except ValueError:
+                pass
+            break
+    s["mn_train"] = train
+    if train:
+        lines.append(f"mn-train:    cuda, cnn2 layerwise 672, 1 epoch batch 256: test accuracy "
+                     f"{fmt(train.get('test_accuracy'), '.4f')}, {fmt(train.get('seconds'), '.1f')} s, "
+                     f"{fmt(train.get('steps_per_second'), '.1f')} steps/s")
+    elif train_log:
+        lines.append("mn-train:    no JSON summary (failed? see mn-train.log)")
+
+    times = ", ".join(f"{k} {v['seconds']} s" + (f" (exit {v['rc']})" if v["rc"] else "")
+                      for k, v in sorted(phases.items(), key=lambda kv: PHASE_ORDER.index(kv[0])
+                                         if kv[0] in PHASE_ORDER else len(PHASE_ORDER) - 1))
+    head = [f"gpu-check: {s['gpu'] or 'no nvidia-smi'}; {s['cores']} cores, {args.jobs} jobs; "
+            f"build {'ok' if s['build_ok'] else 'FAILED'}; CUDA device {'yes' if s['have_gpu'] else 'no'}",
+            f"times:       {times}"]
+    text = "\n".join(head + lines) + "\n"
+    print("\n==== gpu-check summary ====\n" + text, end="")
+    with open(os.path.join(out, "summary.txt"), "w") as f:
+        f.write(text)
+    with open(os.path.join(out, "summary.json"), "w") as f:
+        json.dump(s, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
