@@ -102,6 +102,9 @@ Tensor log_softmax(const Tensor& x, int64_t dim);
 Tensor cat(const std::vector<Tensor>& tensors, int64_t dim = 0);
 Tensor stack(const std::vector<Tensor>& tensors, int64_t dim = 0);
 std::vector<Tensor> split(const Tensor& x, int64_t split_size, int64_t dim = 0);
+// Views of consecutive pieces of the given sizes along dim (they must add up to its size), recorded as
+// one node whose backward is a single cat of the pieces' gradients.
+std::vector<Tensor> split_with_sizes(const Tensor& x, const std::vector<int64_t>& sizes, int64_t dim = 0);
 std::vector<Tensor> chunk(const Tensor& x, int64_t chunks, int64_t dim = 0);
 Tensor index_select(const Tensor& x, int64_t dim, const Tensor& index);
 // Differentiable view-producing free functions (the Tensor methods call these).

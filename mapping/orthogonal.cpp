@@ -43,10 +43,11 @@ OrthogonalMatrix OrthogonalMatrix::build(uint64_t seed, const std::string& key, 
   m.cols_ = cols;
   const uint64_t stream = stream_key(key);
   const double expansion = expand ? std::sqrt(static_cast<double>(std::max(rows, cols))) : 1.0;
+  double scale = 1.0;
   if (rows < cols) {
     // Orthonormal rows: the transpose of a cols x rows matrix with orthonormal columns.
     m.tail_ = random_orthonormal_columns(cols, rows, seed, stream ^ 0x7a11ULL).t().contiguous();
-    m.scale_ = expansion;
+    scale = expansion;
   } else {
     const int64_t k = rows / cols;
     if (k > 1) {
@@ -74,7 +75,12 @@ OrthogonalMatrix OrthogonalMatrix::build(uint64_t seed, const std::string& key, 
       guarded([&] { m.tail_ = random_orthonormal_columns(rows - (k - 1) * cols, cols, seed, stream ^ 0x7a11ULL); });
     }
     if (failure) std::rethrow_exception(failure);
-    m.scale_ = expansion / std::sqrt(static_cast<double>(k));
+    scale = expansion / std::sqrt(static_cast<double>(k));
+  }
+  // The factors carry the scale, so applying W is the GEMMs alone (no extra pass over the output).
+  if (scale != 1.0) {
+    if (m.block_.defined()) m.block_ = mul(m.block_, scale);
+    m.tail_ = mul(m.tail_, scale);
   }
   if (!device.is_cpu()) m.to(device);
   return m;
@@ -92,7 +98,7 @@ Tensor OrthogonalMatrix::apply(const Tensor& z) const {
   } else {
     y = tail;
   }
-  return scale_ == 1.0 ? y : mul(y, scale_);
+  return y;
 }
 
 Tensor OrthogonalMatrix::apply_transpose(const Tensor& u) const {
@@ -104,7 +110,7 @@ Tensor OrthogonalMatrix::apply_transpose(const Tensor& u) const {
     Tensor ub = u.narrow(0, 0, repeated_rows).reshape({signs_.size(0), cols_});
     out = add(out, sum(mul(matmul(ub, block_), signs_), {0}));
   }
-  return scale_ == 1.0 ? out : mul(out, scale_);
+  return out;
 }
 
 Tensor OrthogonalMatrix::materialize() const {
@@ -114,7 +120,7 @@ Tensor OrthogonalMatrix::materialize() const {
     Tensor blocks = mul(block_.unsqueeze(0), signs_.unsqueeze(1)).reshape({-1, cols_});
     dense = cat({blocks, tail_}, 0);
   }
-  return scale_ == 1.0 ? dense.contiguous() : mul(dense, scale_);
+  return dense.contiguous();
 }
 
 Tensor OrthogonalMatrix::column_mean() const {

@@ -89,9 +89,14 @@ const ParameterEntry& ParameterSpec::entry(const std::string& name) const {
 ParameterTree ParameterSpec::unflatten(const Tensor& flat) const {
   MN_CHECK(flat.dim() == 1, ValueError, "Expected a 1D vector, got shape ", flat.sizes());
   MN_CHECK(flat.numel() == total_numel(), ValueError, "Expected ", total_numel(), " values, got ", flat.numel());
+  std::vector<int64_t> numels;
+  numels.reserve(entries_.size());
+  for (const auto& e : entries_) numels.push_back(e.numel);
+  // One split node rather than a slice per entry: backward then writes the flat gradient once.
+  std::vector<Tensor> pieces = split_with_sizes(flat, numels, 0);
   std::vector<std::pair<std::string, Tensor>> items;
   items.reserve(entries_.size());
-  for (const auto& e : entries_) items.emplace_back(e.name, flat.narrow(0, e.start, e.numel).view(e.shape));
+  for (size_t i = 0; i < entries_.size(); ++i) items.emplace_back(entries_[i].name, pieces[i].view(entries_[i].shape));
   return ParameterTree(std::move(items));
 }
 

@@ -1,5 +1,6 @@
 // Tensor core: factories, metadata, views sharing storage and the version counter, copies,
 // conversion, printing and argument errors.
+#include "autograd/gradcheck.h"
 #include "tests/test_support.h"
 
 using namespace mn;
@@ -91,6 +92,23 @@ TEST_CASE("tensor: cat, stack, split, index_select") {
   auto parts = split(arange(0.0, 5.0, 1.0, DType::f32), 2);
   REQUIRE(parts.size() == 3);
   check_close(parts[2], {4});
+  // split_with_sizes: views, one node, the pieces' gradients joined once (zeros where one got none).
+  Tensor x = randn({7, 3}).requires_grad_(true);
+  auto pieces = split_with_sizes(x, {2, 0, 5}, 0);
+  REQUIRE(pieces.size() == 3);
+  CHECK(pieces[2].sizes() == Shape{5, 3});
+  CHECK(pieces[0].storage() == x.storage());
+  CHECK(pieces[0].grad_fn() == pieces[2].grad_fn());
+  sum(mul(pieces[2], 2.0)).backward();
+  check_close(x.grad().narrow(0, 0, 2), std::vector<float>(6, 0.0f));
+  check_close(x.grad().narrow(0, 2, 5), std::vector<float>(15, 2.0f));
+  CHECK(autograd::gradcheck(
+            [](const std::vector<Tensor>& v) {
+              auto p = split_with_sizes(v[0], {1, 3}, 1);
+              return add(sum(mul(p[0], p[0])), sum(mul(p[1], 3.0)));
+            },
+            {randn({2, 4}).requires_grad_(true)}) == "");
+  CHECK_THROWS_WITH_AS(split_with_sizes(x, {2, 2}, 0), doctest::Contains("add up to 4"), ValueError);
   auto chunks = chunk(arange(0.0, 6.0, 1.0, DType::f32), 3);
   REQUIRE(chunks.size() == 3);
   check_close(chunks[1], {2, 3});

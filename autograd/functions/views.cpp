@@ -143,15 +143,22 @@ Tensor slice(const Tensor& x, int64_t dim, int64_t start, int64_t end, int64_t s
   strides[d] *= step;
   Tensor out = make_alias(x, sizes, strides, x.storage_offset() + start * x.strides()[d]);
   return record_view("SliceBackward", x, out, [in = x.sizes(), d, start, end, step](const Tensor& g) {
-    Tensor full_grad = zeros(in, TensorOptions(g.dtype()).with_device(g.device()));
-    // Scatter g into the sliced positions with a differentiable path: build via cat when step == 1.
+    const TensorOptions options = TensorOptions(g.dtype()).with_device(g.device());
+    // Scatter g into the sliced positions with a differentiable path: zeros around g, joined by cat,
+    // when step == 1 (one pass over the input's size).
     if (step == 1) {
+      auto zero_part = [&](int64_t length) {
+        Shape part = in;
+        part[d] = length;
+        return zeros(part, options);
+      };
       std::vector<Tensor> parts;
-      if (start > 0) parts.push_back(narrow(full_grad, d, 0, start));
+      if (start > 0) parts.push_back(zero_part(start));
       parts.push_back(g);
-      if (end < in[d]) parts.push_back(narrow(full_grad, d, end, in[d] - end));
+      if (end < in[d]) parts.push_back(zero_part(in[d] - end));
       return parts.size() == 1 ? g : cat(parts, d);
     }
+    Tensor full_grad = zeros(in, options);
     Tensor idx = arange(static_cast<double>(start), static_cast<double>(end), static_cast<double>(step),
                         TensorOptions(DType::i64).with_device(g.device()));
     Tensor target = detail::raw_contiguous(full_grad);
@@ -310,13 +317,57 @@ Tensor stack(const std::vector<Tensor>& tensors, int64_t dim) {
   return cat(parts, d);
 }
 
+std::vector<Tensor> split_with_sizes(const Tensor& x, const std::vector<int64_t>& sizes, int64_t dim) {
+  const int d = wrap_dim(dim, x.dim());
+  int64_t total = 0;
+  for (int64_t s : sizes) {
+    MN_CHECK(s >= 0, ValueError, "split_with_sizes: sizes must be non-negative, got ", s);
+    total += s;
+  }
+  MN_CHECK(total == x.sizes()[d], ValueError, "split_with_sizes: sizes add up to ", total, " but dimension ", dim,
+           " of shape ", x.sizes(), " has ", x.sizes()[d]);
+  std::vector<Tensor> parts;
+  parts.reserve(sizes.size());
+  int64_t pos = 0;
+  for (int64_t s : sizes) {
+    Shape part = x.sizes();
+    part[d] = s;
+    parts.push_back(make_alias(x, part, x.strides(), x.storage_offset() + pos * x.strides()[d]));
+    pos += s;
+  }
+  // One node for all the parts: its backward joins their gradients (zeros for parts that got none)
+  // with one cat, where separate slices would each build an input-sized gradient to be summed.
+  if (autograd::needs_grad({&x})) {
+    std::vector<Tensor*> outputs;
+    for (Tensor& p : parts) outputs.push_back(&p);
+    autograd::record_list("SplitBackward", {x}, std::move(outputs),
+                          [in = x.sizes(), d, sizes](const GradContext& c) -> TensorList {
+                            std::vector<Tensor> grads;
+                            grads.reserve(sizes.size());
+                            const Tensor* any = nullptr;
+                            for (size_t i = 0; i < sizes.size(); ++i)
+                              if (c.grad(i).defined()) any = &c.grad(i);
+                            for (size_t i = 0; i < sizes.size(); ++i) {
+                              if (c.grad(i).defined()) {
+                                grads.push_back(c.grad(i));
+                                continue;
+                              }
+                              Shape part = in;
+                              part[d] = sizes[i];
+                              grads.push_back(zeros(part, TensorOptions(any->dtype()).with_device(any->device())));
+                            }
+                            return {grads.size() == 1 ? grads[0] : cat(grads, d)};
+                          });
+  }
+  return parts;
+}
+
 std::vector<Tensor> split(const Tensor& x, int64_t split_size, int64_t dim) {
   const int d = wrap_dim(dim, x.dim());
   MN_CHECK(split_size > 0, ValueError, "split: split_size must be positive, got ", split_size);
-  std::vector<Tensor> parts;
-  for (int64_t s = 0; s < x.sizes()[d]; s += split_size)
-    parts.push_back(narrow(x, d, s, std::min(split_size, x.sizes()[d] - s)));
-  return parts;
+  std::vector<int64_t> sizes;
+  for (int64_t s = 0; s < x.sizes()[d]; s += split_size) sizes.push_back(std::min(split_size, x.sizes()[d] - s));
+  return split_with_sizes(x, sizes, d);
 }
 
 std::vector<Tensor> chunk(const Tensor& x, int64_t chunks, int64_t dim) {
