@@ -6,8 +6,10 @@
 #include <cmath>
 #include <exception>
 
+#include "autograd/function.h"
 #include "autograd/ops.h"
 #include "core/random.h"
+#include "kernels/kernels.h"
 
 namespace mn::mapping {
 
@@ -89,15 +91,25 @@ OrthogonalMatrix OrthogonalMatrix::build(uint64_t seed, const std::string& key, 
 Tensor OrthogonalMatrix::apply(const Tensor& z) const {
   MN_CHECK(z.dim() == 1 && z.size(0) == cols_, ValueError, "Expected a 1D latent vector with ", cols_,
            " values, got shape ", z.sizes());
-  Tensor tail = matmul(tail_, z);
-  Tensor y;
-  if (block_.defined()) {
-    // Row block b of Q D_b z is Q (d_b * z): all blocks at once as [k-1, L] x [L, L]^T.
-    Tensor repeated = matmul(mul(signs_, z.unsqueeze(0)), block_.t()).reshape({-1});
-    y = cat({repeated, tail}, 0);
-  } else {
-    y = tail;
+  if (!block_.defined()) return matmul(tail_, z);
+  // Row block b of Q D_b z is Q (d_b * z): all blocks at once as [k-1, L] x [L, L]^T, written with the
+  // tail's GEMV straight into one output (no concatenation pass). W is fixed, so the gradient is
+  // W^T g, which apply_transpose computes with differentiable ops (double backward works through it).
+  const int64_t reps = signs_.size(0), repeated_rows = reps * cols_;
+  Tensor y = empty({rows_}, TensorOptions().with_device(z.device()));
+  {
+    autograd::NoGradGuard no_grad;
+    const Tensor zd = z.detach();
+    Tensor repeated = y.narrow(0, 0, repeated_rows).view({reps, cols_});
+    kernels::gemm(z.device(), mul(signs_, zd.unsqueeze(0)), block_.t(), repeated, 1.0, 0.0);
+    Tensor tail = y.narrow(0, repeated_rows, rows_ - repeated_rows).view({rows_ - repeated_rows, 1});
+    kernels::gemm(z.device(), tail_, zd.view({cols_, 1}), tail, 1.0, 0.0);
   }
+  if (autograd::needs_grad({&z}))
+    autograd::record("OrthogonalApplyBackward", {&z}, {&y},
+                     [w = *this](const autograd::GradContext& c) -> autograd::TensorList {
+                       return {w.apply_transpose(c.grad())};
+                     });
   return y;
 }
 

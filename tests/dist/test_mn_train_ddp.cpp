@@ -206,7 +206,10 @@ TEST_CASE("mn-train --backend gloo: 2 ranks x batch 64 match one process with ba
     worst = std::max(worst, diff / norm);
   }
   MESSAGE("largest relative latent difference, 2 ranks vs 1 process: " << worst);
-  CHECK(worst < 1e-5);  // seen: ~1e-7
+  // Equal up to float summation order (per-rank batches of 64 against one of 128), which Adam amplifies
+  // on near-zero gradient components: seen 1.1e-7 and 1.8e-5 for two mapper constructions of the same
+  // run. A sharding or averaging bug moves the latents by 1e-2 and more.
+  CHECK(worst < 1e-4);
 
   SUBCASE("--resume under DDP: 1 + 1 epochs give the latents of 2 straight epochs") {
     only_json_line(run(ddp(2, str(kCommon, " --epochs 1 --batch-size 64 --out ", dir / "split"))), 1);
