@@ -17,6 +17,7 @@
 #include "nn/optim.h"
 #include "nn/safetensors.h"
 #include "tests/test_support.h"
+#include "tests/temp_dir.h"
 
 using namespace mn;
 using namespace mn::mapping;
@@ -24,26 +25,9 @@ namespace fs = std::filesystem;
 
 namespace {
 
+using mn::testing::TempDir;
+
 // A fresh directory under the system temp dir, removed at scope exit.
-class TempDir {
- public:
-  TempDir() {
-    static std::atomic<int> counter{0};
-    path_ = fs::temp_directory_path() / str("mn_checkpoint_test_", ::getpid(), "_", counter++);
-    fs::remove_all(path_);
-    fs::create_directories(path_);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  std::string file(const std::string& name) const { return (path_ / name).string(); }
-  const fs::path& path() const { return path_; }
-
- private:
-  fs::path path_;
-};
-
 std::shared_ptr<nn::Sequential> mlp_target(int64_t in, int64_t hidden, int64_t out) {
   return std::make_shared<nn::Sequential>(
       std::vector<nn::ModulePtr>{std::make_shared<nn::Linear>(in, hidden), std::make_shared<nn::ReLU>(),
@@ -122,7 +106,7 @@ std::string read_bytes(const std::string& path) {
 
 TEST_CASE(
     "checkpoint: round trip restores latents and predictions exactly, into a differently initialised target") {
-  TempDir dir;
+  TempDir dir("mn_checkpoint_test");
   manual_seed(1);
   MappingModel model(mlp_target(6, 8, 3), options("layerwise", 8));
   Tensor x = randn({5, 6}), y = randn({5, 3});
@@ -155,7 +139,7 @@ TEST_CASE(
 }
 
 TEST_CASE("checkpoint: CNN, slvt, grouped and unscaled models round trip") {
-  TempDir dir;
+  TempDir dir("mn_checkpoint_test");
   Tensor x = randn({2, 1, 8, 8}), y = randn({2, 3});
   SUBCASE("cnn layerwise") {
     manual_seed(3);
@@ -208,7 +192,7 @@ TEST_CASE("checkpoint: CNN, slvt, grouped and unscaled models round trip") {
 }
 
 TEST_CASE("checkpoint: files hold kilobytes - latents, scales and metadata, never mapper or target weights") {
-  TempDir dir;
+  TempDir dir("mn_checkpoint_test");
   SUBCASE("Linear(32, 32), L = 32") {
     auto target = std::make_shared<nn::Linear>(32, 32);
     MappingModel model(target, options("layerwise", 32));
@@ -254,7 +238,7 @@ TEST_CASE("checkpoint: files hold kilobytes - latents, scales and metadata, neve
 }
 
 TEST_CASE("checkpoint: an incompatible model is rejected before it is touched, naming the difference") {
-  TempDir dir;
+  TempDir dir("mn_checkpoint_test");
   const std::string path = dir.file("linear.safetensors");
   auto saved_target =
       std::make_shared<nn::Sequential>(std::vector<nn::ModulePtr>{std::make_shared<nn::Linear>(4, 8)});
@@ -315,7 +299,7 @@ TEST_CASE("checkpoint: an incompatible model is rejected before it is touched, n
 }
 
 TEST_CASE("checkpoint: versions, missing and damaged files") {
-  TempDir dir;
+  TempDir dir("mn_checkpoint_test");
   auto target = std::make_shared<nn::Linear>(3, 2);
   MappingModel model(target, options("layerwise", 4));
   const std::string path = dir.file("v.safetensors");
@@ -375,7 +359,7 @@ TEST_CASE("checkpoint: versions, missing and damaged files") {
 }
 
 TEST_CASE("checkpoint: metadata and config round trip; parent directories are created") {
-  TempDir dir;
+  TempDir dir("mn_checkpoint_test");
   MappingModel model(std::make_shared<nn::Linear>(3, 2), options("slvt", 4));
   const std::string path = (dir.path() / "a" / "b" / "c" / "ckpt.safetensors").string();
   CheckpointExtras extras;
@@ -399,7 +383,7 @@ TEST_CASE("checkpoint: metadata and config round trip; parent directories are cr
 }
 
 TEST_CASE("checkpoint: a failed save leaves the previous file intact and no temporary behind") {
-  TempDir dir;
+  TempDir dir("mn_checkpoint_test");
   MappingModel model(mlp_target(16, 16, 4), options("layerwise", 16));
   const std::string path = dir.file("ckpt.safetensors");
   save_checkpoint(path, model);
@@ -444,7 +428,7 @@ TEST_CASE("checkpoint: a failed save leaves the previous file intact and no temp
 }
 
 TEST_CASE("checkpoint: export_generated_parameters writes the target's state dict by its own names") {
-  TempDir dir;
+  TempDir dir("mn_checkpoint_test");
   manual_seed(5);
   MappingModel model(small_cnn(), options("layerwise", 6));
   train_a_little(model, randn({2, 1, 8, 8}), randn({2, 3}));
@@ -474,7 +458,7 @@ TEST_CASE("checkpoint: export_generated_parameters writes the target's state dic
 }
 
 TEST_CASE("checkpoint: model buffers (BatchNorm running statistics) are saved and restored") {
-  TempDir dir;
+  TempDir dir("mn_checkpoint_test");
   auto build = [] {
     auto target = std::make_shared<nn::Sequential>(
         std::vector<nn::ModulePtr>{std::make_shared<nn::Linear>(4, 6), std::make_shared<nn::BatchNorm1d>(6),
@@ -502,7 +486,7 @@ TEST_CASE("checkpoint: model buffers (BatchNorm running statistics) are saved an
 }
 
 TEST_CASE("checkpoint: trainer state resumes a fit bit for bit") {
-  TempDir dir;
+  TempDir dir("mn_checkpoint_test");
   const std::string path = dir.file("trainer.safetensors");
   Generator data_gen(11);
   Tensor inputs = normal({32, 4}, 0.0, 1.0, {}, &data_gen);

@@ -18,6 +18,7 @@
 #include "nn/data/dataloader.h"
 #include "nn/data/fashion_mnist.h"
 #include "nn/data/idx.h"
+#include "tests/temp_dir.h"
 
 namespace fs = std::filesystem;
 using namespace mn;
@@ -25,25 +26,11 @@ using namespace mn::data;
 
 namespace {
 
+using mn::testing::TempDir;
+
 using Bytes = std::vector<uint8_t>;
 
 // A fresh directory under the system temp dir, removed with everything in it at scope exit.
-struct TempDir {
-  fs::path path;
-  TempDir() {
-    static int counter = 0;
-    path = fs::temp_directory_path() /
-           ("mn_test_data_" + std::to_string(::getpid()) + "_" + std::to_string(counter++));
-    fs::remove_all(path);
-    fs::create_directories(path);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-  std::string file(const std::string& name) const { return (path / name).string(); }
-};
-
 void put_be32(Bytes& out, uint32_t v) {
   for (int shift = 24; shift >= 0; shift -= 8) out.push_back(static_cast<uint8_t>(v >> shift));
 }
@@ -190,7 +177,7 @@ std::vector<int64_t> visit(const DataLoader& loader, std::vector<int64_t>* batch
 // ---- IDX reading ---------------------------------------------------------------------------------
 
 TEST_CASE("data: IDX images and labels read back from plain and gzip'd files") {
-  TempDir dir;
+  TempDir dir("mn_test_data");
   const Bytes images = idx_file(0x08, {3, 2, 4}, sample_pixels());
   const Bytes labels = idx_file(0x08, {3}, {9, 0, 7});
   write_file(dir.file("images.idx"), images);
@@ -213,7 +200,7 @@ TEST_CASE("data: IDX images and labels read back from plain and gzip'd files") {
 }
 
 TEST_CASE("data: read_idx takes any rank, empty arrays and multi-block gzip streams") {
-  TempDir dir;
+  TempDir dir("mn_test_data");
   Bytes big(70000 * 2);  // more than one 64 KiB stored block
   for (size_t i = 0; i < big.size(); ++i) big[i] = static_cast<uint8_t>(i * 7 + i / 256);
   write_file(dir.file("big.gz"), gzip_stored(idx_file(0x08, {70000, 2}, big)));
@@ -232,13 +219,13 @@ TEST_CASE("data: read_idx takes any rank, empty arrays and multi-block gzip stre
 }
 
 TEST_CASE("data: missing file, directory and wrong magic") {
-  TempDir dir;
+  TempDir dir("mn_test_data");
   const std::string missing = dir.file("nope-images-idx3-ubyte.gz");
   std::string msg = message_of<IOError>([&] { read_idx_images(missing); });
   CHECK(contains(msg, "not found: " + missing));
 
-  msg = message_of<IOError>([&] { read_idx(dir.path.string()); });
-  CHECK(contains(msg, dir.path.string()));
+  msg = message_of<IOError>([&] { read_idx(dir.path().string()); });
+  CHECK(contains(msg, dir.path().string()));
   CHECK(contains(msg, "directory"));
 
   // Labels where images are expected, and the other way round.
@@ -269,7 +256,7 @@ TEST_CASE("data: missing file, directory and wrong magic") {
 }
 
 TEST_CASE("data: unsupported type, absurd dims and trailing bytes") {
-  TempDir dir;
+  TempDir dir("mn_test_data");
   const std::string floats = dir.file("floats.idx");
   write_file(floats, idx_file(0x0D, {2}, Bytes(8, 0)));
   std::string msg = message_of<IOError>([&] { read_idx(floats); });
@@ -312,7 +299,7 @@ TEST_CASE("data: unsupported type, absurd dims and trailing bytes") {
 }
 
 TEST_CASE("data: truncated header and data, plain and gzip'd") {
-  TempDir dir;
+  TempDir dir("mn_test_data");
   const Bytes images = idx_file(0x08, {3, 2, 4}, sample_pixels());  // 16-byte header + 24 data bytes
 
   for (bool gz : {false, true}) {
@@ -362,7 +349,7 @@ TEST_CASE("data: truncated header and data, plain and gzip'd") {
 }
 
 TEST_CASE("data: corrupt gzip streams report zlib's error and an offset") {
-  TempDir dir;
+  TempDir dir("mn_test_data");
   const Bytes images = idx_file(0x08, {3, 2, 4}, sample_pixels());
 
   // A gzip header followed by garbage: the block type bits say 11, which deflate does not have.
@@ -397,19 +384,19 @@ TEST_CASE("data: corrupt gzip streams report zlib's error and an offset") {
 // ---- Fashion-MNIST ------------------------------------------------------------------------------
 
 TEST_CASE("data: load_fashion_mnist from a synthetic root") {
-  TempDir dir;
+  TempDir dir("mn_test_data");
   write_file(dir.file("train-images-idx3-ubyte.gz"), gzip_stored(idx_file(0x08, {3, 2, 4}, sample_pixels())));
   write_file(dir.file("train-labels-idx1-ubyte.gz"), gzip_stored(idx_file(0x08, {3}, {9, 0, 7})));
   // The test split unpacked (no .gz), with one label too few.
   write_file(dir.file("t10k-images-idx3-ubyte"), idx_file(0x08, {3, 2, 4}, sample_pixels()));
   write_file(dir.file("t10k-labels-idx1-ubyte"), idx_file(0x08, {2}, {1, 2}));
 
-  const Dataset train = load_fashion_mnist("train", dir.path.string());
+  const Dataset train = load_fashion_mnist("train", dir.path().string());
   CHECK(train.size() == 3);
   check_sample_images(train.images);
   CHECK(train.labels.to_vector<int64_t>() == std::vector<int64_t>{9, 0, 7});
 
-  std::string msg = message_of<IOError>([&] { load_fashion_mnist("test", dir.path.string()); });
+  std::string msg = message_of<IOError>([&] { load_fashion_mnist("test", dir.path().string()); });
   CHECK(contains(msg, dir.file("t10k-images-idx3-ubyte")));
   CHECK(contains(msg, dir.file("t10k-labels-idx1-ubyte")));
   CHECK(contains(msg, "3 images"));
@@ -417,15 +404,15 @@ TEST_CASE("data: load_fashion_mnist from a synthetic root") {
 
   // A label outside 0..9.
   write_file(dir.file("t10k-labels-idx1-ubyte"), idx_file(0x08, {3}, {1, 10, 2}));
-  msg = message_of<IOError>([&] { load_fashion_mnist("test", dir.path.string()); });
+  msg = message_of<IOError>([&] { load_fashion_mnist("test", dir.path().string()); });
   CHECK(contains(msg, dir.file("t10k-labels-idx1-ubyte")));
   CHECK(contains(msg, "byte offset 9"));
 
-  msg = message_of<ValueError>([&] { load_fashion_mnist("validation", dir.path.string()); });
+  msg = message_of<ValueError>([&] { load_fashion_mnist("validation", dir.path().string()); });
   CHECK(contains(msg, "validation"));
 
-  const TempDir empty_dir;
-  msg = message_of<IOError>([&] { load_fashion_mnist("train", empty_dir.path.string()); });
+  const TempDir empty_dir("mn_test_data");
+  msg = message_of<IOError>([&] { load_fashion_mnist("train", empty_dir.path().string()); });
   CHECK(contains(msg, "not found: " + empty_dir.file("train-images-idx3-ubyte.gz")));
 }
 

@@ -17,12 +17,15 @@
 #include "core/error.h"
 #include "nn/data/fashion_mnist.h"
 #include "nn/safetensors.h"
+#include "tests/temp_dir.h"
 
 using namespace mn;
 namespace fs = std::filesystem;
 using json = nlohmann::json;
 
 namespace {
+
+using mn::testing::TempDir;
 
 std::string mn_train_exe() {
   if (const char* env = std::getenv("MN_TRAIN_EXE"); env != nullptr && *env) return env;
@@ -78,23 +81,6 @@ Run run(const std::string& exe, const std::string& args) {
   return r;
 }
 
-class TempDir {
- public:
-  TempDir() {
-    static std::atomic<int> counter{0};
-    path_ = fs::temp_directory_path() / str("mn_train_test_", ::getpid(), "_", counter++);
-    fs::remove_all(path_);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  std::string operator/(const std::string& name) const { return (path_ / name).string(); }
-
- private:
-  fs::path path_;
-};
-
 json summary(const Run& r) {
   INFO("mn-train output:\n" << r.output);
   REQUIRE(r.status == 0);
@@ -142,7 +128,7 @@ const char* const kSmall = "--limit 512 --batch-size 128 --seed 3";
 TEST_CASE("mn-train: direct and layerwise runs print a JSON summary and write metrics and a checkpoint") {
   std::string exe;
   if (!ready(exe)) return;
-  TempDir dir;
+  TempDir dir("mn_train_test");
   SUBCASE("direct") {
     const json j = summary(
         run(exe, str("--target cnn2 --strategy direct --epochs 1 --json ", kSmall, " --out ", dir / "direct")));
@@ -174,7 +160,7 @@ TEST_CASE("mn-train: direct and layerwise runs print a JSON summary and write me
 TEST_CASE("mn-train: 1 epoch + --resume 1 epoch gives the latents of 2 straight epochs") {
   std::string exe;
   if (!ready(exe)) return;
-  TempDir dir;
+  TempDir dir("mn_train_test");
   SUBCASE("layerwise") {
     const std::string common = str("--target cnn2 --strategy layerwise --latent-dim 16 --json ", kSmall);
     const json straight = summary(run(exe, str(common, " --epochs 2 --out ", dir / "straight")));
@@ -208,7 +194,7 @@ TEST_CASE("mn-train: 1 epoch + --resume 1 epoch gives the latents of 2 straight 
 TEST_CASE("mn-train: unavailable CUDA and a missing checkpoint are clear errors") {
   std::string exe;
   if (!ready(exe)) return;
-  TempDir dir;
+  TempDir dir("mn_train_test");
   if (!cuda_available()) {
     const Run r = run(exe, str("--device cuda --epochs 1 ", kSmall, " --out ", dir / "cuda"));
     CHECK(r.status != 0);

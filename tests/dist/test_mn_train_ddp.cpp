@@ -30,12 +30,15 @@
 #include "nn/data/fashion_mnist.h"
 #include "nn/layers.h"
 #include "nn/safetensors.h"
+#include "tests/temp_dir.h"
 
 using namespace mn;
 namespace fs = std::filesystem;
 using json = nlohmann::json;
 
 namespace {
+
+using mn::testing::TempDir;
 
 bool have_data() {
   const fs::path root = data::default_fashion_mnist_root();
@@ -77,23 +80,6 @@ std::vector<std::string> nonempty_lines(const std::string& text) {
     if (!line.empty()) lines.push_back(line);
   return lines;
 }
-
-class TempDir {
- public:
-  TempDir() {
-    static std::atomic<int> counter{0};
-    path_ = fs::temp_directory_path() / str("mn_train_ddp_test_", ::getpid(), "_", counter++);
-    fs::remove_all(path_);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  std::string operator/(const std::string& name) const { return (path_ / name).string(); }
-
- private:
-  fs::path path_;
-};
 
 const std::string kTrain = MN_TRAIN_EXE;
 const std::string kRun = MN_RUN_EXE;
@@ -175,7 +161,7 @@ TEST_CASE("mn-train --backend gloo: 2 ranks x batch 64 match one process with ba
     MESSAGE("skipped: Fashion-MNIST not found in " << data::default_fashion_mnist_root());
     return;
   }
-  TempDir dir;
+  TempDir dir("mn_train_ddp_test");
   const json single =
       only_json_line(run(str(kTrain, " ", kCommon, " --epochs 2 --batch-size 128 --out ", dir / "single")), 2);
   const Run two = run(ddp(2, str(kCommon, " --epochs 2 --batch-size 64 --out ", dir / "ddp")));
@@ -234,7 +220,7 @@ TEST_CASE("mn-train --backend gloo: 2 ranks x batch 64 match one process with ba
 }
 
 TEST_CASE("mn-train --backend: clear errors") {
-  TempDir dir;
+  TempDir dir("mn_train_ddp_test");
   const std::string small = str("--limit 64 --epochs 1 --out ", dir / "x");
   {
     const Run r = run(str(kTrain, " --backend mpi ", small));
