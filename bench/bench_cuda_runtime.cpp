@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "autograd/ops.h"
+#include "bench/cuda_bench_main.h"
 #include "core/allocator.h"
 #include "core/cuda.h"
 #include "core/random.h"
@@ -153,14 +154,4 @@ BENCHMARK(BM_PinnedMemcpy)->Args({256 * MiB, 0})->Args({256 * MiB, 1})->UseRealT
 
 }  // namespace
 
-int main(int argc, char** argv) {
-  if (mn::cuda_device_count() == 0) {
-    std::printf("no CUDA device (cuda_device_count() == 0): CUDA runtime benchmarks skipped\n");
-    return 0;
-  }
-  benchmark::Initialize(&argc, argv);
-  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
-  benchmark::RunSpecifiedBenchmarks();
-  benchmark::Shutdown();
-  return 0;
-}
+int main(int argc, char** argv) { return mn_bench::run_cuda_benchmarks(argc, argv, "CUDA runtime benchmarks"); }

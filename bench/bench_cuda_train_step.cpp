@@ -18,6 +18,7 @@
 #include <cstdio>
 #include <vector>
 
+#include "bench/cuda_bench_main.h"
 #include "core/cuda.h"
 #include "mapping/mapping_model.h"
 #include "mapping/targets.h"
@@ -122,14 +123,4 @@ BENCHMARK(BM_CNN2_LayerwiseStep_CPU)->UseManualTime()->Unit(benchmark::kMillisec
 
 }  // namespace
 
-int main(int argc, char** argv) {
-  if (mn::cuda_device_count() == 0) {
-    std::printf("no CUDA device (cuda_device_count() == 0): CUDA training-step benchmarks skipped\n");
-    return 0;
-  }
-  benchmark::Initialize(&argc, argv);
-  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
-  benchmark::RunSpecifiedBenchmarks();
-  benchmark::Shutdown();
-  return 0;
-}
+int main(int argc, char** argv) { return mn_bench::run_cuda_benchmarks(argc, argv, "CUDA training-step benchmarks"); }

@@ -50,10 +50,11 @@ def time_steps(step, repeats, inner):
     return statistics.median(samples)
 
 
-def direct_step(batch):
-    net = cnn2()
+def direct_step(batch, device="cpu"):
+    net = cnn2().to(device)
     opt = torch.optim.Adam(net.parameters(), lr=1e-3)
-    x, y = torch.randn(batch, 1, 28, 28), torch.randint(0, 10, (batch,))
+    x = torch.randn(batch, 1, 28, 28, device=device)
+    y = torch.randint(0, 10, (batch,), device=device)
 
     def step():
         loss = F.cross_entropy(net(x), y)
@@ -66,21 +67,22 @@ def direct_step(batch):
 class Group:
     """One layer-wise group: latent z, fixed map W (n x L), per-element scale s."""
 
-    def __init__(self, names, shapes, latent, mode, alpha=0.01):
+    def __init__(self, names, shapes, latent, mode, alpha=0.01, device="cpu"):
         self.names, self.shapes, self.mode, self.alpha = names, shapes, mode, alpha
         self.n = sum(math.prod(s) for s in shapes)
         n, L = self.n, latent
-        self.z = (torch.randn(L) / math.sqrt(L)).requires_grad_(True)
-        self.s = torch.rand(n) * 0.1 + 0.01
+        # Drawn on the CPU (the same numbers on any device), then moved.
+        self.z = (torch.randn(L) / math.sqrt(L)).to(device).requires_grad_(True)
+        self.s = (torch.rand(n) * 0.1 + 0.01).to(device)
         if mode == "same" and n >= 2 * L:
             k = n // L
-            self.q = torch.linalg.qr(torch.randn(L, L))[0]
-            self.signs = torch.randint(0, 2, (k - 1, L)).float() * 2 - 1
-            self.tail = torch.linalg.qr(torch.randn(n - (k - 1) * L, L))[0]
+            self.q = torch.linalg.qr(torch.randn(L, L))[0].to(device)
+            self.signs = (torch.randint(0, 2, (k - 1, L)).float() * 2 - 1).to(device)
+            self.tail = torch.linalg.qr(torch.randn(n - (k - 1) * L, L))[0].to(device)
             self.scale = math.sqrt(n / k)
         else:
             w = torch.linalg.qr(torch.randn(max(n, L), min(n, L)))[0]
-            self.w = (w if n >= L else w.t()).contiguous() * math.sqrt(max(n, L))
+            self.w = ((w if n >= L else w.t()).contiguous() * math.sqrt(max(n, L))).to(device)
             self.q = None
 
     def theta(self):
@@ -104,14 +106,15 @@ class Group:
         return out
 
 
-def mapped_step(make_target, latent, input_shape, mode):
-    target = make_target()
+def mapped_step(make_target, latent, input_shape, mode, device="cpu"):
+    target = make_target().to(device)
     groups = {}
     for name, p in target.named_parameters():
         groups.setdefault(name.rsplit(".", 1)[0], []).append((name, tuple(p.shape)))
-    gens = [Group([n for n, _ in g], [s for _, s in g], latent, mode) for g in groups.values()]
+    gens = [Group([n for n, _ in g], [s for _, s in g], latent, mode, device=device) for g in groups.values()]
     opt = torch.optim.Adam([g.z for g in gens], lr=1e-2)
-    x, y = torch.randn(*input_shape), torch.randint(0, 10, (input_shape[0],))
+    x = torch.randn(*input_shape, device=device)
+    y = torch.randint(0, 10, (input_shape[0],), device=device)
 
     def step():
         params = {}

@@ -17,93 +17,25 @@ compute in full f32. Without a GPU it prints {"skipped": "..."} and exits 0.
 """
 import argparse
 import json
-import math
 import statistics
 import sys
 import time
 
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
+
+import compare_torch  # the same models, groups and steps, on any device (bench/ is on sys.path)
 
 
-def cnn2():
-    return nn.Sequential(nn.Conv2d(1, 16, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(16, 32, 3), nn.ReLU(),
-                         nn.MaxPool2d(2), nn.Flatten(), nn.Linear(800, 128), nn.ReLU(), nn.Linear(128, 10))
-
-
-class Group:
-    """One layer-wise group: latent z [L], fixed factors of W (n x L), per-element scale s [n]."""
-
-    def __init__(self, names, shapes, latent, device, alpha=0.01):
-        self.names, self.shapes, self.alpha = names, shapes, alpha
-        self.n = n = sum(math.prod(s) for s in shapes)
-        L = latent
-        self.z = (torch.randn(L) / math.sqrt(L)).to(device).requires_grad_(True)
-        self.s = (torch.rand(n) * 0.1 + 0.01).to(device)
-        if n >= 2 * L:
-            k = n // L
-            self.q = torch.linalg.qr(torch.randn(L, L))[0].to(device)
-            self.signs = (torch.randint(0, 2, (k - 1, L)).float() * 2 - 1).to(device)
-            self.tail = torch.linalg.qr(torch.randn(n - (k - 1) * L, L))[0].to(device)
-            self.scale = math.sqrt(n / k)
-            self.w = None
-        else:
-            w = torch.linalg.qr(torch.randn(max(n, L), min(n, L)))[0]
-            self.w = ((w if n >= L else w.t()).contiguous() * math.sqrt(max(n, L))).to(device)
-            self.q = None
-
-    def theta(self):
-        z = self.z
-        if self.q is not None:
-            rep = ((self.signs * z) @ self.q.t()).reshape(-1)
-            out = torch.cat([rep, self.tail @ z]) * self.scale + self.alpha * (z * z).sum()
-        else:
-            out = self.w @ z + self.alpha * (z * z).sum()
-        return self.s * out
-
-    def tensors(self):
-        flat, out, offset = self.theta(), {}, 0
-        for name, shape in zip(self.names, self.shapes):
-            size = math.prod(shape)
-            out[name] = flat[offset:offset + size].view(shape)
-            offset += size
-        return out
+def layerwise_group_count(make_target):
+    return len({name.rsplit(".", 1)[0] for name, _ in make_target().named_parameters()})
 
 
 def mapped_step(device, batch=256, latent=672):
-    target = cnn2().to(device)
-    groups = {}
-    for name, p in target.named_parameters():
-        groups.setdefault(name.rsplit(".", 1)[0], []).append((name, tuple(p.shape)))
-    gens = [Group([n for n, _ in g], [s for _, s in g], latent, device) for g in groups.values()]
-    opt = torch.optim.Adam([g.z for g in gens], lr=1e-2)
-    x = torch.randn(batch, 1, 28, 28, device=device)
-    y = torch.randint(0, 10, (batch,), device=device)
-
-    def step():
-        params = {}
-        for g in gens:
-            params.update(g.tensors())
-        loss = F.cross_entropy(torch.func.functional_call(target, params, (x,)), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return step, len(gens)
+    return compare_torch.mapped_step(compare_torch.cnn2, latent, (batch, 1, 28, 28), "same", device)
 
 
 def direct_step(device, batch):
-    net = cnn2().to(device)
-    opt = torch.optim.Adam(net.parameters(), lr=1e-3)
-    x = torch.randn(batch, 1, 28, 28, device=device)
-    y = torch.randint(0, 10, (batch,), device=device)
-
-    def step():
-        loss = F.cross_entropy(net(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return step
+    return compare_torch.direct_step(batch, device)
 
 
 def median_ms(step, device, steps, warmup):
@@ -134,7 +66,7 @@ def main():
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.manual_seed(0)
         gpu = torch.device("cuda", 0)
-        step, groups = mapped_step(gpu)
+        step, groups = mapped_step(gpu), layerwise_group_count(compare_torch.cnn2)
         result = {
             "torch": torch.__version__,
             "device": torch.cuda.get_device_name(0),
@@ -148,7 +80,7 @@ def main():
         if args.cpu_steps > 0:
             cpu = torch.device("cpu")
             result["cpu_threads"] = torch.get_num_threads()
-            result["cnn2_layerwise_b256_cpu_ms"] = median_ms(mapped_step(cpu)[0], cpu, args.cpu_steps, 2)
+            result["cnn2_layerwise_b256_cpu_ms"] = median_ms(mapped_step(cpu), cpu, args.cpu_steps, 2)
     text = json.dumps(result)
     print(text)
     if args.out:
