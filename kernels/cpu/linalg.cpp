@@ -10,6 +10,7 @@
 #include <algorithm>
 
 #include "kernels/cpu/eigen_gemm.h"
+#include "kernels/gemm_shape.h"
 #include "kernels/kernels.h"
 
 namespace mn::kernels {
@@ -153,13 +154,9 @@ struct BatchOperand {
   }
 };
 
-BatchOperand batch_operand(const Tensor& t, int64_t batch, const char* name) {
-  MN_CHECK(t.dtype() == DType::f32, TypeError, "gemm: expected '", name, "' of dtype f32, got ", t.dtype());
-  MN_CHECK(t.dim() == 2 || t.dim() == 3, ValueError, "gemm: expected '", name, "' to be 2-D or 3-D, got shape ",
-           t.sizes());
+// t has passed check_gemm.
+BatchOperand batch_operand(const Tensor& t) {
   const int d = t.dim();
-  MN_CHECK(d == 2 || t.size(0) == batch || t.size(0) == 1, ValueError, "gemm: '", name, "' has shape ", t.sizes(),
-           " but the batch size is ", batch);
   Tensor src = t;
   int64_t batch_stride = (d == 3 && t.size(0) != 1) ? t.stride(0) : 0;
   MatrixRef ref{nullptr, t.size(d - 2), t.size(d - 1), t.stride(d - 2), t.stride(d - 1)};
@@ -184,16 +181,8 @@ BatchOperand batch_operand(const Tensor& t, int64_t batch, const char* name) {
 }
 
 void gemm_cpu(const Tensor& a, const Tensor& b, Tensor& out, double alpha, double beta) {
-  MN_CHECK(out.dtype() == DType::f32 && out.is_contiguous(), ValueError,
-           "gemm: expected a contiguous f32 output, got ", out.dtype(), out.sizes());
-  MN_CHECK(out.dim() == 2 || out.dim() == 3, ValueError, "gemm: expected a 2-D or 3-D output, got ", out.sizes());
-  const int64_t batch = out.dim() == 3 ? out.size(0) : 1;
-  const BatchOperand lhs = batch_operand(a, batch, "a"), rhs = batch_operand(b, batch, "b");
-  const int64_t m = lhs.matrix.rows, k = lhs.matrix.cols, n = rhs.matrix.cols;
-  MN_CHECK(rhs.matrix.rows == k && out.size(-2) == m && out.size(-1) == n, ValueError, "gemm: shapes ", a.sizes(),
-           " and ", b.sizes(), " do not give output shape ", out.sizes());
-  MN_CHECK(a.dim() == 2 || b.dim() == 2 || out.dim() == 3, ValueError, "gemm: batched operands ", a.sizes(), " and ",
-           b.sizes(), " need a 3-D output, got ", out.sizes());
+  const auto [batch, m, k, n] = check_gemm(a, b, out);
+  const BatchOperand lhs = batch_operand(a), rhs = batch_operand(b);
   float* c = out.data<float>();
   const float fa = static_cast<float>(alpha), fb = static_cast<float>(beta);
   const int64_t work = m * n * k;

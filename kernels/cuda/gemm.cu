@@ -23,6 +23,7 @@
 #include "core/cuda.h"
 #include "kernels/cuda/blas.cuh"
 #include "kernels/cuda/common.cuh"
+#include "kernels/gemm_shape.h"
 #include "kernels/kernels.h"
 
 namespace mn::cuda {
@@ -112,14 +113,9 @@ bool blas_layout(int64_t rows, int64_t cols, int64_t rs, int64_t cs, bool& trans
   return false;
 }
 
-BlasOperand blas_operand(const Tensor& t, int64_t batch, int device, const char* name) {
-  cuda::check_on_device("gemm", t, device, name);
-  MN_CHECK(t.dtype() == DType::f32, TypeError, "gemm: expected '", name, "' of dtype f32, got ", t.dtype());
-  MN_CHECK(t.dim() == 2 || t.dim() == 3, ValueError, "gemm: expected '", name, "' to be 2-D or 3-D, got shape ",
-           t.sizes());
+// t has passed check_gemm.
+BlasOperand blas_operand(const Tensor& t) {
   const int d = t.dim();
-  MN_CHECK(d == 2 || t.size(0) == batch || t.size(0) == 1, ValueError, "gemm: '", name, "' has shape ", t.sizes(),
-           " but the batch size is ", batch);
   BlasOperand op;
   op.rows = t.size(d - 2);
   op.cols = t.size(d - 1);
@@ -153,16 +149,10 @@ void check_int(int64_t v, const char* what) {
 void gemm_cuda(const Tensor& a, const Tensor& b, Tensor& out, double alpha, double beta) {
   const int device = out.device().index;
   cuda::check_on_device("gemm", out, device, "out");
-  MN_CHECK(out.dtype() == DType::f32 && out.is_contiguous(), ValueError,
-           "gemm: expected a contiguous f32 output, got ", out.dtype(), out.sizes());
-  MN_CHECK(out.dim() == 2 || out.dim() == 3, ValueError, "gemm: expected a 2-D or 3-D output, got ", out.sizes());
-  const int64_t batch = out.dim() == 3 ? out.size(0) : 1;
-  const BlasOperand lhs = blas_operand(a, batch, device, "a"), rhs = blas_operand(b, batch, device, "b");
-  const int64_t m = lhs.rows, k = lhs.cols, n = rhs.cols;
-  MN_CHECK(rhs.rows == k && out.size(-2) == m && out.size(-1) == n, ValueError, "gemm: shapes ", a.sizes(), " and ",
-           b.sizes(), " do not give output shape ", out.sizes());
-  MN_CHECK(a.dim() == 2 || b.dim() == 2 || out.dim() == 3, ValueError, "gemm: batched operands ", a.sizes(), " and ",
-           b.sizes(), " need a 3-D output, got ", out.sizes());
+  cuda::check_on_device("gemm", a, device, "a");
+  cuda::check_on_device("gemm", b, device, "b");
+  const auto [batch, m, k, n] = check_gemm(a, b, out);
+  const BlasOperand lhs = blas_operand(a), rhs = blas_operand(b);
   if (m == 0 || n == 0 || batch == 0) return;
 
   cudaStream_t stream = cuda::stream_of(out);
