@@ -19,10 +19,12 @@
 #include "nn/data/fashion_mnist.h"
 #include "nn/data/idx.h"
 #include "tests/temp_dir.h"
+#include "tests/test_support.h"
 
 namespace fs = std::filesystem;
 using namespace mn;
 using namespace mn::data;
+using mn::testing::contains;
 
 namespace {
 
@@ -101,10 +103,6 @@ std::string message_of(F&& f) {
   }
   FAIL("did not throw");
   return {};
-}
-
-bool contains(const std::string& haystack, const std::string& needle) {
-  return haystack.find(needle) != std::string::npos;
 }
 
 // 3 images of 2 x 4 pixels covering 0, 255 and values in between.

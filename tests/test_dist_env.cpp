@@ -27,6 +27,8 @@
 using namespace mn;
 using namespace mn::dist;
 using namespace std::chrono_literals;
+using mn::testing::contains;
+using mn::testing::error_message;
 
 namespace {
 
@@ -41,17 +43,6 @@ EnvConfig parse(const std::map<std::string, std::string>& vars) {
 std::map<std::string, std::string> good_env() {
   return {{"RANK", "1"}, {"WORLD_SIZE", "3"}, {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", "29555"}};
 }
-
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "";
-}
-
-bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
 
 // A store server on a free port, for tests that need several clients.
 std::unique_ptr<TcpStore> server_store(Milliseconds timeout = 5000ms) {
@@ -135,7 +126,7 @@ TEST_CASE("dist env: from_env reads the launcher's variables and names bad ones"
       e[name] = *value;
     else
       e.erase(name);
-    return error_of([&] { parse(e); });
+    return error_message([&] { parse(e); });
   };
   CHECK(with("WORLD_SIZE", "abc") ==
         std::string("environment variable WORLD_SIZE='abc' is not a positive integer"));
@@ -161,7 +152,7 @@ TEST_CASE("dist env: from_env reads the launcher's variables and names bad ones"
   CHECK(c.world_size == 1);
   CHECK(c.master_addr == "localhost");
   setenv("WORLD_SIZE", "two", 1);
-  CHECK(error_of([] { from_env(); }) ==
+  CHECK(error_message([] { from_env(); }) ==
         std::string("environment variable WORLD_SIZE='two' is not a positive integer"));
   for (const char* name : {"RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}) unsetenv(name);
 }
@@ -217,7 +208,7 @@ TEST_CASE("dist sampler: one permutation, disjoint equal shards, PyTorch padding
   CHECK(shuffled.index_tensor().dtype() == DType::i64);
   CHECK(shuffled.index_tensor().numel() == 50);
 
-  CHECK(error_of([] { DistributedSampler(10, 2, 2); }) ==
+  CHECK(error_message([] { DistributedSampler(10, 2, 2); }) ==
         std::string("DistributedSampler: invalid rank 2, rank should be in the interval [0, 1]"));
   CHECK_THROWS_AS(DistributedSampler(10, 0, 0), ValueError);
   CHECK_THROWS_AS(DistributedSampler(-1, 2, 0), ValueError);
@@ -235,7 +226,7 @@ TEST_CASE("dist store: HashStore and PrefixStore semantics") {
   CHECK(hash->add("a", 1) == 2);  // "1" is decimal text, hence a counter
   hash->set("text", std::string("x"));
   CHECK_THROWS_AS(hash->add("text", 1), ValueError);
-  const std::string timeout = error_of([&] { hash->get("missing"); });
+  const std::string timeout = error_message([&] { hash->get("missing"); });
   CHECK(contains(timeout, "'missing'"));
   CHECK(contains(timeout, "0.2 s"));
   CHECK(hash->delete_key("a"));
@@ -299,12 +290,12 @@ TEST_CASE("dist store: TcpStore server and clients in one process") {
 
   // Timeouts end waits and name the key and the time.
   const auto before = std::chrono::steady_clock::now();
-  const std::string message = error_of([&] { client->wait({"never", "hello2"}, 300ms); });
+  const std::string message = error_message([&] { client->wait({"never", "hello2"}, 300ms); });
   CHECK(std::chrono::steady_clock::now() - before < 3000ms);
   CHECK(contains(message, "timed out after 0.3 s"));
   CHECK(contains(message, "'never'"));
   client->set_timeout(200ms);
-  CHECK(contains(error_of([&] { client->get("absent"); }), "'absent'"));
+  CHECK(contains(error_message([&] { client->get("absent"); }), "'absent'"));
   client->set_timeout(3000ms);
   CHECK(client->get_string("binary").size() == binary.size());  // the connection is still usable
 
@@ -320,7 +311,7 @@ TEST_CASE("dist store: connection failures are bounded and clear") {
   uint16_t port = 0;
   { net::Socket probe = net::listen_on("127.0.0.1", 0, &port); }  // a port that was just free
   const auto start = std::chrono::steady_clock::now();
-  const std::string refused = error_of([&] { client_store(port, 400ms); });
+  const std::string refused = error_message([&] { client_store(port, 400ms); });
   CHECK(std::chrono::steady_clock::now() - start < 5000ms);
   CHECK(contains(refused, "could not connect to the store at 127.0.0.1:"));
   CHECK(contains(refused, "MASTER_ADDR/MASTER_PORT"));
@@ -328,7 +319,7 @@ TEST_CASE("dist store: connection failures are bounded and clear") {
   // Something else listens and never answers the handshake.
   uint16_t silent_port = 0;
   net::Socket silent = net::listen_on("127.0.0.1", 0, &silent_port);
-  const std::string no_handshake = error_of([&] { client_store(silent_port, 300ms); });
+  const std::string no_handshake = error_message([&] { client_store(silent_port, 300ms); });
   CHECK(contains(no_handshake, "is another service listening on MASTER_PORT?"));
 
   // Two servers cannot share a port.
@@ -336,7 +327,7 @@ TEST_CASE("dist store: connection failures are bounded and clear") {
   TcpStoreOptions o;
   o.port = first->port();
   o.is_server = true;
-  CHECK(contains(error_of([&] { TcpStore second(o); }), "cannot listen"));
+  CHECK(contains(error_message([&] { TcpStore second(o); }), "cannot listen"));
 
   // The server goes away while a client waits: the client fails instead of waiting out its timeout.
   auto client = client_store(first->port(), 20000ms);
@@ -345,11 +336,11 @@ TEST_CASE("dist store: connection failures are bounded and clear") {
     first.reset();
   });
   const auto wait_start = std::chrono::steady_clock::now();
-  const std::string closed = error_of([&] { client->get("never"); });
+  const std::string closed = error_message([&] { client->get("never"); });
   stopper.join();
   CHECK(std::chrono::steady_clock::now() - wait_start < 10000ms);
   CHECK(contains(closed, "closed the connection"));
-  CHECK(contains(error_of([&] { client->set("k", std::string("v")); }), "lost by an earlier failure"));
+  CHECK(contains(error_message([&] { client->set("k", std::string("v")); }), "lost by an earlier failure"));
 }
 
 TEST_CASE("dist gloo: collectives with threads as ranks") {
@@ -403,15 +394,15 @@ TEST_CASE("dist gloo: collectives with threads as ranks") {
 }
 
 TEST_CASE("dist backends: unavailable and unknown names") {
-  CHECK(error_of([] { check_backend("mpi"); }) ==
+  CHECK(error_message([] { check_backend("mpi"); }) ==
         std::string("backend 'mpi' is not available in this build; use gloo or nccl"));
-  CHECK(contains(error_of([] { check_backend("bogus"); }), "unknown backend 'bogus'"));
+  CHECK(contains(error_message([] { check_backend("bogus"); }), "unknown backend 'bogus'"));
   CHECK(is_backend_available("gloo"));
 #ifndef MN_WITH_CUDA
-  CHECK(contains(error_of([] { check_backend("nccl"); }), "built without CUDA"));
+  CHECK(contains(error_message([] { check_backend("nccl"); }), "built without CUDA"));
 #endif
   CHECK(is_available());
-  CHECK(contains(error_of([] { setup_ddp(0, 1, "mpi"); }), "backend 'mpi' is not available in this build"));
+  CHECK(contains(error_message([] { setup_ddp(0, 1, "mpi"); }), "backend 'mpi' is not available in this build"));
   CHECK_FALSE(is_initialized());
 }
 
@@ -419,15 +410,15 @@ TEST_CASE("dist ddp: wrap before setup, cleanup when uninitialised, single-proce
   cleanup_ddp();  // no-op
   CHECK_FALSE(is_initialized());
   mapping::MappingModel model = small_model();
-  CHECK(error_of([&] { wrap_ddp(model); }) ==
+  CHECK(error_message([&] { wrap_ddp(model); }) ==
         std::string("Process group is not initialized. Call setup_ddp() before wrap_ddp()."));
   CHECK(get_world_size() == 1);
 
   unsetenv("MASTER_ADDR");
   unsetenv("MASTER_PORT");
-  CHECK(contains(error_of([] { setup_ddp(0, 1); }), "MASTER_ADDR"));
-  CHECK(contains(error_of([] { setup_ddp(0, 1, "gloo", "file:///tmp/x"); }), "not supported"));
-  CHECK(contains(error_of([] { setup_ddp(1, 1); }), "rank must be in [0, 0]"));
+  CHECK(contains(error_message([] { setup_ddp(0, 1); }), "MASTER_ADDR"));
+  CHECK(contains(error_message([] { setup_ddp(0, 1, "gloo", "file:///tmp/x"); }), "not supported"));
+  CHECK(contains(error_message([] { setup_ddp(1, 1); }), "rank must be in [0, 0]"));
 
   uint16_t port = 0;
   { net::Socket probe = net::listen_on("127.0.0.1", 0, &port); }
@@ -435,7 +426,7 @@ TEST_CASE("dist ddp: wrap before setup, cleanup when uninitialised, single-proce
   setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
   setup_ddp(0, 1, "gloo", "env://", 20000ms);
   CHECK(is_initialized());
-  CHECK(contains(error_of([] { setup_ddp(0, 1); }), "already called"));
+  CHECK(contains(error_message([] { setup_ddp(0, 1); }), "already called"));
   {
     mapping::MappingModel reference = small_model();
     auto ddp = wrap_ddp(model);
@@ -444,7 +435,7 @@ TEST_CASE("dist ddp: wrap before setup, cleanup when uninitialised, single-proce
     CHECK(ddp.bytes_per_step() == static_cast<size_t>(model.trainable_parameter_count()) * sizeof(float));
     CHECK(ddp.bucket_latent_names().size() == 1);
     CHECK(ddp.bucket_latent_names()[0].front() == model.named_latents().back().first);  // reverse order
-    CHECK(contains(error_of([&] { wrap_ddp(model, {0}); }), "device_ids must be empty for a CPU model"));
+    CHECK(contains(error_message([&] { wrap_ddp(model, {0}); }), "device_ids must be empty for a CPU model"));
     const size_t buffers_before = model.generator().buffers().size();
 
     Tensor x = mn::testing::random_param({6, 4}, 3).detach();

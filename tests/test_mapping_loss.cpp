@@ -12,6 +12,8 @@
 
 using namespace mn;
 using namespace mn::mapping;
+using mn::testing::contains;
+using mn::testing::error_message;
 using mn::testing::param;
 using mn::testing::random_param;
 using mn::testing::tensor;
@@ -45,20 +47,6 @@ TrainingContext linked_context(uint64_t seed = 3) {
 }
 
 double value(const Tensor& t) { return t.detach().item(); }
-
-template <class F>
-std::string error_message(F&& f) {
-  try {
-    f();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "";
-}
-
-bool contains(const std::string& haystack, const std::string& needle) {
-  return haystack.find(needle) != std::string::npos;
-}
 
 }  // namespace
 

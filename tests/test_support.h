@@ -3,6 +3,7 @@
 #include <doctest/doctest.h>
 
 #include <cmath>
+#include <string>
 #include <vector>
 
 #include "autograd/engine.h"
@@ -31,6 +32,21 @@ inline void check_close(const Tensor& t, const std::vector<float>& expected, dou
     INFO("element " << i << ": got " << got[i] << ", expected " << expected[i]);
     CHECK(std::abs(got[i] - expected[i]) <= tol * (1.0 + std::abs(expected[i])));
   }
+}
+
+// The message of the exception f throws ("" when it throws none).
+template <class F>
+std::string error_message(F&& f) {
+  try {
+    f();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "";
+}
+
+inline bool contains(const std::string& haystack, const std::string& needle) {
+  return haystack.find(needle) != std::string::npos;
 }
 
 }  // namespace mn::testing

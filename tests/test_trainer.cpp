@@ -14,6 +14,8 @@
 
 using namespace mn;
 using namespace mn::mapping;
+using mn::testing::contains;
+using mn::testing::error_message;
 namespace keys = mn::mapping::history_keys;
 
 namespace {
@@ -47,20 +49,6 @@ std::vector<std::vector<float>> latent_values(const MappingModel& model) {
 
 std::shared_ptr<MappingLoss> full_mapping_loss() {
   return std::make_shared<MappingLoss>(std::make_shared<RegressionLoss>());
-}
-
-template <class F>
-std::string error_message(F&& f) {
-  try {
-    f();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "";
-}
-
-bool contains(const std::string& haystack, const std::string& needle) {
-  return haystack.find(needle) != std::string::npos;
 }
 
 // Records every hook as one string.
