@@ -12,15 +12,11 @@ using autograd::gradgradcheck;
 using mn::testing::check_close;
 using mn::testing::param;
 using mn::testing::random_param;
+using mn::testing::random_tensor;
 using mn::testing::tensor;
 namespace F = mn::nn::functional;
 
 namespace {
-
-Tensor random_tensor(const Shape& shape, uint64_t seed) {
-  Generator gen(seed);
-  return randn(shape, {}, &gen);
-}
 
 // Batch norm from elementary ops (reference for the fused kernel).
 Tensor reference_batch_norm(const Tensor& x, const Tensor& w, const Tensor& b, double eps) {

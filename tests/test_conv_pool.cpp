@@ -13,15 +13,11 @@ using autograd::gradcheck;
 using autograd::gradgradcheck;
 using mn::testing::check_close;
 using mn::testing::random_param;
+using mn::testing::random_tensor;
 using mn::testing::tensor;
 namespace F = mn::nn::functional;
 
 namespace {
-
-Tensor random_tensor(const Shape& shape, uint64_t seed) {
-  Generator gen(seed);
-  return randn(shape, {}, &gen);
-}
 
 Tensor iota(const Shape& shape) { return arange(1.0, shape.numel() + 1.0, 1.0, DType::f32).reshape(shape); }
 

@@ -13,14 +13,10 @@ using autograd::gradcheck;
 using autograd::gradgradcheck;
 using mn::testing::check_close;
 using mn::testing::random_param;
+using mn::testing::random_tensor;
 using mn::testing::tensor;
 
 namespace {
-
-Tensor random_tensor(const Shape& shape, uint64_t seed) {
-  Generator gen(seed);
-  return randn(shape, {}, &gen);
-}
 
 // Naive [.., M, K] x [.., K, N] with equal batch shapes, accumulated in double.
 std::vector<float> naive_batched(const Tensor& a, const Tensor& b) {

@@ -18,6 +18,11 @@ inline Tensor tensor(const std::vector<float>& v, const Shape& shape = {}) { ret
 inline Tensor param(const std::vector<float>& v, const Shape& shape = {}) {
   return from_vector(v, shape).requires_grad_(true);
 }
+// Seeded standard-normal tensor (no grad).
+inline Tensor random_tensor(const Shape& shape, uint64_t seed) {
+  Generator gen(seed);
+  return randn(shape, {}, &gen);
+}
 // Seeded standard-normal leaf requiring grad.
 inline Tensor random_param(const Shape& shape, uint64_t seed, double scale = 1.0) {
   Generator gen(seed);
