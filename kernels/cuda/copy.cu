@@ -10,6 +10,7 @@
 // random_fill computes the very values of the CPU fill (core/philox.h): one thread per counter block
 // of four values.
 #include <cmath>
+#include <type_traits>
 
 #include "core/random.h"
 #include "kernels/cuda/common.cuh"
@@ -53,25 +54,17 @@ __global__ void fill_strided_kernel(T* out, Strided layout, T value, int64_t n) 
 }
 
 // Thread b writes the values of counter block st.offset + b: elements 4b .. 4b+3 (fewer at the end).
-__global__ void philox_float_kernel(float* out, int64_t n, PhiloxState st, Distribution dist, double p1, double p2) {
+template <class T>
+__global__ void philox_kernel(T* out, int64_t n, PhiloxState st, Distribution dist, double p1, double p2) {
   const int64_t blocks = (n + 3) / 4;
   for (int64_t b = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; b < blocks;
        b += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    float values[4];
-    philox_block_floats(st.seed, st.stream, st.offset + static_cast<uint64_t>(b), dist, p1, p2, values);
-    const int64_t base = 4 * b;
-    const int64_t count = n - base < 4 ? n - base : 4;
-    for (int64_t lane = 0; lane < count; ++lane) out[base + lane] = values[lane];
-  }
-}
-
-__global__ void philox_int64_kernel(int64_t* out, int64_t n, PhiloxState st, Distribution dist, double p1,
-                                    double p2) {
-  const int64_t blocks = (n + 3) / 4;
-  for (int64_t b = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; b < blocks;
-       b += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    int64_t values[4];
-    philox_block_int64(st.seed, st.stream, st.offset + static_cast<uint64_t>(b), dist, p1, p2, values);
+    T values[4];
+    const uint64_t block = st.offset + static_cast<uint64_t>(b);
+    if constexpr (std::is_same_v<T, float>)
+      philox_block_floats(st.seed, st.stream, block, dist, p1, p2, values);
+    else
+      philox_block_int64(st.seed, st.stream, block, dist, p1, p2, values);
     const int64_t base = 4 * b;
     const int64_t count = n - base < 4 ? n - base : 4;
     for (int64_t lane = 0; lane < count; ++lane) out[base + lane] = values[lane];
@@ -223,9 +216,9 @@ void random_cuda(Tensor& out, Distribution dist, double p1, double p2, const Phi
   cudaStream_t stream = cuda::stream_of(out);
   const unsigned grid = blocks_for((n + 3) / 4);
   if (out.dtype() == DType::f32)
-    philox_float_kernel<<<grid, kThreads, 0, stream>>>(static_cast<float*>(out.raw_data()), n, state, dist, p1, p2);
+    philox_kernel<<<grid, kThreads, 0, stream>>>(static_cast<float*>(out.raw_data()), n, state, dist, p1, p2);
   else
-    philox_int64_kernel<<<grid, kThreads, 0, stream>>>(static_cast<int64_t*>(out.raw_data()), n, state, dist, p1, p2);
+    philox_kernel<<<grid, kThreads, 0, stream>>>(static_cast<int64_t*>(out.raw_data()), n, state, dist, p1, p2);
   MN_CUDA_CHECK_LAUNCH();
 }
 
