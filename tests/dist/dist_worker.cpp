@@ -1,7 +1,7 @@
 // One rank of the multi-process tests (run under mn-run; see tests/dist/tests.cmake):
 //
 //   dist_worker collectives   allreduce (sum, avg; f32, i64), broadcast, allgather and barrier for sizes
-//                             0, 1, 1023 and 10^7
+//                             0, 1, 1023 and 10^7; Gloo's event loop runs under SCHED_BATCH
 //   dist_worker equivalence   N ranks on disjoint shards == one process on the whole batch after k Adam steps
 //                             (also with two forwards - clean and perturbed - before each backward)
 //   dist_worker no_sync       two micro-batches, the first under no_sync == one step on their concatenation
@@ -18,6 +18,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <string>
 #include <thread>
 #include <vector>
@@ -79,10 +80,22 @@ Tensor remainder_free_pattern(int64_t n) {
   return t;
 }
 
+// Threads of this process running under SCHED_BATCH (Gloo's event loop, see gloo_process_group.cpp).
+int batch_threads() {
+  int count = 0;
+  for (const auto& entry : std::filesystem::directory_iterator("/proc/self/task"))
+    if (sched_getscheduler(std::stoi(entry.path().filename().string())) == SCHED_BATCH) ++count;
+  return count;
+}
+
 void run_collectives() {
   setup_from_env(60s);
   auto pg = dist::default_process_group();
   const int rank = pg->rank(), world = pg->size();
+  const char* io_thread = std::getenv("MN_GLOO_IO_THREAD");
+  const int expected_batch = io_thread != nullptr && std::string(io_thread) == "normal" ? 0 : 1;
+  WORKER_CHECK(batch_threads() == expected_batch, "expected ", expected_batch,
+               " SCHED_BATCH thread (Gloo's event loop), found ", batch_threads());
   const double triangle = world * (world + 1) / 2.0;  // sum of (rank + 1)
   for (int64_t n : {int64_t{0}, int64_t{1}, int64_t{1023}, int64_t{10'000'000}}) {
     // Values i % 7 times (rank + 1): sums and averages are exact in f32.

@@ -88,6 +88,12 @@ mn_dist_failure_test(dist_launcher_escalates_to_sigkill 20
   "timeout@@--preserve-status@@-s@@INT@@1@@${MN_RUN}@@--nproc-per-node@@3@@--grace-period@@1@@sh@@-c@@trap '' TERM INT && exec sleep 60"
   "mn-run: stopped by signal 2")
 
+# Gloo's default event-loop scheduling (MN_GLOO_IO_THREAD=normal) still works.
+add_test(NAME dist_collectives_gloo_io_normal_2
+         COMMAND ${CMAKE_COMMAND} -E env MN_GLOO_IO_THREAD=normal
+                 $<TARGET_FILE:mn-run> --nproc-per-node 2 ${MN_DIST_WORKER} collectives)
+set_tests_properties(dist_collectives_gloo_io_normal_2 PROPERTIES LABELS dist TIMEOUT 120)
+
 # Bad or missing launcher variables give clear errors.
 add_test(NAME dist_env_missing_rank
          COMMAND ${CMAKE_COMMAND} -E env --unset=RANK WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=29511
