@@ -8,9 +8,13 @@
 // period, SIGKILL; mn-run then exits non-zero and names the rank that failed first. Each child runs in its
 // own process group and receives SIGTERM should mn-run itself die, so no rank outlives the launcher.
 // Unless OMP_NUM_THREADS is set, each of N > 1 ranks gets cores / N OpenMP threads (torchrun sets 1), so
-// the ranks do not oversubscribe the machine.
+// the ranks do not oversubscribe the machine; "cores" are the CPUs mn-run may run on (its affinity mask).
+// --bind-cores pins rank r to its own block of cores / N of those CPUs (r-th block, in CPU order) before
+// it starts: ranks then neither migrate nor share a core, which keeps the synchronised steps of data
+// parallel training in lock step on a machine the ranks fill (leftover CPUs stay unused).
 #include <arpa/inet.h>
 #include <netinet/in.h>
+#include <sched.h>
 #include <signal.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
@@ -18,6 +22,7 @@
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstdio>
@@ -75,15 +80,53 @@ int exit_code_of(int status) {
   return 1;
 }
 
+// The CPUs this process may run on, in increasing order (all online CPUs when the mask cannot be read).
+std::vector<int> allowed_cpus() {
+  std::vector<int> cpus;
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof(set), &set) == 0)
+    for (int cpu = 0; cpu < CPU_SETSIZE; ++cpu)
+      if (CPU_ISSET(cpu, &set)) cpus.push_back(cpu);
+  if (cpus.empty())
+    for (unsigned cpu = 0; cpu < std::max(1u, std::thread::hardware_concurrency()); ++cpu)
+      cpus.push_back(static_cast<int>(cpu));
+  return cpus;
+}
+
+// "0-3,8,10-11"
+std::string cpu_list_text(const std::vector<int>& cpus) {
+  std::string out;
+  for (size_t i = 0; i < cpus.size();) {
+    size_t j = i;
+    while (j + 1 < cpus.size() && cpus[j + 1] == cpus[j] + 1) ++j;
+    if (!out.empty()) out += ",";
+    out += std::to_string(cpus[i]);
+    if (j > i) out += "-" + std::to_string(cpus[j]);
+    i = j + 1;
+  }
+  return out;
+}
+
 // Runs in the child between fork and exec: only async-signal-safe calls plus setenv (single-threaded here).
+// `cpus`, when not empty, becomes the child's affinity mask.
 [[noreturn]] void exec_rank(const std::vector<std::string>& command,
-                            const std::vector<std::pair<std::string, std::string>>& env, pid_t launcher,
-                            const sigset_t& original_mask) {
+                            const std::vector<std::pair<std::string, std::string>>& env, const std::vector<int>& cpus,
+                            pid_t launcher, const sigset_t& original_mask) {
   setpgid(0, 0);
   prctl(PR_SET_PDEATHSIG, SIGTERM);
   if (getppid() != launcher) _exit(128 + SIGTERM);  // the launcher died before prctl took effect
   sigprocmask(SIG_SETMASK, &original_mask, nullptr);
   for (const auto& [name, value] : env) setenv(name.c_str(), value.c_str(), 1);
+  if (!cpus.empty()) {
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    for (int cpu : cpus) CPU_SET(cpu, &set);
+    if (sched_setaffinity(0, sizeof(set), &set) != 0) {
+      std::fprintf(stderr, "mn-run: cannot bind to CPUs: %s\n", std::strerror(errno));
+      _exit(127);
+    }
+  }
   std::vector<char*> argv;
   for (const std::string& a : command) argv.push_back(const_cast<char*>(a.c_str()));
   argv.push_back(nullptr);
@@ -105,6 +148,7 @@ int main(int argc, char** argv) {
   int master_port = 0;
   std::string master_addr = "127.0.0.1";
   double grace_seconds = 5.0;
+  bool bind_cores = false;
   app.add_option("--nproc-per-node,--nproc_per_node", nproc, "Number of ranks to start")
       ->check(CLI::Range(1, 1024));
   app.add_option("--master-port,--master_port", master_port, "Port of rank 0's store (0: pick a free one)")
@@ -112,6 +156,8 @@ int main(int argc, char** argv) {
   app.add_option("--master-addr,--master_addr", master_addr, "Address of rank 0 (this machine)");
   app.add_option("--grace-period", grace_seconds, "Seconds between SIGTERM and SIGKILL when stopping ranks")
       ->check(CLI::Range(0.0, 3600.0));
+  app.add_flag("--bind-cores", bind_cores,
+               "Pin each rank to its own block of (available CPUs / N) CPUs; OpenMP threads default to the block");
   app.prefix_command();  // everything from the program name on belongs to the program
   app.footer("Example: mn-run --nproc-per-node 2 ./mn_train --epochs 3");
   CLI11_PARSE(app, argc, argv);
@@ -144,10 +190,25 @@ int main(int argc, char** argv) {
       {"MASTER_PORT", std::to_string(master_port)},
       {"GROUP_RANK", "0"},
   };
+  const std::vector<int> cpus = allowed_cpus();
+  const size_t per_rank = std::max<size_t>(1, cpus.size() / static_cast<size_t>(nproc));
+  if (bind_cores && cpus.size() < static_cast<size_t>(nproc)) {
+    std::fprintf(stderr, "mn-run: --bind-cores needs at least one CPU per rank: %d ranks, %zu CPU(s) available (%s)\n",
+                 nproc, cpus.size(), cpu_list_text(cpus).c_str());
+    return 2;
+  }
   // N ranks each starting one OpenMP thread per core would oversubscribe the machine (torchrun sets 1).
-  if (nproc > 1 && std::getenv("OMP_NUM_THREADS") == nullptr) {
-    const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
-    common.push_back({"OMP_NUM_THREADS", std::to_string(std::max(1u, cores / static_cast<unsigned>(nproc)))});
+  if ((nproc > 1 || bind_cores) && std::getenv("OMP_NUM_THREADS") == nullptr)
+    common.push_back({"OMP_NUM_THREADS", std::to_string(per_rank)});
+  std::vector<std::vector<int>> rank_cpus(static_cast<size_t>(nproc));
+  if (bind_cores) {
+    std::string plan;
+    for (size_t r = 0; r < rank_cpus.size(); ++r) {
+      rank_cpus[r].assign(cpus.begin() + static_cast<std::ptrdiff_t>(r * per_rank),
+                          cpus.begin() + static_cast<std::ptrdiff_t>((r + 1) * per_rank));
+      plan += (r ? ", " : "") + std::to_string(r) + ": " + cpu_list_text(rank_cpus[r]);
+    }
+    std::fprintf(stderr, "mn-run: binding %d rank(s) to %zu CPU(s) each (%s)\n", nproc, per_rank, plan.c_str());
   }
 
   const pid_t launcher = getpid();
@@ -157,7 +218,7 @@ int main(int argc, char** argv) {
     env.push_back({"RANK", std::to_string(rank)});
     env.push_back({"LOCAL_RANK", std::to_string(rank)});
     const pid_t pid = fork();
-    if (pid == 0) exec_rank(command, env, launcher, original);
+    if (pid == 0) exec_rank(command, env, rank_cpus[static_cast<size_t>(rank)], launcher, original);
     if (pid < 0) {
       std::fprintf(stderr, "mn-run: fork for rank %d failed: %s\n", rank, std::strerror(errno));
       signal_all(children, SIGKILL);

@@ -9,10 +9,14 @@
 //   dist_worker kill          rank --kill-rank raises SIGKILL after --after-step steps; the others must stop
 //                             with a clear error within the collective timeout
 //   dist_worker env           reads the environment only (bad-variable tests)
+//   dist_worker affinity      under mn-run --bind-cores: every rank runs on its own, equally large set of CPUs
+//                             and OMP_NUM_THREADS is that set's size
 //
 // Exit codes: 0 passed, 1 a check failed or an error, 3 training stopped by a communication error (kill).
+#include <sched.h>
 #include <signal.h>
 
+#include <bit>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -438,6 +442,40 @@ int run_kill(int argc, char** argv) {
   return 1;
 }
 
+// ---- affinity ----
+
+void run_affinity() {
+  setup_from_env(60s);
+  auto pg = dist::default_process_group();
+  const int world = pg->size();
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  WORKER_CHECK(sched_getaffinity(0, sizeof(set), &set) == 0, "cannot read the affinity mask");
+  std::vector<int64_t> mine(CPU_SETSIZE / 64, 0);  // the mask as 64-bit words
+  for (int cpu = 0; cpu < CPU_SETSIZE; ++cpu)
+    if (CPU_ISSET(cpu, &set)) mine[static_cast<size_t>(cpu / 64)] |= int64_t{1} << (cpu % 64);
+  const int count = CPU_COUNT(&set);
+  const char* omp = std::getenv("OMP_NUM_THREADS");
+  WORKER_CHECK(omp != nullptr && std::to_string(count) == omp, "OMP_NUM_THREADS is '", omp ? omp : "(unset)",
+               "' but the rank is bound to ", count, " CPU(s)");
+  const int64_t words = static_cast<int64_t>(mine.size());
+  Tensor all = zeros({words * world}, TensorOptions(DType::i64));
+  pg->allgather(from_vector(mine, Shape{words}), all)->wait();
+  const std::vector<int64_t> masks = all.to_vector<int64_t>();
+  for (int r = 0; r < world; ++r) {
+    int other_count = 0;
+    for (int64_t w = 0; w < words; ++w) {
+      const auto word = static_cast<uint64_t>(masks[static_cast<size_t>(r * words + w)]);
+      other_count += std::popcount(word);
+      if (r != g_rank)
+        WORKER_CHECK((word & static_cast<uint64_t>(mine[static_cast<size_t>(w)])) == 0, "ranks ", g_rank, " and ",
+                     r, " share a CPU");
+    }
+    WORKER_CHECK(other_count == count, "rank ", r, " is bound to ", other_count, " CPU(s), this rank to ", count);
+  }
+  dist::cleanup_ddp();
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -453,12 +491,14 @@ int main(int argc, char** argv) {
       run_buffer_mismatch();
     } else if (mode == "kill") {
       return run_kill(argc, argv);
+    } else if (mode == "affinity") {
+      run_affinity();
     } else if (mode == "env") {
       dist::EnvConfig env = dist::from_env();
       std::printf("rank %d of %d at %s:%u\n", env.rank, env.world_size, env.master_addr.c_str(), env.master_port);
     } else {
       std::fprintf(stderr,
-                   "usage: dist_worker collectives|equivalence|no_sync|buffer_mismatch|kill|env [options]\n");
+                   "usage: dist_worker collectives|equivalence|no_sync|buffer_mismatch|kill|affinity|env [options]\n");
       return 2;
     }
   } catch (const std::exception& e) {

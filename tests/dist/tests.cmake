@@ -94,6 +94,18 @@ add_test(NAME dist_collectives_gloo_io_normal_2
                  $<TARGET_FILE:mn-run> --nproc-per-node 2 ${MN_DIST_WORKER} collectives)
 set_tests_properties(dist_collectives_gloo_io_normal_2 PROPERTIES LABELS dist TIMEOUT 120)
 
+# --bind-cores: disjoint, equally large CPU sets per rank, OpenMP threads matching (needs 2 CPUs for 2 ranks).
+cmake_host_system_information(RESULT mn_host_cpus QUERY NUMBER_OF_LOGICAL_CORES)
+if(mn_host_cpus GREATER_EQUAL 2)
+  add_test(NAME dist_launcher_bind_cores_2
+           COMMAND ${CMAKE_COMMAND} -E env --unset=OMP_NUM_THREADS
+                   $<TARGET_FILE:mn-run> --nproc-per-node 2 --bind-cores ${MN_DIST_WORKER} affinity)
+  set_tests_properties(dist_launcher_bind_cores_2 PROPERTIES LABELS dist TIMEOUT 60)
+endif()
+mn_dist_failure_test(dist_launcher_bind_cores_too_many 30
+  "${MN_RUN}@@--nproc-per-node@@1024@@--bind-cores@@true"
+  "mn-run: --bind-cores needs at least one CPU per rank: 1024 ranks, [0-9]+ CPU.s. available")
+
 # Bad or missing launcher variables give clear errors.
 add_test(NAME dist_env_missing_rank
          COMMAND ${CMAKE_COMMAND} -E env --unset=RANK WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=29511
