@@ -9,14 +9,17 @@
 //       Training step time of CNN2 through a layer-wise mapping network (4 groups x 672 latents) on random
 //       Fashion-MNIST-shaped data: the median step (the slowest rank's median under DDP) and the best
 //       mean of three rounds; per-sample time = step time / global batch.
-//   mn_dist_bench compare [--batch 32] [--steps 100] [--repeats 3]
+//   mn_dist_bench ddp ... --cpu K                           pins the process to the K-th CPU it may use
+//   mn_dist_bench compare [--batch 32] [--steps 100] [--repeats 3] [--no-bind]
 //       The DDP target in one command: runs `ddp` as one process and under mn-run as 2 ranks,
-//       every process with OMP_NUM_THREADS=1 (one core per rank), alternating, --repeats times (plus two
-//       independent processes at once: the cost of sharing the machine without communication), and prints
+//       every process with OMP_NUM_THREADS=1 on its own core (single processes --cpu 0 / 1, ranks through
+//       mn-run --bind-cores; --no-bind leaves placement to the scheduler), alternating, --repeats times (plus
+//       two independent processes at once: the cost of sharing the machine without communication), and prints
 //       the median step and per-sample times side by side with the bytes all-reduced per step. Both use the
 //       same per-process batch, so "DDP / 1 process" of the step time is the per-sample overhead of DDP
 //       (target: <= 1.10 with 2 ranks on 2 cores; bytes per step 10,752 = 2,688 floats).
 // Rank 0 prints the results.
+#include <sched.h>
 #include <sys/resource.h>
 #include <unistd.h>
 
@@ -108,7 +111,24 @@ double median(std::vector<double> v) {
   return n == 0 ? 0.0 : n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
+// Restricts this process to the k-th CPU of its affinity mask.
+void pin_to_cpu(int k) {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  MN_CHECK(sched_getaffinity(0, sizeof(set), &set) == 0, RuntimeError, "cannot read the CPU affinity mask");
+  for (int cpu = 0, seen = 0; cpu < CPU_SETSIZE; ++cpu) {
+    if (!CPU_ISSET(cpu, &set) || seen++ != k) continue;
+    cpu_set_t one;
+    CPU_ZERO(&one);
+    CPU_SET(cpu, &one);
+    MN_CHECK(sched_setaffinity(0, sizeof(one), &one) == 0, RuntimeError, "cannot pin to CPU ", cpu);
+    return;
+  }
+  throw ValueError(str("--cpu ", k, ": this process may run on ", CPU_COUNT(&set), " CPU(s) only"));
+}
+
 void bench_ddp(int argc, char** argv) {
+  if (const std::string cpu = arg_value(argc, argv, "--cpu", ""); !cpu.empty()) pin_to_cpu(std::stoi(cpu));
   const bool distributed = std::getenv("WORLD_SIZE") != nullptr;
   int rank = 0, world = 1;
   if (distributed) {
@@ -228,22 +248,28 @@ void bench_compare(int argc, char** argv) {
   const int64_t batch = std::stoll(arg_value(argc, argv, "--batch", "32"));
   const int steps = std::stoi(arg_value(argc, argv, "--steps", "100"));
   const int repeats = std::stoi(arg_value(argc, argv, "--repeats", "3"));
+  bool bind = true;
+  for (int i = 2; i < argc; ++i)
+    if (std::string(argv[i]) == "--no-bind") bind = false;
   MN_CHECK(batch > 0 && steps > 0 && repeats > 0, ValueError, "--batch, --steps and --repeats must be positive");
   char self[4096] = {};
   const ssize_t len = ::readlink("/proc/self/exe", self, sizeof(self) - 1);
   MN_CHECK(len > 0, RuntimeError, "cannot find this program's path");
   const std::string args = str(" ddp --batch ", batch, " --steps ", steps);
   const std::string env = "env -u RANK -u WORLD_SIZE OMP_NUM_THREADS=1 MN_DIST_BENCH_MACHINE=1 ";
-  const std::string single = env + self + args;
-  const std::string two = env + MN_RUN_EXE + std::string(" --nproc-per-node 2 ") + self + args;
-  std::printf("CNN2 layerwise 4x672, batch %lld per process, 1 OpenMP thread per process, %d steps x 3 rounds, "
-              "%d alternating repeats\n", static_cast<long long>(batch), steps, repeats);
+  const std::string single = env + self + args + (bind ? " --cpu 0" : "");
+  const std::string single_other = env + self + args + (bind ? " --cpu 1" : "");
+  const std::string two = env + MN_RUN_EXE + std::string(" --nproc-per-node 2 ") + (bind ? "--bind-cores " : "") +
+                          self + args;
+  std::printf("CNN2 layerwise 4x672, batch %lld per process, 1 OpenMP thread per process%s, %d steps x 3 rounds, "
+              "%d alternating repeats\n", static_cast<long long>(batch), bind ? " on its own core" : " (unbound)",
+              steps, repeats);
   std::vector<double> one_steps, pair_steps, two_steps;
   size_t bytes = 0;
   for (int r = 0; r < repeats; ++r) {
     const Measured a = run_measurement(single);
     // Two independent processes at once: what sharing the machine costs before any communication.
-    const std::vector<Measured> pair = run_measurements({single, single});
+    const std::vector<Measured> pair = run_measurements({single, single_other});
     const Measured b = run_measurement(two);
     one_steps.push_back(a.median_step);
     pair_steps.push_back(std::max(pair[0].median_step, pair[1].median_step));
