@@ -197,6 +197,7 @@ class EpochWriter : public mapping::Callback {
         config_(std::move(config)),
         progress_line_(progress_line) {}
   std::string name() const override { return "EpochWriter"; }
+  bool saves_checkpoints() const override { return true; }
   void on_epoch_start(mapping::MappingTrainer&, int64_t) override { start_ = std::chrono::steady_clock::now(); }
   void on_epoch_end(mapping::MappingTrainer& trainer, int64_t epoch, const mapping::Metrics& m) override {
     namespace k = mapping::history_keys;

@@ -44,14 +44,29 @@ json shape_json(const Shape& shape) {
   return dims;
 }
 
+// NaN / inf have no JSON spelling: null stands for "not finite" and reads back as NaN.
+json finite_or_null(double v) { return std::isfinite(v) ? json(v) : json(nullptr); }
+double number_or_nan(const json& v) { return v.is_null() ? std::numeric_limits<double>::quiet_NaN() : v.get<double>(); }
+
 json history_json(const History& history) {
   json out = json::object();
   for (const auto& [key, values] : history.values()) {
     json list = json::array();
-    // NaN / inf have no JSON spelling: null stands for "not finite" and reads back as NaN.
-    for (double v : values) list.push_back(std::isfinite(v) ? json(v) : json(nullptr));
+    for (double v : values) list.push_back(finite_or_null(v));
     out[key] = std::move(list);
   }
+  return out;
+}
+
+json scalar_state_json(const std::map<std::string, double>& state) {
+  json out = json::object();
+  for (const auto& [key, value] : state) out[key] = finite_or_null(value);
+  return out;
+}
+
+std::map<std::string, double> parse_scalar_state(const json& j) {
+  std::map<std::string, double> out;
+  for (const auto& [key, value] : j.items()) out[key] = number_or_nan(value);
   return out;
 }
 
@@ -63,6 +78,13 @@ json trainer_state_json(const TrainerState& s, std::optional<double> optimizer_l
   // The optimizer's own state holds the lr as an f32 tensor; this keeps the exact double so a resumed
   // run continues with bit-identical updates.
   if (optimizer_lr) j["optimizer_lr"] = *optimizer_lr;
+  if (!s.scheduler_state.empty()) j["scheduler_state"] = scalar_state_json(s.scheduler_state);
+  if (s.scheduler_step_metric) j["scheduler_step_metric"] = finite_or_null(*s.scheduler_step_metric);
+  if (!s.callback_states.empty()) {
+    json callbacks = json::object();
+    for (const auto& [key, state] : s.callback_states) callbacks[key] = scalar_state_json(state);
+    j["callbacks"] = std::move(callbacks);
+  }
   j["history"] = history_json(s.history);
   j["rng"] = {{"trainer_seed", s.rng.trainer_seed},
               {"trainer_offset", s.rng.trainer_offset},
@@ -76,10 +98,14 @@ TrainerState parse_trainer_state(const json& j) {
   s.epoch = j.at("epoch").get<int64_t>();
   s.should_stop = j.at("should_stop").get<bool>();
   s.scheduler_epoch = j.value("scheduler_epoch", int64_t{0});
+  if (j.contains("scheduler_state")) s.scheduler_state = parse_scalar_state(j.at("scheduler_state"));
+  if (j.contains("scheduler_step_metric")) s.scheduler_step_metric = number_or_nan(j.at("scheduler_step_metric"));
+  if (j.contains("callbacks"))
+    for (const auto& [key, state] : j.at("callbacks").items()) s.callback_states[key] = parse_scalar_state(state);
   if (j.contains("history"))
     for (const auto& [key, values] : j.at("history").items())
       for (const json& v : values)
-        s.history.append(key, v.is_null() ? std::numeric_limits<double>::quiet_NaN() : v.get<double>());
+        s.history.append(key, number_or_nan(v));
   if (j.contains("rng")) {
     const json& r = j.at("rng");
     s.rng.trainer_seed = r.at("trainer_seed").get<uint64_t>();
@@ -109,7 +135,6 @@ struct Loaded {
   safetensors::File file;
   json mapper;
   std::vector<std::pair<std::string, std::vector<std::string>>> groups;  // group -> parameter names
-  std::optional<double> optimizer_lr;
 };
 
 json metadata_json(const std::string& path, const safetensors::File& file, const std::string& key) {
@@ -180,7 +205,9 @@ Loaded read(const std::string& path) {
         for (const auto& entry : file.tensors)
           if (starts_with(entry.name, kOptimizerPrefix))
             s.optimizer[entry.name.substr(std::string(kOptimizerPrefix).size())] = entry.tensor;
-        if (state.contains("optimizer_lr")) out.optimizer_lr = state.at("optimizer_lr").get<double>();
+        // The optimizer's state holds its lr as an f32 tensor; load_state() puts the exact value in after
+        // it, before the scheduler resumes (whose pending step may scale it).
+        if (state.contains("optimizer_lr")) s.learning_rate = state.at("optimizer_lr").get<double>();
         info.trainer_state = std::move(s);
       }
     }
@@ -455,16 +482,7 @@ CheckpointInfo load_checkpoint(const std::string& path, MappingModel& model, Map
     for (auto& [name, t] : buffers) t = t.to(model.device());
     model.set_buffers(buffers);
   }
-  if (trainer != nullptr && loaded.info.trainer_state) {
-    trainer->load_state(*loaded.info.trainer_state);
-    // The optimizer restored its lr from an f32 tensor; put back the exact value unless a scheduler
-    // has since set a different one.
-    if (loaded.optimizer_lr) {
-      const double lr = trainer->optimizer().lr();
-      if (static_cast<float>(lr) == static_cast<float>(*loaded.optimizer_lr))
-        trainer->optimizer().set_lr(*loaded.optimizer_lr);
-    }
-  }
+  if (trainer != nullptr && loaded.info.trainer_state) trainer->load_state(*loaded.info.trainer_state);
   return loaded.info;
 }
 

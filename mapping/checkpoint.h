@@ -14,7 +14,8 @@
 //   format "mapping_networks.checkpoint", schema_version 1, package_version, strategy, seed,
 //   latent_dims {group: L}, groups [[group, [parameter names]]...], parameter_scaling,
 //   mapper {alpha, default, groups: {group: description}}, spec [[name, [shape]]...] in spec order,
-//   trainer_state {epoch, should_stop, scheduler_epoch, optimizer_lr, history, rng} (optional),
+//   trainer_state {epoch, should_stop, scheduler_epoch, [scheduler_state, scheduler_step_metric],
+//   [callbacks {key: state}], optimizer_lr, history, rng} (optional),
 //   metadata {user strings}, config (optional JSON).
 // No target parameter and no mapper factor is stored. The file is written to a temporary name and
 // renamed over `path` (parent directories are created), so a failed save leaves the old file intact.

@@ -195,6 +195,26 @@ void EarlyStopping::on_epoch_end(MappingTrainer& trainer, int64_t, const Metrics
   if (++wait_ >= patience_) trainer.set_should_stop(true);
 }
 
+std::map<std::string, double> EarlyStopping::state_dict() const {
+  std::map<std::string, double> state{{"wait", static_cast<double>(wait_)}};
+  if (std::isfinite(best_)) state["best"] = best_;
+  return state;
+}
+
+void EarlyStopping::load_state_dict(const std::map<std::string, double>& state) {
+  auto wait = state.find("wait");
+  MN_CHECK(wait != state.end(), KeyError, "EarlyStopping state has no 'wait'");
+  MN_CHECK(wait->second >= 0 && wait->second == std::floor(wait->second), ValueError,
+           "EarlyStopping state 'wait' must be a non-negative whole number, got ", wait->second);
+  auto best = state.find("best");
+  MN_CHECK(best == state.end() || std::isfinite(best->second), ValueError,
+           "EarlyStopping state 'best' must be finite, got ", best->second);
+  wait_ = static_cast<int64_t>(wait->second);
+  best_ = best != state.end() ? best->second
+                              : (maximize_ ? -std::numeric_limits<double>::infinity()
+                                           : std::numeric_limits<double>::infinity());
+}
+
 MetricLogger::MetricLogger(int64_t every_n_batches) : MetricLogger(every_n_batches, std::clog) {}
 
 MetricLogger::MetricLogger(int64_t every_n_batches, std::ostream& out) : every_n_batches_(every_n_batches), out_(&out) {
@@ -384,6 +404,13 @@ TrainerState MappingTrainer::state() const {
   s.learning_rate = optimizer_->lr();
   // Captured from on_epoch_end, the finished epoch's scheduler step is still to come: count it.
   s.scheduler_epoch = scheduler_ ? scheduler_->epoch() + (scheduler_step_pending_ ? 1 : 0) : 0;
+  if (scheduler_) {
+    s.scheduler_state = scheduler_->state_dict();
+    if (scheduler_step_pending_) s.scheduler_step_metric = pending_scheduler_metric_;
+  }
+  const std::vector<std::string> keys = callback_keys();
+  for (size_t i = 0; i < callbacks_.size(); ++i)
+    if (auto state = callbacks_[i]->state_dict(); !state.empty()) s.callback_states[keys[i]] = std::move(state);
   s.history = history_;
   s.rng.trainer_seed = generator_.seed();
   s.rng.trainer_offset = generator_.offset();
@@ -398,8 +425,18 @@ void MappingTrainer::load_state(const TrainerState& s) {
   if (!s.optimizer.empty()) optimizer_->load_state_dict(s.optimizer);
   if (s.learning_rate) optimizer_->set_lr(*s.learning_rate);
   // After the optimizer: a time-based schedule then sets the lr of the restored epoch, a plateau
-  // scheduler keeps the restored one.
-  if (scheduler_) scheduler_->set_epoch(s.scheduler_epoch);
+  // scheduler keeps the restored one (and changes it only through the pending step, as the run would).
+  if (scheduler_ && s.scheduler_state.empty()) {
+    scheduler_->set_epoch(s.scheduler_epoch);
+  } else if (scheduler_) {
+    scheduler_->load_state_dict(s.scheduler_state);
+    if (s.scheduler_step_metric) scheduler_->step(*s.scheduler_step_metric);
+  }
+  const std::vector<std::string> keys = callback_keys();
+  for (size_t i = 0; i < callbacks_.size(); ++i) {
+    auto it = s.callback_states.find(keys[i]);
+    if (it != s.callback_states.end()) callbacks_[i]->load_state_dict(it->second);
+  }
   epoch_ = s.epoch;
   current_epoch_ = s.epoch;
   should_stop_ = s.should_stop;  // kept for inspection; the next fit() starts with it cleared
@@ -423,15 +460,18 @@ void MappingTrainer::check_interrupt() {
 template <class Hook>
 void MappingTrainer::fire(const char* hook, Hook&& call) {
   if (!callbacks_enabled_) return;
-  for (const auto& callback : callbacks_) {
-    try {
-      call(*callback);
-    } catch (const TrainingInterrupted&) {
-      throw;
-    } catch (const std::exception& e) {
-      throw RuntimeError(str("Callback '", callback->name(), "' failed during ", hook, ": ", e.what()));
+  // Checkpoint writers last (Callback::saves_checkpoints), otherwise in registration order.
+  for (const bool writers : {false, true})
+    for (const auto& callback : callbacks_) {
+      if (callback->saves_checkpoints() != writers) continue;
+      try {
+        call(*callback);
+      } catch (const TrainingInterrupted&) {
+        throw;
+      } catch (const std::exception& e) {
+        throw RuntimeError(str("Callback '", callback->name(), "' failed during ", hook, ": ", e.what()));
+      }
     }
-  }
 }
 
 // ---- one step ----
@@ -562,16 +602,30 @@ Metrics MappingTrainer::validate(DataLoader& loader) {
   return averages.finish(history_keys::kValTaskLoss, history_keys::kValTotalLoss, history_keys::kValAccuracy);
 }
 
-void MappingTrainer::step_scheduler(const Metrics& metrics) {
+// The metric a scheduler step uses: ReduceLROnPlateau watches val_total_loss (train_total_loss without
+// validation); time-based schedules ignore it.
+double MappingTrainer::scheduler_metric(const Metrics& metrics) const {
+  if (dynamic_cast<optim::ReduceLROnPlateau*>(scheduler_.get()) == nullptr) return 0.0;
+  auto it = metrics.find(history_keys::kValTotalLoss);
+  if (it == metrics.end()) it = metrics.find(history_keys::kTrainTotalLoss);
+  return it->second;
+}
+
+void MappingTrainer::step_scheduler() {
+  if (!scheduler_step_pending_) return;
   scheduler_step_pending_ = false;
-  if (!scheduler_) return;
-  if (dynamic_cast<optim::ReduceLROnPlateau*>(scheduler_.get()) != nullptr) {
-    auto it = metrics.find(history_keys::kValTotalLoss);
-    if (it == metrics.end()) it = metrics.find(history_keys::kTrainTotalLoss);
-    scheduler_->step(it->second);
-  } else {
-    scheduler_->step();
+  if (scheduler_) scheduler_->step(pending_scheduler_metric_);
+}
+
+std::vector<std::string> MappingTrainer::callback_keys() const {
+  std::vector<std::string> keys;
+  std::map<std::string, int> seen;
+  for (const auto& callback : callbacks_) {
+    const std::string name = callback->name();
+    const int n = ++seen[name];
+    keys.push_back(n == 1 ? name : str(name, "#", n));
   }
+  return keys;
 }
 
 History MappingTrainer::fit(bool auto_lr_find) {
@@ -588,7 +642,6 @@ History MappingTrainer::fit(bool auto_lr_find) {
           optimizer_->name(), " lr ", learning_rate(), config_.accumulation_steps > 1
               ? str(", accumulation ", config_.accumulation_steps) : std::string()));
 
-  Metrics last_metrics;
   try {
     fire("on_fit_start", [&](Callback& cb) { cb.on_fit_start(*this); });
     for (int64_t epoch = epoch_; epoch < config_.max_epochs; ++epoch) {
@@ -612,15 +665,15 @@ History MappingTrainer::fit(bool auto_lr_find) {
       for (const auto& [key, value] : metrics) history_.append(key, value);
       epoch_ = epoch + 1;
       scheduler_step_pending_ = true;
-      last_metrics = metrics;
+      pending_scheduler_metric_ = scheduler_metric(metrics);
       fire("on_epoch_end", [&](Callback& cb) { cb.on_epoch_end(*this, epoch, metrics); });
-      step_scheduler(metrics);
+      step_scheduler();
     }
   } catch (const TrainingInterrupted& e) {
     log(str("Training interrupted at epoch ", current_epoch_ + 1, ": ", e.what()));
     optimizer_->zero_grad();  // a half-accumulated window belongs to no epoch
     pending_batches_ = 0;
-    if (scheduler_step_pending_) step_scheduler(last_metrics);  // the recorded epoch completed
+    step_scheduler();  // when pending: the recorded epoch completed
   } catch (...) {
     try {
       fire("on_fit_end", [&](Callback& cb) { cb.on_fit_end(*this); });

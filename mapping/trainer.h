@@ -135,7 +135,16 @@ struct TrainerState {
   nn::optim::OptimizerState optimizer;
   // The optimizer's lr in full precision (the optimizer state holds it as an f32 tensor).
   std::optional<double> learning_rate;
-  int64_t scheduler_epoch = 0;  // (a plateau scheduler's best/patience counters are not included)
+  int64_t scheduler_epoch = 0;  // counting a step still pending at capture (see below)
+  // LRScheduler::state_dict() (epoch, and a plateau scheduler's best metric and counters) as captured;
+  // when empty (checkpoints from before it was recorded) the scheduler resumes from scheduler_epoch.
+  std::map<std::string, double> scheduler_state;
+  // Captured from on_epoch_end the finished epoch's scheduler step is still to come: the metric it will
+  // use. load_state() restores scheduler_state and the lr, then takes that step, as the run would have.
+  std::optional<double> scheduler_step_metric;
+  // Callback::state_dict() of each stateful callback, keyed by name() ("#2", "#3" appended to repeats in
+  // registration order). Restored into the trainer's callbacks with the same key; others start fresh.
+  std::map<std::string, std::map<std::string, double>> callback_states;
   History history;
   RngState rng;
 };
@@ -160,6 +169,13 @@ class Callback {
   virtual void on_batch_end(MappingTrainer&, int64_t /*batch*/, const LossOutput&) {}
   virtual void on_validation_start(MappingTrainer&) {}
   virtual void on_validation_end(MappingTrainer&, const Metrics&) {}
+  // State a resumed fit needs (e.g. EarlyStopping's best value and wait count); stored in checkpoints
+  // through TrainerState::callback_states. Stateless callbacks keep the empty default.
+  virtual std::map<std::string, double> state_dict() const { return {}; }
+  virtual void load_state_dict(const std::map<std::string, double>&) {}
+  // True for callbacks that save checkpoints from their hooks: at every hook they run after all other
+  // callbacks, so a checkpoint written from on_epoch_end holds every callback's update of that epoch.
+  virtual bool saves_checkpoints() const { return false; }
 };
 
 // The C++ counterpart of Ctrl-C in the reference: thrown by a callback (or raised by
@@ -183,6 +199,9 @@ class EarlyStopping : public Callback {
   void on_epoch_end(MappingTrainer& trainer, int64_t epoch, const Metrics& metrics) override;
   double best() const { return best_; }
   int64_t wait() const { return wait_; }
+  // "wait", and "best" once a value was seen.
+  std::map<std::string, double> state_dict() const override;
+  void load_state_dict(const std::map<std::string, double>& state) override;
 
  private:
   std::string monitor_;
@@ -321,7 +340,9 @@ class MappingTrainer {
   LossOutput train_step(const data::Batch& batch, int64_t accumulation_steps);
   void optimizer_step();
   void finish_accumulation_window();
-  void step_scheduler(const Metrics& metrics);
+  double scheduler_metric(const Metrics& metrics) const;
+  void step_scheduler();  // the pending step, if any
+  std::vector<std::string> callback_keys() const;  // TrainerState::callback_states keys, callback order
   void log(const std::string& line) const;
   void check_interrupt();
   template <class Hook>
@@ -344,7 +365,9 @@ class MappingTrainer {
   int64_t current_epoch_ = 0;
   bool should_stop_ = false;
   bool callbacks_enabled_ = true;
-  bool scheduler_step_pending_ = false;  // between recording an epoch and its scheduler step
+  // Between recording an epoch and its scheduler step (on_epoch_end), with the metric that step uses.
+  bool scheduler_step_pending_ = false;
+  double pending_scheduler_metric_ = 0.0;
   int64_t pending_batches_ = 0;  // backwards accumulated since the last optimizer step
   const data::DataLoader* active_loader_ = nullptr;
   std::atomic<bool> interrupt_requested_{false};

@@ -143,6 +143,29 @@ void LRScheduler::set_epoch(int64_t epoch) {
   optimizer_.set_lr(lr_at(epoch_));
 }
 
+namespace {
+
+double state_value(const std::map<std::string, double>& state, const char* key, const char* who) {
+  auto it = state.find(key);
+  MN_CHECK(it != state.end(), KeyError, who, " state has no '", key, "'");
+  return it->second;
+}
+
+int64_t state_count(const std::map<std::string, double>& state, const char* key, const char* who) {
+  const double v = state_value(state, key, who);
+  MN_CHECK(v >= 0 && v == std::floor(v) && v < 9.0e15, ValueError, who, " state '", key,
+           "' must be a non-negative whole number, got ", v);
+  return static_cast<int64_t>(v);
+}
+
+}  // namespace
+
+std::map<std::string, double> LRScheduler::state_dict() const { return {{"epoch", static_cast<double>(epoch_)}}; }
+
+void LRScheduler::load_state_dict(const std::map<std::string, double>& state) {
+  set_epoch(state_count(state, "epoch", "LR scheduler"));
+}
+
 StepLR::StepLR(Optimizer& opt, int64_t step_size, double gamma) : LRScheduler(opt), step_size(step_size), gamma(gamma) {
   MN_CHECK(step_size > 0, ValueError, "StepLR: step_size must be positive, got ", step_size);
 }
@@ -187,6 +210,29 @@ void ReduceLROnPlateau::step(double metric) {
     cooldown_left_ = options.cooldown;
     bad_epochs_ = 0;
   }
+}
+
+std::map<std::string, double> ReduceLROnPlateau::state_dict() const {
+  std::map<std::string, double> state = LRScheduler::state_dict();
+  if (std::isfinite(best_)) state["best"] = best_;
+  state["bad_epochs"] = static_cast<double>(bad_epochs_);
+  state["cooldown_left"] = static_cast<double>(cooldown_left_);
+  return state;
+}
+
+void ReduceLROnPlateau::load_state_dict(const std::map<std::string, double>& state) {
+  const char* who = "ReduceLROnPlateau";
+  const int64_t bad = state_count(state, "bad_epochs", who);
+  const int64_t cooldown = state_count(state, "cooldown_left", who);
+  auto best = state.find("best");
+  MN_CHECK(best == state.end() || std::isfinite(best->second), ValueError, who, " state 'best' must be finite, got ",
+           best->second);
+  LRScheduler::load_state_dict(state);
+  best_ = best != state.end() ? best->second
+                              : (options.maximize ? -std::numeric_limits<double>::infinity()
+                                                  : std::numeric_limits<double>::infinity());
+  bad_epochs_ = bad;
+  cooldown_left_ = cooldown;
 }
 
 // ---- clipping ----

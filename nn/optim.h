@@ -91,6 +91,11 @@ class LRScheduler {
   virtual void step(double metric = 0.0);
   int64_t epoch() const { return epoch_; }
   void set_epoch(int64_t epoch);  // for resuming
+  // What a resumed run needs beyond the optimizer (PyTorch's scheduler.state_dict()): "epoch", and for
+  // ReduceLROnPlateau its best metric and counters. Loading a time-based schedule sets the lr of the
+  // restored epoch; a plateau scheduler leaves the optimizer's lr alone.
+  virtual std::map<std::string, double> state_dict() const;
+  virtual void load_state_dict(const std::map<std::string, double>& state);
   double base_lr() const { return base_lr_; }
 
  protected:
@@ -145,6 +150,9 @@ class ReduceLROnPlateau : public LRScheduler {
   ReduceLROnPlateau(Optimizer& opt, Options options);
   explicit ReduceLROnPlateau(Optimizer& opt) : ReduceLROnPlateau(opt, Options()) {}
   void step(double metric) override;
+  // Adds "best" (omitted while no metric was seen), "bad_epochs" and "cooldown_left".
+  std::map<std::string, double> state_dict() const override;
+  void load_state_dict(const std::map<std::string, double>& state) override;
   Options options;
 
  protected:

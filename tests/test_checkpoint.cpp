@@ -503,19 +503,33 @@ TEST_CASE("checkpoint: trainer state resumes a fit bit for bit") {
   // f32 state tensor); with one it is recomputed from the restored scheduler epoch.
   SUBCASE("constant lr") { config.scheduler = ""; }
   SUBCASE("cosine schedule") { config.scheduler = "cosine"; }
+  SUBCASE("plateau schedule") {
+    // No epoch counts as an improvement after the first (relative threshold 10), no patience: the lr
+    // halves at every step after the first, the step of epoch 2 pending when the checkpoint is written.
+    config.scheduler = "plateau";
+    config.scheduler_options.plateau.patience = 0;
+    config.scheduler_options.plateau.factor = 0.5;
+    config.scheduler_options.plateau.threshold = 10.0;
+  }
   auto loss = [] { return std::make_shared<MappingLoss>(std::make_shared<RegressionLoss>()); };
+  // Never improves after epoch 1 either (min_delta 1e9): wait 1 after epoch 2, so the stop is raised at
+  // the end of epoch 3 only when its state survives the checkpoint.
+  auto stopper = [] { return std::make_shared<EarlyStopping>(history_keys::kTrainTotalLoss, 2, 1e9); };
 
   // Straight: 3 epochs.
   auto straight = make();
   data::DataLoader straight_loader(inputs, targets, {8, true, 3, false});
-  MappingTrainer straight_trainer(*straight, straight_loader, nullptr, loss(), config);
+  MappingTrainer straight_trainer(*straight, straight_loader, nullptr, loss(), config, {stopper()});
   straight_trainer.fit();
+  REQUIRE(straight_trainer.should_stop());
 
   // Killed after epoch 2: like mn-train, the checkpoint is written from on_epoch_end, then the run
   // stops; a new process (fresh model and trainer) loads it and runs epoch 3.
+  // Registered before the EarlyStopping, it still runs after it (saves_checkpoints).
   struct SaveThenStop : Callback {
     std::string path;
     explicit SaveThenStop(std::string p) : path(std::move(p)) {}
+    bool saves_checkpoints() const override { return true; }
     void on_epoch_end(MappingTrainer& trainer, int64_t epoch, const Metrics&) override {
       save_checkpoint(path, trainer.model(), checkpoint_extras(trainer, {{"stage", "2 of 3"}}));
       if (epoch == 1) throw TrainingInterrupted("killed");
@@ -524,13 +538,14 @@ TEST_CASE("checkpoint: trainer state resumes a fit bit for bit") {
   {
     auto first = make();
     data::DataLoader loader(inputs, targets, {8, true, 3, false});
-    MappingTrainer trainer(*first, loader, nullptr, loss(), config, {std::make_shared<SaveThenStop>(path)});
+    MappingTrainer trainer(*first, loader, nullptr, loss(), config,
+                           {std::make_shared<SaveThenStop>(path), stopper()});
     trainer.fit();
     REQUIRE(trainer.epoch() == 2);
   }
   auto resumed = make();
   data::DataLoader loader(inputs, targets, {8, true, 3, false});
-  MappingTrainer trainer(*resumed, loader, nullptr, loss(), config);
+  MappingTrainer trainer(*resumed, loader, nullptr, loss(), config, {stopper()});
   const CheckpointInfo info = load_checkpoint(path, *resumed, &trainer);
   REQUIRE(info.trainer_state.has_value());
   CHECK(info.trainer_state->epoch == 2);
@@ -539,10 +554,17 @@ TEST_CASE("checkpoint: trainer state resumes a fit bit for bit") {
   CHECK(trainer.epoch() == 2);
   CHECK(trainer.history().epochs() == 2);
   CHECK(trainer.optimizer().step_count() == straight_trainer.optimizer().step_count() * 2 / 3);
+  const auto& early = info.trainer_state->callback_states;
+  REQUIRE(early.count("EarlyStopping") == 1);
+  CHECK(early.at("EarlyStopping").at("wait") == 1.0);
+  CHECK(info.trainer_state->scheduler_step_metric.has_value() == !config.scheduler.empty());
   const History history = trainer.fit();
   CHECK(history.epochs() == 3);
   check_same_latents(*straight, *resumed);
   CHECK(history == straight_trainer.history());
+  CHECK(trainer.should_stop());
+  CHECK(trainer.learning_rate() == straight_trainer.learning_rate());
+  if (config.scheduler == "plateau") CHECK(trainer.learning_rate() == doctest::Approx(0.01 * 0.25));
 
   // Without a trainer the state is still returned.
   auto bare = make();

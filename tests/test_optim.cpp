@@ -6,6 +6,8 @@
 using namespace mn;
 using namespace mn::nn::optim;
 using mn::testing::check_close;
+using mn::testing::contains;
+using mn::testing::error_message;
 using mn::testing::param;
 using mn::testing::tensor;
 
@@ -110,6 +112,43 @@ TEST_CASE("optim: schedulers") {
   CHECK(sgd4.lr() == doctest::Approx(0.1));
   plateau.step(0.5);  // improvement
   CHECK(sgd4.lr() == doctest::Approx(0.1));
+}
+
+TEST_CASE("optim: scheduler state_dict resumes the schedule; bad state is refused") {
+  Tensor p = param({1});
+  // Plateau: counters and best survive; the resumed scheduler reduces exactly when the original does.
+  ReduceLROnPlateau::Options po;
+  po.patience = 2;
+  po.cooldown = 1;
+  SGD a_opt({p}, SGDOptions{1.0}), b_opt({p}, SGDOptions{1.0});
+  ReduceLROnPlateau a(a_opt, po), b(b_opt, po);
+  CHECK(a.state_dict().count("best") == 0);  // nothing seen yet
+  for (double m : {1.0, 0.9, 0.95, 0.95}) a.step(m);
+  const auto saved = a.state_dict();
+  CHECK(saved.at("epoch") == 4.0);
+  CHECK(saved.at("best") == 0.9);
+  CHECK(saved.at("bad_epochs") == 2.0);
+  b_opt.set_lr(a_opt.lr());
+  b.load_state_dict(saved);
+  CHECK(b_opt.lr() == 1.0);  // a plateau scheduler does not touch the lr on load
+  for (double m : {0.95, 0.95, 0.95, 0.95, 0.5, 0.6}) {
+    a.step(m);
+    b.step(m);
+    CHECK(b_opt.lr() == a_opt.lr());
+  }
+  CHECK(a_opt.lr() < 1.0);
+  // Time-based: the epoch, and with it the lr.
+  SGD c_opt({p}, SGDOptions{1.0}), d_opt({p}, SGDOptions{1.0});
+  StepLR c(c_opt, 2, 0.5), d(d_opt, 2, 0.5);
+  for (int i = 0; i < 5; ++i) c.step();
+  d.load_state_dict(c.state_dict());
+  CHECK(d.epoch() == 5);
+  CHECK(d_opt.lr() == c_opt.lr());
+
+  CHECK(contains(error_message([&] { b.load_state_dict({{"epoch", 1.0}}); }), "no 'bad_epochs'"));
+  CHECK(contains(error_message([&] { d.load_state_dict({{"epoch", -1.0}}); }),
+                 "'epoch' must be a non-negative whole number, got -1"));
+  CHECK_THROWS_AS(b.load_state_dict({{"epoch", 1.0}, {"bad_epochs", 0.5}, {"cooldown_left", 0.0}}), ValueError);
 }
 
 TEST_CASE("optim: gradient clipping") {

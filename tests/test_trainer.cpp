@@ -324,6 +324,38 @@ TEST_CASE("trainer: EarlyStopping modes and validation") {
   const std::string msg = error_message([] { EarlyStopping("x", 1, 0.0, "invalid"); });
   CHECK(contains(msg, "'min' or 'max'"));
   CHECK_THROWS_AS(EarlyStopping("x", -1), ValueError);
+
+  // State: best and wait carry over; the restored stopper raises the stop when the original would.
+  EarlyStopping copy("train_accuracy", 2, 0.0, "max");
+  copy.load_state_dict(maximise.state_dict());
+  CHECK(copy.best() == 0.5);
+  CHECK(copy.wait() == maximise.wait());
+  CHECK(EarlyStopping().state_dict().count("best") == 0);
+  CHECK(contains(error_message([&] { copy.load_state_dict({}); }), "no 'wait'"));
+  CHECK_THROWS_AS(copy.load_state_dict({{"wait", -1.0}}), ValueError);
+}
+
+TEST_CASE("trainer: state() keys callback states by name, numbering repeats; load_state() restores them") {
+  auto model = linear_model();
+  auto loader = regression_loader();
+  auto a = std::make_shared<EarlyStopping>(keys::kTrainTotalLoss, 5);
+  auto b = std::make_shared<EarlyStopping>(keys::kTrainTotalLoss, 5, 1e9);
+  TrainerConfig config;
+  config.max_epochs = 2;
+  MappingTrainer trainer(*model, loader, nullptr, nullptr, config, {a, std::make_shared<MetricLogger>(), b});
+  trainer.fit();
+  const TrainerState state = trainer.state();
+  REQUIRE(state.callback_states.size() == 2);  // MetricLogger has no state
+  CHECK(state.callback_states.at("EarlyStopping").at("wait") == 0.0);   // improving loss
+  CHECK(state.callback_states.at("EarlyStopping#2").at("wait") == 1.0);  // never improves after epoch 1
+
+  auto other = linear_model();
+  auto fresh_a = std::make_shared<EarlyStopping>(keys::kTrainTotalLoss, 5);
+  auto fresh_b = std::make_shared<EarlyStopping>(keys::kTrainTotalLoss, 5, 1e9);
+  MappingTrainer resumed(*other, loader, nullptr, nullptr, config, {fresh_a, fresh_b});
+  resumed.load_state(state);
+  CHECK(fresh_a->best() == a->best());
+  CHECK(fresh_b->wait() == 1);
 }
 
 TEST_CASE("trainer: MetricLogger writes epoch, batch and validation lines") {
