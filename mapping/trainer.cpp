@@ -608,6 +608,8 @@ double MappingTrainer::scheduler_metric(const Metrics& metrics) const {
   if (dynamic_cast<optim::ReduceLROnPlateau*>(scheduler_.get()) == nullptr) return 0.0;
   auto it = metrics.find(history_keys::kValTotalLoss);
   if (it == metrics.end()) it = metrics.find(history_keys::kTrainTotalLoss);
+  MN_CHECK(it != metrics.end(), RuntimeError, "ReduceLROnPlateau needs '", history_keys::kValTotalLoss, "' or '",
+           history_keys::kTrainTotalLoss, "' in the epoch's metrics");
   return it->second;
 }
 
