@@ -3,20 +3,16 @@
 // next to this test executable (<build>/examples/mn-train) or in $MN_TRAIN_EXE; the cases are skipped
 // with a message when it or the data set is missing.
 #include <doctest/doctest.h>
-#include <unistd.h>
 
-#include <array>
-#include <atomic>
-#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
-#include <sstream>
 
 #include "core/device.h"
 #include "core/error.h"
 #include "nn/data/fashion_mnist.h"
 #include "nn/safetensors.h"
+#include "tests/run_command.h"
 #include "tests/temp_dir.h"
 
 using namespace mn;
@@ -57,32 +53,14 @@ bool ready(std::string& exe) {
   return true;
 }
 
-struct Run {
-  int status = -1;
-  std::string output;
-  std::string last_line() const {
-    std::istringstream in(output);
-    std::string line, last;
-    while (std::getline(in, line))
-      if (!line.empty()) last = line;
-    return last;
-  }
-};
+using mn::testing::CommandResult;
 
-Run run(const std::string& exe, const std::string& args) {
-  Run r;
-  FILE* pipe = ::popen((exe + " " + args + " 2>&1").c_str(), "r");
-  REQUIRE(pipe != nullptr);
-  std::array<char, 4096> buffer;
-  size_t n;
-  while ((n = std::fread(buffer.data(), 1, buffer.size(), pipe)) > 0) r.output.append(buffer.data(), n);
-  const int raw = ::pclose(pipe);
-  r.status = WIFEXITED(raw) ? WEXITSTATUS(raw) : -1;
-  return r;
+CommandResult run(const std::string& exe, const std::string& args) {
+  return mn::testing::run_command(exe + " " + args);
 }
 
-json summary(const Run& r) {
-  INFO("mn-train output:\n" << r.output);
+json summary(const CommandResult& r) {
+  INFO("mn-train output:\n" << r.all());
   REQUIRE(r.status == 0);
   json j;
   REQUIRE_NOTHROW(j = json::parse(r.last_line()));
@@ -177,10 +155,10 @@ TEST_CASE("mn-train: 1 epoch + --resume 1 epoch gives the latents of 2 straight 
     CHECK(csv_rows(dir / "split/metrics.csv") == 3);
 
     // A resume with different run options is refused.
-    const Run bad = run(exe, str("--target cnn2 --strategy layerwise --latent-dim 8 --epochs 3 --resume ",
+    const CommandResult bad = run(exe, str("--target cnn2 --strategy layerwise --latent-dim 8 --epochs 3 --resume ",
                                  kSmall, " --out ", dir / "split"));
     CHECK(bad.status != 0);
-    CHECK(bad.output.find("different run") != std::string::npos);
+    CHECK(bad.all().find("different run") != std::string::npos);
   }
   SUBCASE("direct") {
     const std::string common = str("--target lenet --strategy direct --json ", kSmall);
@@ -196,11 +174,11 @@ TEST_CASE("mn-train: unavailable CUDA and a missing checkpoint are clear errors"
   if (!ready(exe)) return;
   TempDir dir("mn_train_test");
   if (!cuda_available()) {
-    const Run r = run(exe, str("--device cuda --epochs 1 ", kSmall, " --out ", dir / "cuda"));
+    const CommandResult r = run(exe, str("--device cuda --epochs 1 ", kSmall, " --out ", dir / "cuda"));
     CHECK(r.status != 0);
-    CHECK(r.output.find("CUDA is not available") != std::string::npos);
+    CHECK(r.all().find("CUDA is not available") != std::string::npos);
   }
-  const Run r = run(exe, str("--epochs 1 --resume ", kSmall, " --out ", dir / "empty"));
+  const CommandResult r = run(exe, str("--epochs 1 --resume ", kSmall, " --out ", dir / "empty"));
   CHECK(r.status != 0);
-  CHECK(r.output.find("checkpoint not found") != std::string::npos);
+  CHECK(r.all().find("checkpoint not found") != std::string::npos);
 }

@@ -11,13 +11,8 @@
 // The binaries come from compile definitions (MN_TRAIN_EXE, MN_RUN_EXE); the cases that need
 // Fashion-MNIST are skipped with a message when it is missing.
 #include <doctest/doctest.h>
-#include <sys/wait.h>
-#include <unistd.h>
 
-#include <array>
-#include <atomic>
 #include <cmath>
-#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -30,6 +25,7 @@
 #include "nn/data/fashion_mnist.h"
 #include "nn/layers.h"
 #include "nn/safetensors.h"
+#include "tests/run_command.h"
 #include "tests/temp_dir.h"
 
 using namespace mn;
@@ -45,41 +41,10 @@ bool have_data() {
   return fs::exists(root / "train-images-idx3-ubyte.gz") || fs::exists(root / "train-images-idx3-ubyte");
 }
 
-struct Run {
-  int status = -1;
-  std::string out;  // stdout
-  std::string all;  // stdout and stderr, for messages
-};
+using mn::testing::CommandResult;
+using mn::testing::nonempty_lines;
 
-// Runs a shell command line; stdout and stderr are kept apart (stderr through a temporary file).
-Run run(const std::string& command) {
-  static std::atomic<int> counter{0};
-  const fs::path err = fs::temp_directory_path() / str("mn_train_ddp_err_", ::getpid(), "_", counter++);
-  Run r;
-  FILE* pipe = ::popen((command + " 2>" + err.string()).c_str(), "r");
-  REQUIRE(pipe != nullptr);
-  std::array<char, 4096> buffer;
-  size_t n;
-  while ((n = std::fread(buffer.data(), 1, buffer.size(), pipe)) > 0) r.out.append(buffer.data(), n);
-  const int raw = ::pclose(pipe);
-  r.status = WIFEXITED(raw) ? WEXITSTATUS(raw) : -1;
-  std::ifstream in(err);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  r.all = r.out + ss.str();
-  std::error_code ec;
-  fs::remove(err, ec);
-  return r;
-}
-
-std::vector<std::string> nonempty_lines(const std::string& text) {
-  std::istringstream in(text);
-  std::vector<std::string> lines;
-  std::string line;
-  while (std::getline(in, line))
-    if (!line.empty()) lines.push_back(line);
-  return lines;
-}
+CommandResult run(const std::string& command) { return mn::testing::run_command(command); }
 
 const std::string kTrain = MN_TRAIN_EXE;
 const std::string kRun = MN_RUN_EXE;
@@ -90,8 +55,8 @@ std::string ddp(int nproc, const std::string& args) {
 
 // The JSON summary of a --json run: the last stdout line, and the only one that is a JSON object (the
 // others are rank 0's epoch lines, one per epoch).
-json only_json_line(const Run& r, int64_t epochs_run) {
-  INFO("output:\n" << r.all);
+json only_json_line(const CommandResult& r, int64_t epochs_run) {
+  INFO("output:\n" << r.all());
   REQUIRE(r.status == 0);
   const auto lines = nonempty_lines(r.out);
   size_t objects = 0;
@@ -164,7 +129,7 @@ TEST_CASE("mn-train --backend gloo: 2 ranks x batch 64 match one process with ba
   TempDir dir("mn_train_ddp_test");
   const json single =
       only_json_line(run(str(kTrain, " ", kCommon, " --epochs 2 --batch-size 128 --out ", dir / "single")), 2);
-  const Run two = run(ddp(2, str(kCommon, " --epochs 2 --batch-size 64 --out ", dir / "ddp")));
+  const CommandResult two = run(ddp(2, str(kCommon, " --epochs 2 --batch-size 64 --out ", dir / "ddp")));
   const json j = only_json_line(two, 2);
   CHECK(j["world_size"] == 2);
   CHECK(j["backend"] == "gloo");
@@ -213,9 +178,9 @@ TEST_CASE("mn-train --backend gloo: 2 ranks x batch 64 match one process with ba
     const json resumed =
         only_json_line(run(ddp(2, str(kCommon, " --epochs 2 --batch-size 64 --resume --out ", dir / "mixed"))), 1);
     CHECK(resumed["epochs"] == 2);
-    const Run other = run(ddp(2, str(kCommon, " --epochs 3 --batch-size 128 --resume --out ", dir / "mixed")));
+    const CommandResult other = run(ddp(2, str(kCommon, " --epochs 3 --batch-size 128 --resume --out ", dir / "mixed")));
     CHECK(other.status != 0);
-    CHECK(other.all.find("different run") != std::string::npos);
+    CHECK(other.all().find("different run") != std::string::npos);
   }
 }
 
@@ -223,50 +188,50 @@ TEST_CASE("mn-train --backend: clear errors") {
   TempDir dir("mn_train_ddp_test");
   const std::string small = str("--limit 64 --epochs 1 --out ", dir / "x");
   {
-    const Run r = run(str(kTrain, " --backend mpi ", small));
-    INFO(r.all);
+    const CommandResult r = run(str(kTrain, " --backend mpi ", small));
+    INFO(r.all());
     CHECK(r.status != 0);
-    CHECK(r.all.find("--backend 'mpi' is not supported; use gloo (CPU) or nccl (CUDA)") != std::string::npos);
+    CHECK(r.all().find("--backend 'mpi' is not supported; use gloo (CPU) or nccl (CUDA)") != std::string::npos);
   }
   {
-    const Run r = run(str(kRun, " --nproc-per-node 2 ", kTrain, " --backend bogus ", small));
-    INFO(r.all);
+    const CommandResult r = run(str(kRun, " --nproc-per-node 2 ", kTrain, " --backend bogus ", small));
+    INFO(r.all());
     CHECK(r.status != 0);
-    CHECK(r.all.find("mn-train: rank 0: --backend 'bogus' is not supported") != std::string::npos);
-    CHECK(r.all.find("mn-train: rank 1: --backend 'bogus' is not supported") != std::string::npos);
-    CHECK(r.all.find("mn-run: failed") != std::string::npos);
+    CHECK(r.all().find("mn-train: rank 0: --backend 'bogus' is not supported") != std::string::npos);
+    CHECK(r.all().find("mn-train: rank 1: --backend 'bogus' is not supported") != std::string::npos);
+    CHECK(r.all().find("mn-run: failed") != std::string::npos);
   }
   {  // without the launcher's variables
-    const Run r = run(str("env -u RANK -u WORLD_SIZE ", kTrain, " --backend gloo ", small));
-    INFO(r.all);
+    const CommandResult r = run(str("env -u RANK -u WORLD_SIZE ", kTrain, " --backend gloo ", small));
+    INFO(r.all());
     CHECK(r.status != 0);
-    CHECK(r.all.find("runs one process per rank under a launcher (mn-run") != std::string::npos);
-    CHECK(r.all.find(" is not set") != std::string::npos);
+    CHECK(r.all().find("runs one process per rank under a launcher (mn-run") != std::string::npos);
+    CHECK(r.all().find(" is not set") != std::string::npos);
   }
   {
-    const Run r = run(ddp(2, str("--strategy direct ", small)));
-    INFO(r.all);
+    const CommandResult r = run(ddp(2, str("--strategy direct ", small)));
+    INFO(r.all());
     CHECK(r.status != 0);
-    CHECK(r.all.find("--strategy direct trains a plain module (not supported)") != std::string::npos);
+    CHECK(r.all().find("--strategy direct trains a plain module (not supported)") != std::string::npos);
   }
   if (!dist::is_backend_available("nccl")) {
     for (const char* device : {"cpu", "cuda"}) {
-      const Run r = run(str(kRun, " --nproc-per-node 2 ", kTrain, " --backend nccl --device ", device, " ", small));
-      INFO(r.all);
+      const CommandResult r = run(str(kRun, " --nproc-per-node 2 ", kTrain, " --backend nccl --device ", device, " ", small));
+      INFO(r.all());
       CHECK(r.status != 0);
-      CHECK(r.all.find("--backend nccl needs a CUDA build with NCCL, and this build has no CUDA") !=
+      CHECK(r.all().find("--backend nccl needs a CUDA build with NCCL, and this build has no CUDA") !=
             std::string::npos);
     }
   } else if (!cuda_available()) {
-    const Run r = run(str(kRun, " --nproc-per-node 2 ", kTrain, " --backend nccl --device cuda ", small));
-    INFO(r.all);
+    const CommandResult r = run(str(kRun, " --nproc-per-node 2 ", kTrain, " --backend nccl --device cuda ", small));
+    INFO(r.all());
     CHECK(r.status != 0);
-    CHECK(r.all.find("CUDA is not available here") != std::string::npos);
+    CHECK(r.all().find("CUDA is not available here") != std::string::npos);
   }
   {
-    const Run r = run(str(kRun, " --nproc-per-node 2 ", kTrain, " --backend gloo --device cuda ", small));
-    INFO(r.all);
+    const CommandResult r = run(str(kRun, " --nproc-per-node 2 ", kTrain, " --backend gloo --device cuda ", small));
+    INFO(r.all());
     CHECK(r.status != 0);
-    CHECK(r.all.find("--backend gloo trains on the CPU") != std::string::npos);
+    CHECK(r.all().find("--backend gloo trains on the CPU") != std::string::npos);
   }
 }
