@@ -15,9 +15,14 @@ namespace mn::mapping {
 namespace {
 
 std::string thousands(int64_t v) {
-  std::string s = std::to_string(v);
-  for (int i = static_cast<int>(s.size()) - 3; i > 0; i -= 3) s.insert(static_cast<size_t>(i), ",");
-  return s;
+  const std::string digits = std::to_string(v);
+  const size_t sign = v < 0 ? 1 : 0;
+  std::string out = digits.substr(0, sign);
+  for (size_t i = sign; i < digits.size(); ++i) {
+    if (i > sign && (digits.size() - i) % 3 == 0) out += ',';
+    out += digits[i];
+  }
+  return out;
 }
 
 // Latent z ~ N(0, 1/L) drawn from its own Philox stream, so it depends only on (seed, group).
@@ -309,13 +314,16 @@ ParameterTree GroupedGenerator::generate_parameters(const LatentOverrides& laten
   for (const auto& g : groups_) flats.push_back(generate_group(g, latents));
   Tensor flat = flats.size() == 1 ? flats[0] : cat(flats, 0);
   flats.clear();
+  // One split node over the concatenation: its backward writes the flat gradient once. (A narrow per
+  // parameter would build a zero-padded gradient of all N values for each parameter and add them up.)
+  std::vector<int64_t> numels;
+  for (const auto& g : groups_)
+    for (const auto& e : g.local_spec.entries()) numels.push_back(e.numel);
+  const std::vector<Tensor> pieces = split_with_sizes(flat, numels, 0);
   std::vector<std::pair<std::string, Tensor>> items;
-  int64_t offset = 0;
-  for (const auto& g : groups_) {
-    for (const auto& e : g.local_spec.entries())
-      items.emplace_back(e.name, flat.narrow(0, offset + e.start, e.numel).view(e.shape));
-    offset += g.local_spec.total_numel();
-  }
+  size_t i = 0;
+  for (const auto& g : groups_)
+    for (const auto& e : g.local_spec.entries()) items.emplace_back(e.name, pieces[i++].view(e.shape));
   ParameterTree tree(std::move(items));
   spec_.validate_tree(tree);
   return tree;
@@ -331,10 +339,8 @@ ParameterTree LazyLayerwiseGenerator::generate_parameters(const LatentOverrides&
   check_overrides(latents);
   std::vector<std::pair<std::string, Tensor>> items;
   for (const auto& g : groups_) {
-    Tensor flat = generate_group(g, latents);
-    for (const auto& e : g.local_spec.entries())
-      items.emplace_back(e.name, flat.narrow(0, e.start, e.numel).view(e.shape));
-    flat = Tensor();
+    const ParameterTree part = g.local_spec.unflatten(generate_group(g, latents));  // one split node
+    items.insert(items.end(), part.items().begin(), part.items().end());
     // Returns freed temporaries to the device between groups; synchronises, so it is optional.
     if (options_.empty_cache_on_cuda && options_.device.is_cuda()) empty_cache(options_.device);
   }
