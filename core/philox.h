@@ -195,7 +195,7 @@ MN_HOST_DEVICE inline void philox_block_int64(uint64_t seed, uint64_t stream, ui
     }
     return;
   }
-  float values[4];
+  float values[4] = {};  // every lane is written; GCC 12 cannot tell through the distribution switch
   philox_block_floats(seed, stream, block, dist, p1, p2, values);
   for (int lane = 0; lane < 4; ++lane) out[lane] = static_cast<int64_t>(values[lane]);
 }
