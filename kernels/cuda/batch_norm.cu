@@ -65,8 +65,7 @@ __global__ void batch_stats_kernel(const float* x, Layout s, const float* w, con
 __global__ void running_stats_kernel(int64_t channels, const float* w, const float* b, const float* rm,
                                      const float* rv, double eps, float* save_mean, float* save_invstd, float* scale,
                                      float* shift) {
-  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; c < channels; c += step) {
+  MN_CUDA_KERNEL_LOOP(c, channels) {
     const double mean = rm[c];
     const double invstd = 1.0 / sqrt(static_cast<double>(rv[c]) + eps);
     save_mean[c] = static_cast<float>(mean);
@@ -79,8 +78,7 @@ __global__ void running_stats_kernel(int64_t channels, const float* w, const flo
 
 __global__ void normalize_kernel(const float* x, int64_t total, int64_t channels, int64_t inner, const float* scale,
                                  const float* shift, float* out) {
-  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t l = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; l < total; l += step) {
+  MN_CUDA_KERNEL_LOOP(l, total) {
     const int64_t c = (l / inner) % channels;
     out[l] = x[l] * scale[c] + shift[c];
   }
@@ -157,8 +155,7 @@ __global__ void backward_sums_kernel(const float* g, const float* x, Layout s, c
 __global__ void backward_input_kernel(const float* g, const float* x, int64_t total, int64_t channels, int64_t inner,
                                       const float* means, const float* k_scale, const float* k_mean_g,
                                       const float* k_centered, float* gx) {
-  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t l = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; l < total; l += step) {
+  MN_CUDA_KERNEL_LOOP(l, total) {
     const int64_t c = (l / inner) % channels;
     gx[l] = k_scale[c] * (g[l] - k_mean_g[c] - (x[l] - means[c]) * k_centered[c]);
   }

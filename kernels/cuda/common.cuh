@@ -47,6 +47,13 @@ inline unsigned blocks_for(int64_t n) {
   return static_cast<unsigned>(b);
 }
 
+// The grid-stride loop of those kernels: `index` runs over [0, count) in steps of the launch's thread
+// count, so any grid covers any count. Use as a for header: MN_CUDA_KERNEL_LOOP(i, n) { ... }
+#define MN_CUDA_KERNEL_LOOP(index, count)                                                       \
+  for (int64_t index = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x,            \
+               index##_step_ = static_cast<int64_t>(gridDim.x) * blockDim.x;                   \
+       index < (count); index += index##_step_)
+
 // Sizes and strides (in elements) of a tensor, by value, so that a kernel can turn a linear
 // row-major index over the shape into an element offset of a strided (possibly expanded) view.
 struct Strided {

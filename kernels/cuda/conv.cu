@@ -78,8 +78,7 @@ __global__ void im2col_kernel(Geometry g, const float* x, int64_t n0, int64_t nb
                               int64_t s_g, int64_t s_k) {
   const int64_t K = g.k(), P = g.plane();
   const int64_t total = nb * g.groups * K * P;
-  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t l = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; l < total; l += step) {
+  MN_CUDA_KERNEL_LOOP(l, total) {
     const int64_t p = l % P;
     int64_t t = l / P;
     const int64_t kr = t % K;
@@ -111,8 +110,7 @@ void launch_im2col(const Geometry& g, const Tensor& x, int64_t n0, int64_t nb, T
 __global__ void place_group_kernel(const float* tmp, int64_t nb, int64_t group_out, int64_t plane,
                                    int64_t out_channels, int64_t channel0, int64_t n0, float* out) {
   const int64_t total = nb * group_out * plane;
-  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t l = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; l < total; l += step) {
+  MN_CUDA_KERNEL_LOOP(l, total) {
     const int64_t p = l % plane;
     const int64_t o = (l / plane) % group_out;
     const int64_t nl = l / (plane * group_out);
@@ -121,8 +119,7 @@ __global__ void place_group_kernel(const float* tmp, int64_t nb, int64_t group_o
 }
 
 __global__ void add_bias_kernel(float* out, const float* bias, int64_t total, int64_t channels, int64_t plane) {
-  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t l = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; l < total; l += step)
+  MN_CUDA_KERNEL_LOOP(l, total)
     out[l] += bias[(l / plane) % channels];
 }
 
@@ -171,8 +168,7 @@ __global__ void col2im_kernel(Geometry g, const float* col, int64_t n0, int64_t 
   const int64_t K = g.k(), P = g.plane();
   const int64_t image = g.height * g.width;
   const int64_t total = nb * g.group_in * image;
-  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t l = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; l < total; l += step) {
+  MN_CUDA_KERNEL_LOOP(l, total) {
     const int64_t ix = l % g.width;
     const int64_t iy = (l / g.width) % g.height;
     const int64_t c = (l / image) % g.group_in;
@@ -245,8 +241,7 @@ __global__ void bias_grad_kernel(const float* go, int64_t batch, int64_t channel
 __global__ void transpose_batch_kernel(const float* go, int64_t n0, int64_t nb, int64_t channels, int64_t plane,
                                        float* go_t) {
   const int64_t total = channels * nb * plane;
-  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t l = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; l < total; l += step) {
+  MN_CUDA_KERNEL_LOOP(l, total) {
     const int64_t p = l % plane;
     const int64_t nl = (l / plane) % nb;
     const int64_t o = l / (plane * nb);

@@ -27,29 +27,25 @@ using cuda::Strided;
 
 template <class S, class D>
 __global__ void convert_dense_kernel(const S* __restrict__ src, D* __restrict__ dst, int64_t n) {
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+  MN_CUDA_KERNEL_LOOP(i, n)
     dst[i] = static_cast<D>(src[i]);
 }
 
 template <class S, class D>
 __global__ void copy_strided_kernel(const S* src, Strided src_layout, D* dst, Strided dst_layout, int64_t n) {
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+  MN_CUDA_KERNEL_LOOP(i, n)
     dst[dst_layout.offset(i)] = static_cast<D>(src[src_layout.offset(i)]);
 }
 
 template <class T>
 __global__ void fill_dense_kernel(T* out, T value, int64_t n) {
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+  MN_CUDA_KERNEL_LOOP(i, n)
     out[i] = value;
 }
 
 template <class T>
 __global__ void fill_strided_kernel(T* out, Strided layout, T value, int64_t n) {
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+  MN_CUDA_KERNEL_LOOP(i, n)
     out[layout.offset(i)] = value;
 }
 
@@ -57,8 +53,7 @@ __global__ void fill_strided_kernel(T* out, Strided layout, T value, int64_t n) 
 template <class T>
 __global__ void philox_kernel(T* out, int64_t n, PhiloxState st, Distribution dist, double p1, double p2) {
   const int64_t blocks = (n + 3) / 4;
-  for (int64_t b = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; b < blocks;
-       b += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+  MN_CUDA_KERNEL_LOOP(b, blocks) {
     T values[4];
     const uint64_t block = st.offset + static_cast<uint64_t>(b);
     if constexpr (std::is_same_v<T, float>)

@@ -62,8 +62,7 @@ Loop<N> make_loop(const Shape& shape, const Tensor* const (&ops)[N]) {
 
 template <class Out, class A, class F>
 __global__ void map1_kernel(Loop<2> loop, int64_t n, Out* out, const A* a, F f) {
-  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += step) {
+  MN_CUDA_KERNEL_LOOP(i, n) {
     if (loop.flat) {
       out[i] = f(a[i]);
     } else {
@@ -76,8 +75,7 @@ __global__ void map1_kernel(Loop<2> loop, int64_t n, Out* out, const A* a, F f) 
 
 template <class Out, class A, class B, class F>
 __global__ void map2_kernel(Loop<3> loop, int64_t n, Out* out, const A* a, const B* b, F f) {
-  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += step) {
+  MN_CUDA_KERNEL_LOOP(i, n) {
     if (loop.flat) {
       out[i] = f(a[i], b[i]);
     } else {
@@ -90,8 +88,7 @@ __global__ void map2_kernel(Loop<3> loop, int64_t n, Out* out, const A* a, const
 
 template <class Out, class C, class A, class B, class F>
 __global__ void map3_kernel(Loop<4> loop, int64_t n, Out* out, const C* c, const A* a, const B* b, F f) {
-  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += step) {
+  MN_CUDA_KERNEL_LOOP(i, n) {
     if (loop.flat) {
       out[i] = f(c[i], a[i], b[i]);
     } else {

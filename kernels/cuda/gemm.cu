@@ -137,8 +137,7 @@ BlasOperand blas_operand(const Tensor& t) {
 }
 
 __global__ void scale_kernel(float* out, float beta, int64_t n) {
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+  MN_CUDA_KERNEL_LOOP(i, n)
     out[i] *= beta;
 }
 

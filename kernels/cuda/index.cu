@@ -20,8 +20,7 @@ namespace {
 
 __global__ void check_index_kernel(const int64_t* index, int64_t stride, int64_t n, int64_t limit, bool has_allowed,
                                    int64_t allowed, unsigned long long* first_bad) {
-  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; j < n; j += step) {
+  MN_CUDA_KERNEL_LOOP(j, n) {
     const int64_t v = index[j * stride];
     const bool ok = (v >= 0 && v < limit) || (has_allowed && v == allowed);
     if (!ok) atomicMin(first_bad, static_cast<unsigned long long>(j));
@@ -93,8 +92,7 @@ void check_slices(const char* op, const Tensor& a, const Tensor& b, int dim, int
 template <class T>
 __global__ void gather_kernel(const T* in, Strided rest, int64_t in_dim_stride, const int64_t* idx,
                               int64_t idx_stride, int64_t count, int64_t inner, int64_t total, T* out) {
-  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t l = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; l < total; l += step) {
+  MN_CUDA_KERNEL_LOOP(l, total) {
     const int64_t i = l % inner;
     const int64_t j = (l / inner) % count;
     const int64_t o = l / (inner * count);
@@ -140,8 +138,7 @@ template <class T>
 __global__ void scatter_owner_kernel(T* out, Strided out_rest, int64_t out_dim_stride, const T* src, Strided src_rest,
                                      int64_t src_dim_stride, const int64_t* idx, int64_t idx_stride, int64_t count,
                                      int64_t positions) {
-  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t p = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; p < positions; p += step) {
+  MN_CUDA_KERNEL_LOOP(p, positions) {
     T* to = out + out_rest.offset(p);
     const T* from = src + src_rest.offset(p);
     for (int64_t j = 0; j < count; ++j) to[idx[j * idx_stride] * out_dim_stride] += from[j * src_dim_stride];
@@ -158,8 +155,7 @@ template <class T>
 __global__ void scatter_atomic_kernel(T* out, Strided out_rest, int64_t out_dim_stride, const T* src,
                                       Strided src_rest, int64_t src_dim_stride, const int64_t* idx,
                                       int64_t idx_stride, int64_t count, int64_t inner, int64_t total) {
-  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t l = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; l < total; l += step) {
+  MN_CUDA_KERNEL_LOOP(l, total) {
     const int64_t i = l % inner;
     const int64_t j = (l / inner) % count;
     const int64_t o = l / (inner * count);

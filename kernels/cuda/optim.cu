@@ -17,8 +17,7 @@ struct AdamConstants {
 
 __global__ void adam_kernel(float* __restrict__ w, const float* __restrict__ g, float* __restrict__ m,
                             float* __restrict__ v, AdamConstants k, int64_t n) {
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+  MN_CUDA_KERNEL_LOOP(i, n) {
     float gi = g[i];
     float wi = w[i];
     if (k.wd != 0.0f) {
@@ -43,8 +42,7 @@ struct SgdConstants {
 // b == nullptr: no momentum buffer (momentum 0).
 __global__ void sgd_kernel(float* __restrict__ w, const float* __restrict__ g, float* __restrict__ b, SgdConstants k,
                            int64_t n) {
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+  MN_CUDA_KERNEL_LOOP(i, n) {
     float gi = g[i] + k.wd * w[i];
     if (b != nullptr) {
       const float bi = k.first_step ? gi : k.mom * b[i] + k.damp * gi;

@@ -75,8 +75,7 @@ Input input_of(const Tensor& x) {
 __global__ void max_pool_forward_kernel(Input in, PoolArgs p, Planes s, float* out, int64_t* indices) {
   const int64_t out_plane = s.out_h * s.out_w;
   const int64_t total = s.planes * out_plane;
-  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t l = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; l < total; l += step) {
+  MN_CUDA_KERNEL_LOOP(l, total) {
     const int64_t plane = l / out_plane, oy = (l % out_plane) / s.out_w, ox = l % s.out_w;
     const Window w = window(p, oy, ox, s.height, s.width);
     int64_t best_at = w.h0 * s.width + w.w0;
@@ -113,8 +112,7 @@ void max_pool2d_forward_cuda(const Tensor& x, const Pool2dParams& p, Tensor& out
 
 __global__ void max_pool_backward_plane_kernel(const float* g, const int64_t* idx, int64_t planes, int64_t in_plane,
                                                int64_t out_plane, float* gx) {
-  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t plane = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; plane < planes; plane += step) {
+  MN_CUDA_KERNEL_LOOP(plane, planes) {
     float* dst = gx + plane * in_plane;
     const float* gp = g + plane * out_plane;
     const int64_t* ip = idx + plane * out_plane;
@@ -124,8 +122,7 @@ __global__ void max_pool_backward_plane_kernel(const float* g, const int64_t* id
 
 __global__ void max_pool_backward_atomic_kernel(const float* g, const int64_t* idx, int64_t total, int64_t in_plane,
                                                 int64_t out_plane, float* gx) {
-  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t l = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; l < total; l += step)
+  MN_CUDA_KERNEL_LOOP(l, total)
     atomicAdd(gx + (l / out_plane) * in_plane + idx[l], g[l]);
 }
 
@@ -155,8 +152,7 @@ void max_pool2d_backward_cuda(const Tensor& grad_out, const Tensor& indices, Ten
 __global__ void avg_pool_forward_kernel(Input in, PoolArgs p, Planes s, float* out) {
   const int64_t out_plane = s.out_h * s.out_w;
   const int64_t total = s.planes * out_plane;
-  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t l = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; l < total; l += step) {
+  MN_CUDA_KERNEL_LOOP(l, total) {
     const int64_t plane = l / out_plane, oy = (l % out_plane) / s.out_w, ox = l % s.out_w;
     const Window w = window(p, oy, ox, s.height, s.width);
     float sum = 0.0f;
@@ -189,8 +185,7 @@ __device__ inline void covering(int64_t y, int64_t stride, int64_t pad, int64_t 
 __global__ void avg_pool_backward_kernel(const float* g, PoolArgs p, Planes s, float* gx) {
   const int64_t in_plane = s.height * s.width, out_plane = s.out_h * s.out_w;
   const int64_t total = s.planes * in_plane;
-  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t l = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; l < total; l += step) {
+  MN_CUDA_KERNEL_LOOP(l, total) {
     const int64_t plane = l / in_plane, y = (l % in_plane) / s.width, x = l % s.width;
     int64_t oy0, oy1, ox0, ox1;
     covering(y, p.stride_h, p.pad_h, p.kernel_h, s.out_h, &oy0, &oy1);

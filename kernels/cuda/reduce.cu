@@ -193,8 +193,7 @@ __global__ void reduce_columns_kernel(Strided kept, Strided red, int64_t outputs
                                       int64_t chunk, const T* x, Fold fold, Out* out, typename Fold::Acc* partial) {
   using Acc = typename Fold::Acc;
   const int64_t units = outputs * pieces;
-  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t u = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; u < units; u += step) {
+  MN_CUDA_KERNEL_LOOP(u, units) {
     const int64_t piece = u / outputs, o = u % outputs;
     const int64_t base = kept.offset(o);
     const int64_t r0 = piece * chunk;
@@ -213,8 +212,7 @@ template <class Out, class Fold>
 __global__ void merge_pieces_kernel(int64_t outputs, int64_t pieces, const typename Fold::Acc* partial, Fold fold,
                                     Out* out) {
   using Acc = typename Fold::Acc;
-  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t o = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; o < outputs; o += step) {
+  MN_CUDA_KERNEL_LOOP(o, outputs) {
     Acc acc = partial[o * pieces];
     for (int64_t p = 1; p < pieces; ++p) acc = fold.merge(acc, partial[o * pieces + p]);
     out[o] = fold.finish(acc, o);
@@ -325,8 +323,7 @@ __device__ inline bool arg_better(T v, int64_t i, T best, int64_t at) {
 template <class T, bool kMax>
 __global__ void arg_reduce_thread_kernel(Strided kept, int64_t n, int64_t dim_stride, int64_t outputs, const T* x,
                                          T* values, int64_t* indices) {
-  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t o = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; o < outputs; o += step) {
+  MN_CUDA_KERNEL_LOOP(o, outputs) {
     const T* row = x + kept.offset(o);
     T best = row[0];
     int64_t at = 0;

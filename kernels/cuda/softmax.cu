@@ -51,8 +51,7 @@ __global__ void softmax_rows_kernel(const float* x, float* y, int64_t rows, int6
 
 __global__ void softmax_columns_kernel(const float* x, float* y, int64_t outer, int64_t n, int64_t inner, bool log) {
   const int64_t columns = outer * inner;
-  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; c < columns; c += step) {
+  MN_CUDA_KERNEL_LOOP(c, columns) {
     const int64_t o = c / inner, i = c % inner;
     const float* in = x + o * n * inner + i;
     float* out = y + o * n * inner + i;
@@ -113,8 +112,7 @@ __global__ void softmax_backward_rows_kernel(const float* g, const float* y, flo
 __global__ void softmax_backward_columns_kernel(const float* g, const float* y, float* gi, int64_t outer, int64_t n,
                                                 int64_t inner, bool log) {
   const int64_t columns = outer * inner;
-  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; c < columns; c += step) {
+  MN_CUDA_KERNEL_LOOP(c, columns) {
     const int64_t base = (c / inner) * n * inner + c % inner;
     float total = 0.0f;
     for (int64_t k = 0; k < n; ++k) {
@@ -222,8 +220,7 @@ __global__ void cross_entropy_backward_kernel(const float* grad_loss, const floa
                                               int64_t classes, float keep, float spread, int64_t ignore_index,
                                               float* out) {
   const int64_t total = rows * classes;
-  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t l = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; l < total; l += step) {
+  MN_CUDA_KERNEL_LOOP(l, total) {
     const int64_t r = l / classes, c = l % classes;
     const int64_t t = target[r * target_stride];
     if (t == ignore_index) {
