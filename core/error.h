@@ -1,6 +1,7 @@
 #pragma once
 // Error hierarchy: every bad input throws an mn::Error subclass whose message names the argument,
 // what was expected and what came. Nothing in the library aborts on user input.
+#include <cstdint>
 #include <stdexcept>
 #include <string>
 #include <sstream>
@@ -39,13 +40,31 @@ std::string str(const A&... a) {
   return os.str();
 }
 
+// "a, b, c" (with `sep` between the items).
+inline std::string joined(const std::vector<std::string>& items, const std::string& sep = ", ") {
+  std::ostringstream os;
+  for (size_t i = 0; i < items.size(); ++i) os << (i ? sep : "") << items[i];
+  return os.str();
+}
+
 // "[a, b, c]": how error messages list names.
 inline std::string bracket_list(const std::vector<std::string>& names) {
-  std::ostringstream os;
-  os << '[';
-  for (size_t i = 0; i < names.size(); ++i) os << (i ? ", " : "") << names[i];
-  os << ']';
-  return os.str();
+  std::string out(1, '[');
+  out += joined(names);
+  out += ']';
+  return out;
+}
+
+// 1234567 -> "1,234,567" (sizes in messages and tables).
+inline std::string thousands(int64_t v) {
+  const std::string digits = std::to_string(v);
+  const size_t sign = v < 0 ? 1 : 0;
+  std::string out = digits.substr(0, sign);
+  for (size_t i = sign; i < digits.size(); ++i) {
+    if (i > sign && (digits.size() - i) % 3 == 0) out += ',';
+    out += digits[i];
+  }
+  return out;
 }
 
 }  // namespace mn

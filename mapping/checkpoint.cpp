@@ -26,12 +26,6 @@ constexpr const char* kScalesKey = "scales";
 
 bool starts_with(const std::string& s, const std::string& prefix) { return s.rfind(prefix, 0) == 0; }
 
-std::string joined(const std::vector<std::string>& items, const std::string& sep = ", ") {
-  std::ostringstream os;
-  for (size_t i = 0; i < items.size(); ++i) os << (i ? sep : "") << items[i];
-  return os.str();
-}
-
 [[noreturn]] void invalid(const std::string& path, const std::string& why) {
   throw IOError(str("not a valid mapping_networks checkpoint: ", path, " (", why, ")"));
 }

@@ -14,17 +14,6 @@ namespace mn::mapping {
 
 namespace {
 
-std::string thousands(int64_t v) {
-  const std::string digits = std::to_string(v);
-  const size_t sign = v < 0 ? 1 : 0;
-  std::string out = digits.substr(0, sign);
-  for (size_t i = sign; i < digits.size(); ++i) {
-    if (i > sign && (digits.size() - i) % 3 == 0) out += ',';
-    out += digits[i];
-  }
-  return out;
-}
-
 // Latent z ~ N(0, 1/L) drawn from its own Philox stream, so it depends only on (seed, group).
 Tensor initial_latent(uint64_t seed, const std::string& group, int64_t latent_dim, Device device) {
   Generator gen(seed, stream_key("latent/" + group));

@@ -58,12 +58,6 @@ std::shared_ptr<nn::Sequential> lenet() {
                                  layer<Linear>(120, 84), layer<ReLU>(), layer<Linear>(84, 10)});
 }
 
-std::string joined(const std::vector<std::string>& names) {
-  std::ostringstream os;
-  for (size_t i = 0; i < names.size(); ++i) os << (i ? ", " : "") << names[i];
-  return os.str();
-}
-
 }  // namespace
 
 std::vector<std::string> target_names() { return {"cnn1", "cnn2", "mlp", "lenet"}; }
