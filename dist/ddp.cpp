@@ -323,8 +323,7 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   void launch_ready_buckets() {
     while (next_bucket_ < buckets_.size() && buckets_[next_bucket_].pending == 0) {
       Bucket& bucket = buckets_[next_bucket_++];
-      // A group of one already holds the average: no collective (and no hand-off to its thread).
-      if (group_->size() > 1) bucket.work = group_->allreduce(bucket.contents, ReduceOp::Sum);
+      bucket.work = group_->allreduce(bucket.contents, ReduceOp::Sum);
     }
   }
 

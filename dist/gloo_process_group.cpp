@@ -226,7 +226,7 @@ WorkPtr GlooProcessGroup::enqueue(std::string what, std::function<void(uint32_t 
   std::lock_guard<std::mutex> lock(mutex_);
   MN_CHECK(!stopping_, RuntimeError, "Gloo ", what, " issued while the process group is being destroyed");
   const uint32_t tag = next_tag_++;
-  queue_.emplace_back(work.get(), [this, work, tag, what = std::move(what), run = std::move(run)] {
+  std::function<void()> task = [this, work, tag, what = std::move(what), run = std::move(run)] {
     if (!broken_.empty()) {
       work->finish(str("Gloo ", what, " on rank ", rank(), " of ", size(),
                        " was not run: the process group is broken by an earlier failure: ", broken_));
@@ -243,7 +243,13 @@ WorkPtr GlooProcessGroup::enqueue(std::string what, std::function<void(uint32_t 
                     seconds_text(options_.timeout), ").");
       work->finish(broken_);
     }
-  });
+  };
+  if (size() == 1) {
+    // Nothing to exchange: run it here, under the lock, instead of handing it to the worker and back.
+    task();
+    return work;
+  }
+  queue_.emplace_back(work.get(), std::move(task));
   queue_cv_.notify_one();
   return work;
 }
