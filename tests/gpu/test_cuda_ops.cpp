@@ -373,31 +373,29 @@ TEST_CASE("cuda ops: reduce i64, NaN, empty and refusals") {
 }
 
 TEST_CASE("cuda ops: arg max / arg min with ties, NaN, i64 and long dims") {
+  // Max and min of f32 `in` over `dim` on both devices: values and indices must agree exactly.
+  auto check_both_ops = [](const Pair& in, int dim) {
+    Shape s = in.cpu.sizes();
+    s.erase(dim);
+    for (K::ReduceOp op : {K::ReduceOp::Max, K::ReduceOp::Min}) {
+      Pair values = empty_pair(s), indices = empty_pair(s, DType::i64);
+      K::arg_reduce(kCPU, op, in.cpu, dim, values.cpu, indices.cpu);
+      K::arg_reduce(kGpu, op, in.gpu, dim, values.gpu, indices.gpu);
+      expect_close(values, 0, 0);
+      expect_close(indices);
+    }
+  };
   int seed = 400;
   for (const NamedView& v : views_435()) {
     const Pair in = map(tie_pair(v.base, ++seed), v.view);
-    for (K::ReduceOp op : {K::ReduceOp::Max, K::ReduceOp::Min})
-      for (int dim = 0; dim < 3; ++dim) {
-        CAPTURE(v.name);
-        CAPTURE(dim);
-        Shape s = in.cpu.sizes();
-        s.erase(dim);
-        Pair values = empty_pair(s), indices = empty_pair(s, DType::i64);
-        K::arg_reduce(kCPU, op, in.cpu, dim, values.cpu, indices.cpu);
-        K::arg_reduce(kGpu, op, in.gpu, dim, values.gpu, indices.gpu);
-        expect_close(values, 0, 0);
-        expect_close(indices);
-      }
+    for (int dim = 0; dim < 3; ++dim) {
+      CAPTURE(v.name);
+      CAPTURE(dim);
+      check_both_ops(in, dim);
+    }
   }
   // NaN: the first NaN wins
-  const Pair nan = pair_of(from_vector(std::vector<float>{1, kNaN, 3, kNaN, 9, 2, 9, 0}, {2, 4}));
-  for (K::ReduceOp op : {K::ReduceOp::Max, K::ReduceOp::Min}) {
-    Pair values = empty_pair({2}), indices = empty_pair({2}, DType::i64);
-    K::arg_reduce(kCPU, op, nan.cpu, 1, values.cpu, indices.cpu);
-    K::arg_reduce(kGpu, op, nan.gpu, 1, values.gpu, indices.gpu);
-    expect_close(values, 0, 0);
-    expect_close(indices);
-  }
+  check_both_ops(pair_of(from_vector(std::vector<float>{1, kNaN, 3, kNaN, 9, 2, 9, 0}, {2, 4})), 1);
   // long dims take the block path (ties and NaN included)
   Pair longer = tie_pair({3, 5000}, 420);
   longer.cpu = longer.cpu.clone();
@@ -407,13 +405,7 @@ TEST_CASE("cuda ops: arg max / arg min with ties, NaN, i64 and long dims") {
     v[2 * 5000 + 4400] = kNaN;
     longer = pair_of(from_vector(v, {3, 5000}));
   }
-  for (K::ReduceOp op : {K::ReduceOp::Max, K::ReduceOp::Min}) {
-    Pair values = empty_pair({3}), indices = empty_pair({3}, DType::i64);
-    K::arg_reduce(kCPU, op, longer.cpu, 1, values.cpu, indices.cpu);
-    K::arg_reduce(kGpu, op, longer.gpu, 1, values.gpu, indices.gpu);
-    expect_close(values, 0, 0);
-    expect_close(indices);
-  }
+  check_both_ops(longer, 1);
   const Pair xi = int_pair({5, 7}, 430, -3, 3);
   Pair values = empty_pair({7}, DType::i64), indices = empty_pair({7}, DType::i64);
   K::arg_reduce(kCPU, K::ReduceOp::Max, xi.cpu, 0, values.cpu, indices.cpu);
