@@ -5,6 +5,7 @@
 #include "autograd/engine.h"
 #include "autograd/function.h"
 #include "autograd/ops.h"
+#include "core/capture.h"
 #include "kernels/kernels.h"
 
 namespace mn {
@@ -94,6 +95,7 @@ TensorList AccumulateGrad::apply(TensorList&& grads) {
   AutogradMeta& m = ensure_meta(leaf);
   MN_CHECK(g.sizes() == leaf.sizes(), RuntimeError, "gradient of shape ", g.sizes(),
            " does not match the leaf's shape ", leaf.sizes(), " (a backward formula returned a wrong shape)");
+  const void* before = m.grad.defined() ? m.grad.storage()->data() : nullptr;
   if (grad_mode_enabled()) {
     // create_graph: keep the history so the gradient itself can be differentiated.
     m.grad = m.grad.defined() ? add(m.grad, g) : g;
@@ -108,6 +110,7 @@ TensorList AccumulateGrad::apply(TensorList&& grads) {
     if (acc.requires_grad()) acc = acc.detach();
     kernels::binary(acc.device(), kernels::BinaryOp::Add, acc, g, acc);
   }
+  capture::grad_written(leaf, before);  // a captured graph re-attaches this gradient at replay
   for (auto& hook : m.post_accumulate_hooks) hook(leaf);
   return {};
 }

@@ -14,6 +14,7 @@
 
 #include "core/allocator.h"
 #include "core/caching_allocator.h"
+#include "core/capture.h"
 #include "core/error.h"
 
 namespace mn::kernels {
@@ -161,13 +162,30 @@ DeviceAllocator& allocator_for(Device d) {
   return *allocator;
 }
 
+std::shared_ptr<DeviceAllocator> make_private_allocator(Device d) {
+  if (d.is_cpu()) {
+    MN_CHECK(d.index == 0, DeviceError, "make_private_allocator: expected cpu device index 0, got ", device_name(d));
+    if (caching_disabled_by_environment()) return std::make_shared<PassThroughAllocator>(make_cpu_raw_backend());
+    return std::make_shared<CachingAllocatorImpl>(make_cpu_raw_backend());
+  }
+  allocator_for(d);  // registers the backend and checks that the device exists
+  DeviceRegistry& registry = registry_for(d.type);
+  std::lock_guard<std::mutex> lock(registry.mutex);
+  MN_CHECK(registry.factory != nullptr, DeviceError, "no allocator for device ", device_name(d));
+  return std::shared_ptr<DeviceAllocator>(registry.factory(d.index));
+}
+
 bool caching_enabled(Device d) {
   return dynamic_cast<PassThroughAllocator*>(&allocator_for(d)) == nullptr;
 }
 
 MemoryStats memory_stats(Device d) { return allocator_for(d).stats(); }
 void reset_peak_memory_stats(Device d) { allocator_for(d).reset_peak_stats(); }
-void empty_cache(Device d) { allocator_for(d).empty_cache(); }
+void empty_cache(Device d) {
+  // Releasing memory is a device synchronisation on CUDA and not part of any recorded computation.
+  capture::unsupported("empty_cache() releases cached memory");
+  allocator_for(d).empty_cache();
+}
 void set_memory_cap(size_t bytes, Device d) { allocator_for(d).set_memory_cap(bytes); }
 
 std::string memory_summary(Device d) {

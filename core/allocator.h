@@ -73,6 +73,10 @@ class DeviceAllocator {
 // The process-wide allocator of a device (created on first use, intentionally never destroyed).
 DeviceAllocator& allocator_for(Device d);
 
+// A new allocator for `d` with the same algorithm as allocator_for(d), owned by the caller (the private
+// pools of capture graphs, core/capture.h). It releases its memory when destroyed.
+std::shared_ptr<DeviceAllocator> make_private_allocator(Device d);
+
 // Public per-device API.
 MemoryStats memory_stats(Device d = kCPU);
 void reset_peak_memory_stats(Device d = kCPU);

@@ -5,6 +5,7 @@
 // lane i % 4; normals pair lanes (0,1) and (2,3) through Box-Muller, so a fill of n values consumes
 // ceil(n / 4) counter blocks.
 #include <cstdint>
+#include <memory>
 #include <mutex>
 #include <string_view>
 
@@ -40,12 +41,15 @@ class Generator {
   uint64_t stream() const { return stream_; }
   // Reserves philox_blocks(n) blocks and returns where the fill starts.
   PhiloxState reserve(int64_t n);
+  // Expires when this generator is destroyed (a capture graph checks it before drawing again).
+  std::weak_ptr<const void> lifetime() const { return alive_; }
 
  private:
   mutable std::mutex mutex_;
   uint64_t seed_;
   uint64_t stream_;
   uint64_t offset_ = 0;
+  std::shared_ptr<const int> alive_ = std::make_shared<const int>(0);
 };
 
 // The process-wide default generator used by rand/randn/dropout when none is given.

@@ -7,6 +7,7 @@
 #include <sstream>
 
 #include "autograd/ops.h"
+#include "core/capture.h"
 
 namespace mn {
 
@@ -26,6 +27,7 @@ bool Tensor::is_contiguous() const {
 
 double Tensor::item() const {
   MN_CHECK(numel() == 1, ValueError, "item() expects a tensor with one element, got shape ", sizes());
+  capture::unsupported("Tensor::item() reads a value on the host");
   Tensor host = device().is_cpu() ? *this : to(kCPU);
   if (host.dtype() == DType::f32) return *host.data<float>();
   return static_cast<double>(*host.data<int64_t>());
@@ -33,6 +35,7 @@ double Tensor::item() const {
 
 template <class T>
 std::vector<T> Tensor::to_vector() const {
+  capture::unsupported("Tensor::to_vector() reads values on the host");
   Tensor host = device().is_cpu() ? *this : to(kCPU);
   if (host.dtype() != dtype_of<T>::value) host = host.to(dtype_of<T>::value);
   host = host.contiguous();

@@ -17,6 +17,7 @@
 #include <cstring>
 #include <future>
 
+#include "core/capture.h"
 #include "core/error.h"
 #include "dist/gloo_store_adapter.h"
 
@@ -354,6 +355,7 @@ WorkPtr GlooProcessGroup::allgather(const Tensor& input, const Tensor& output) {
 }
 
 WorkPtr GlooProcessGroup::barrier() {
+  capture::unsupported(str("a ", backend(), " barrier of a process group"));
   return enqueue("barrier", [this](uint32_t tag) {
     if (size() == 1) return;
     ::gloo::BarrierOptions opts(context_);

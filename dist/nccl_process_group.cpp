@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "core/allocator.h"
+#include "core/capture.h"
 #include "core/error.h"
 
 namespace mn::dist {
@@ -120,7 +121,7 @@ struct NcclProcessGroup::Impl {
 
   // The memory must not be reused until the NCCL stream is done with it.
   void record_on_stream(const Tensor& t) {
-    allocator_for(t.device()).record_stream(t.storage()->allocation(), reinterpret_cast<StreamId>(stream));
+    t.storage()->record_stream(reinterpret_cast<StreamId>(stream));
   }
 
   WorkPtr finish(std::string what, std::vector<Tensor> tensors) {
@@ -235,6 +236,7 @@ WorkPtr NcclProcessGroup::allgather(const Tensor& input, const Tensor& output) {
 }
 
 WorkPtr NcclProcessGroup::barrier() {
+  capture::unsupported(str("a ", backend(), " barrier of a process group"));
   DeviceGuard guard(impl_->device);
   impl_->wait_for_compute_stream();
   nccl_check(ncclAllReduce(impl_->barrier_buffer, impl_->barrier_buffer, 1, ncclFloat32, ncclSum, impl_->comm,

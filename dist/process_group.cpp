@@ -3,6 +3,7 @@
 #include <cstdlib>
 #include <string_view>
 
+#include "core/capture.h"
 #include "core/error.h"
 #ifdef MN_WITH_GLOO
 #include "dist/gloo_process_group.h"
@@ -54,6 +55,8 @@ void check_backend(const std::string& backend) {
 }
 
 void check_collective_tensor(const Tensor& tensor, const char* collective, const std::string& backend) {
+  // Communication is not a kernel of the recording thread: a captured graph could not repeat it.
+  capture::unsupported(str("a ", backend, " ", collective, " of a process group"));
   MN_CHECK(tensor.defined(), ValueError, collective, " got an undefined tensor");
   MN_CHECK(tensor.is_contiguous(), ValueError, collective,
            " needs a contiguous tensor (it works in place), got sizes ", tensor.sizes(), " with strides ",

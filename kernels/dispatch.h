@@ -5,6 +5,7 @@
 #include <array>
 #include <utility>
 
+#include "core/capture.h"
 #include "core/device.h"
 #include "core/error.h"
 
@@ -24,6 +25,9 @@ class Op {
   decltype(auto) operator()(Device device, A&&... args) const {
     Fn* fn = impl_[static_cast<int>(device.type)];
     if (fn == nullptr) fn = resolve(device);
+    // While a graph is being recorded, the call also becomes one of its steps (core/capture.h).
+    if (capture::detail::t_recording != nullptr)
+      return capture::detail::record_kernel(fn, std::forward<A>(args)...);
     return fn(std::forward<A>(args)...);
   }
 

@@ -60,6 +60,7 @@ Tensor arange(double start, double end, double step, TensorOptions opts) {
     int64_t* p = host.data<int64_t>();
     for (int64_t i = 0; i < n; ++i) p[i] = static_cast<int64_t>(start + i * step);
   }
+  capture::host_wrote(host);
   Tensor t = opts.device.is_cpu() ? host : host.to(opts.device);
   if (opts.requires_grad) t.requires_grad_(true);
   return t;
@@ -73,7 +74,7 @@ Tensor random_tensor(const Shape& shape, Distribution dist, double p1, double p2
   opts.requires_grad = false;
   Tensor t = empty(shape, opts);
   Generator& g = gen ? *gen : default_generator();
-  kernels::random_fill(t.device(), t, dist, p1, p2, g.reserve(t.numel()));
+  capture::random_fill(t, dist, p1, p2, g);  // a fresh range at every replay of a captured graph
   if (rg) t.requires_grad_(true);
   return t;
 }
@@ -108,6 +109,7 @@ Tensor from_values(const std::vector<T>& values, const Shape& shape, TensorOptio
   const bool rg = opts.requires_grad;
   Tensor host = empty(s, TensorOptions(dtype_of<T>::value));
   std::copy(values.begin(), values.end(), host.data<T>());
+  capture::host_wrote(host);
   Tensor t = host;
   if (opts.dtype != dtype_of<T>::value) t = t.to(opts.dtype);
   if (!opts.device.is_cpu()) t = t.to(opts.device);

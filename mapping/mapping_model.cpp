@@ -104,4 +104,14 @@ void MappingModel::to(Device device) {
   options_.device = device;
 }
 
+Guard MappingModel::compile_guard() const {
+  Guard target = nn::module_guard(*target_);
+  const ParameterGenerator* generator = generator_.get();
+  return [target, generator](std::vector<uint64_t>& key) {
+    target(key);
+    for (const Tensor& z : generator->latents())
+      key.push_back(reinterpret_cast<uint64_t>(z.storage()->data()) + static_cast<uint64_t>(z.storage_offset()));
+  };
+}
+
 }  // namespace mn::mapping

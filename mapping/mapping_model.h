@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "mapping/generator.h"
+#include "nn/compile.h"
 #include "nn/functional_call.h"
 #include "nn/module.h"
 
@@ -73,6 +74,9 @@ class MappingModel {
   const ParameterSpec& parameter_spec() const { return generator_->parameter_spec(); }
   const MappingOptions& options() const { return options_; }
   std::string strategy() const { return generator_->strategy(); }
+
+  // For mn::compile (nn/compile.h): the target's training flags and buffers and the latents' memory.
+  Guard compile_guard() const;
 
   void train(bool on = true) { target_->train(on); }
   void eval() { train(false); }

@@ -14,6 +14,7 @@
 #include "autograd/node.h"  // NoGradGuard
 #include "autograd/ops.h"
 
+#include "nn/compile.h"
 #include "nn/functional.h"
 #include "nn/functional_call.h"
 #include "nn/init.h"

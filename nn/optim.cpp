@@ -5,6 +5,7 @@
 
 #include "autograd/node.h"
 #include "autograd/ops.h"
+#include "core/capture.h"
 #include "kernels/kernels.h"
 
 namespace mn::nn::optim {
@@ -80,6 +81,7 @@ SGD::SGD(std::vector<Tensor> params, SGDOptions o) : Optimizer(std::move(params)
 }
 
 void SGD::step() {
+  capture::unsupported("SGD::step() passes host-side step counts and learning rates to its kernels");
   autograd::NoGradGuard no_grad;
   ++steps_;
   for (size_t i = 0; i < params_.size(); ++i) {
@@ -109,6 +111,7 @@ Adam::Adam(std::vector<Tensor> params, AdamOptions o, bool decoupled)
 }
 
 void Adam::step() {
+  capture::unsupported("Adam::step() passes host-side step counts and learning rates to its kernels");
   autograd::NoGradGuard no_grad;
   ++steps_;
   for (size_t i = 0; i < params_.size(); ++i) {

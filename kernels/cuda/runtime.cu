@@ -166,7 +166,7 @@ void record_stream(const Tensor& t, const Stream& s) {
   if (!t.defined() || t.device().is_cpu()) return;
   MN_CHECK(t.device().index == s.device_index(), DeviceError, "cuda::record_stream: the tensor lives on ",
            t.device(), " but the stream belongs to ", s.device());
-  allocator_for(t.device()).record_stream(t.storage()->allocation(), s.id());
+  t.storage()->record_stream(s.id());
 }
 
 void synchronize(int device) {

@@ -93,9 +93,11 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& target, double label_sm
     case Reduction::None: return single ? loss.reshape({}) : loss;
     case Reduction::Sum: return sum(loss);
     case Reduction::Mean: {
-      // Averaged over the targets that count; all ignored gives 0/0 = NaN, as in PyTorch.
-      const double counted = sum(ne(rows_target, static_cast<double>(ignore_index))).item();
-      return counted == static_cast<double>(rows) ? mean(loss) : div(sum(loss), counted);
+      // Averaged over the targets that count; all ignored gives 0/0 = NaN, as in PyTorch. Decided on
+      // the device (no host read: no synchronisation, and a captured step stays capturable); when every
+      // target counts the result is mean(loss), bit for bit.
+      const Tensor counted = sum(ne(rows_target, static_cast<double>(ignore_index)));
+      return where(eq(counted, static_cast<double>(rows)), mean(loss), div(sum(loss), counted));
     }
   }
   throw ValueError("cross_entropy: unknown reduction");

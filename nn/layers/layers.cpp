@@ -2,6 +2,7 @@
 #include <cmath>
 
 #include "autograd/node.h"
+#include "kernels/kernels.h"
 #include "nn/init.h"
 #include "nn/layers.h"
 
@@ -68,9 +69,10 @@ Tensor BatchNorm::forward(const Tensor& x) {
            " dims and ", num_features, " channels in dim 1, got shape ", x.sizes());
   Tensor running_mean = buffer("running_mean"), running_var = buffer("running_var");
   if (is_training()) {
+    // In place, like the running statistics, so a captured step (nn/compile.h) counts every replay.
     Tensor tracked = buffer("num_batches_tracked");
-    autograd::NoGradGuard no_grad;
-    set_buffer("num_batches_tracked", add(tracked, 1.0));
+    kernels::unary(tracked.device(), kernels::UnaryOp::AddScalar, tracked, tracked, 1.0, 0.0);
+    tracked.bump_version();
   }
   return F::batch_norm(x, running_mean, running_var, affine ? param("weight") : Tensor(),
                        affine ? param("bias") : Tensor(), is_training(), momentum, eps);

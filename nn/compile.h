@@ -1,0 +1,116 @@
+#pragma once
+// mn::compile: the C++ counterpart of torch.compile (and of CUDA-graph capture). The first call with
+// a new signature runs the function eagerly while recording every kernel it launches
+// (core/capture.h); later calls with the same signature copy their inputs into the recorded input
+// tensors and replay the kernels: no autograd graph, no shape checks, no allocation, no dispatch.
+//
+//   auto step = mn::compile([&](const std::vector<Tensor>& in) {
+//     Tensor loss = F::cross_entropy(model(in[0]), in[1]);
+//     loss.backward();
+//     return std::vector<Tensor>{loss.detach()};
+//   }, nn::module_guard(model));
+//   for (auto& [x, y] : loader) { opt.zero_grad(); Tensor loss = step({x, y})[0]; opt.step(); }
+//
+// Signature (the guard of torch.compile): every input's shape, dtype, device and requires_grad, the
+// grad mode, and the words of the optional Guard (nn::module_guard: training flags and the memory
+// of every parameter and buffer, so a replaced parameter captures again). A graph is also replayed
+// only while the gradients it writes are where it left them: none (the usual zero_grad()) or the same
+// tensors (accumulation); otherwise another graph is captured.
+//
+// What a replay cannot repeat breaks the capture: reading values on the host (item(), to_vector(),
+// so loss metrics are read after the call), optimizer steps (host step counts), empty_cache,
+// process-group collectives, outputs that require grad (a replay has no history: call backward inside
+// the function and return detached tensors), inputs that require grad. Without fullgraph the call
+// finishes eagerly and the signature stays eager (explain() says why); with fullgraph it throws
+// RuntimeError naming the cause. BatchNorm in training mode and dropout are captured: running
+// statistics update in place and every replay draws new random numbers from the same generator.
+// Outputs are fresh tensors at every call.
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/tensor.h"
+
+namespace mn {
+
+namespace capture {
+class Graph;
+}
+namespace nn {
+class Module;
+}
+
+// Appends words that identify the state a compiled function depends on besides its inputs.
+using Guard = std::function<void(std::vector<uint64_t>& key)>;
+
+struct CompileOptions {
+  bool fullgraph = false;   // a computation that cannot be captured throws instead of running eagerly
+  int64_t max_graphs = 8;   // signatures kept; calls with further signatures run eagerly
+};
+
+class CompiledFunction {
+ public:
+  using Function = std::function<std::vector<Tensor>(const std::vector<Tensor>&)>;
+
+  CompiledFunction(Function fn, Guard guard = {}, CompileOptions options = {});
+  ~CompiledFunction();
+  CompiledFunction(CompiledFunction&&) noexcept;
+  CompiledFunction& operator=(CompiledFunction&&) noexcept;
+
+  std::vector<Tensor> operator()(const std::vector<Tensor>& inputs);
+
+  struct Stats {
+    int64_t calls = 0;
+    int64_t captures = 0;  // calls that recorded a graph (and ran eagerly)
+    int64_t replays = 0;
+    int64_t eager = 0;     // calls run eagerly without recording (broken or too many signatures)
+  };
+  const Stats& stats() const { return stats_; }
+  // One line per signature: captured (steps, pool bytes) or eager and why.
+  std::string explain() const;
+  // Bytes held by the graphs' private memory pools.
+  int64_t reserved_bytes() const;
+  int64_t num_graphs() const;
+  // Drops every graph (the next call captures again).
+  void reset();
+
+ private:
+  struct Entry;
+  Function fn_;
+  Guard guard_;
+  CompileOptions options_;
+  std::vector<std::unique_ptr<Entry>> entries_;
+  Stats stats_;
+  bool overflow_noted_ = false;
+
+  std::vector<uint64_t> key_of(const std::vector<Tensor>& inputs) const;
+  std::vector<Tensor> capture(Entry& entry, const std::vector<Tensor>& inputs);
+};
+
+CompiledFunction compile(CompiledFunction::Function fn, Guard guard = {}, CompileOptions options = {});
+
+namespace nn {
+
+// Training flags of every submodule and the memory of every parameter and buffer. The module must
+// outlive the guard.
+Guard module_guard(const Module& module);
+
+// A module's single-input forward, compiled (inference: under grad mode with trainable parameters
+// the forward's output requires grad, so it runs eagerly; compile the training step instead).
+class CompiledModule {
+ public:
+  explicit CompiledModule(Module& module, CompileOptions options = {});
+  Tensor operator()(const Tensor& x) { return fn_({x}).front(); }
+  CompiledFunction& function() { return fn_; }
+
+ private:
+  CompiledFunction fn_;
+};
+
+CompiledModule compile(Module& module, CompileOptions options = {});
+
+}  // namespace nn
+
+}  // namespace mn
