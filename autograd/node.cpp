@@ -151,7 +151,10 @@ void Tensor::set_grad(const Tensor& g) const {
   if (g.defined())
     MN_CHECK(g.sizes() == sizes(), ValueError, "set_grad: gradient shape ", g.sizes(), " does not match tensor shape ",
              sizes());
-  autograd::ensure_meta(*this).grad = g;
+  Tensor& grad = autograd::ensure_meta(*this).grad;
+  const void* before = grad.defined() ? grad.storage()->data() : nullptr;
+  grad = g;
+  capture::grad_written(*this, before);  // a captured graph re-attaches it at replay
 }
 
 void Tensor::backward(const Tensor& grad, bool retain_graph, bool create_graph) const {

@@ -22,8 +22,10 @@
 #include <vector>
 
 #include "bench/bandwidth_probe.h"
+#include "core/allocator.h"
 #include "mapping/mapping_model.h"
 #include "mapping/targets.h"
+#include "nn/compile.h"
 #include "nn/functional.h"
 #include "nn/optim.h"
 
@@ -93,6 +95,23 @@ struct BoundConfig {
 };
 const BoundConfig kBoundConfigs[] = {{"mlp", 64, {64, 784}}, {"cnn2", 672, {256, 1, 28, 28}}};
 
+// Runs first() then second() in every iteration, each timed (ms); the iteration's time is second's.
+template <class First, class Second>
+void time_side_by_side(benchmark::State& state, First&& first, Second&& second, std::vector<double>& first_ms,
+                       std::vector<double>& second_ms) {
+  using clock = std::chrono::steady_clock;
+  for (auto _ : state) {
+    const auto t0 = clock::now();
+    first();
+    const auto t1 = clock::now();
+    second();
+    const auto t2 = clock::now();
+    first_ms.push_back(std::chrono::duration<double, std::milli>(t1 - t0).count());
+    second_ms.push_back(std::chrono::duration<double, std::milli>(t2 - t1).count());
+    state.SetIterationTime(second_ms.back() * 1e-3);
+  }
+}
+
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   const size_t m = v.size() / 2;
@@ -127,18 +146,8 @@ static void BM_MappedStepBound(benchmark::State& state) {
   };
   direct_step();  // warm: optimizer state, allocator segments
   mapped();
-  using clock = std::chrono::steady_clock;
   std::vector<double> direct_ms, mapped_ms;
-  for (auto _ : state) {
-    const auto t0 = clock::now();
-    direct_step();
-    const auto t1 = clock::now();
-    mapped();
-    const auto t2 = clock::now();
-    direct_ms.push_back(std::chrono::duration<double, std::milli>(t1 - t0).count());
-    mapped_ms.push_back(std::chrono::duration<double, std::milli>(t2 - t1).count());
-    state.SetIterationTime(mapped_ms.back() * 1e-3);
-  }
+  time_side_by_side(state, direct_step, mapped, direct_ms, mapped_ms);
   const auto& gen = model.generator();
   const double theta_bytes = 4.0 * static_cast<double>(gen.parameter_spec().total_numel());
   const double fixed = static_cast<double>(gen.fixed_bytes());
@@ -164,3 +173,73 @@ static void BM_MappedStepBound(benchmark::State& state) {
                  std::to_string(c.latent) + " batch " + std::to_string(c.input[0]));
 }
 BENCHMARK(BM_MappedStepBound)->Arg(0)->Arg(1)->ArgName("target")->Unit(benchmark::kMillisecond)->UseManualTime();
+
+// BM_CompiledStep/<config>: the same mapped training step eager and through mn::compile (nn/compile.h),
+// two identical models side by side, alternating within each iteration. Counters: eager_ms and
+// compiled_ms (medians), ratio = compiled / eager, kernels in the captured graph, eager_peak_bytes (the
+// allocator's peak above its level before one eager step), graph_peak_bytes (the same peak inside the
+// graph's private pool during the capture, its input copies included) and graph_pool_bytes (the segments
+// that pool holds; replays allocate nothing else but the returned loss).
+namespace {
+struct CompileConfig {
+  const char* target;
+  int64_t latent;
+  Shape input;
+};
+const CompileConfig kCompileConfigs[] = {{"mlp", 64, {64, 784}},
+                                         {"mlp", 64, {8, 784}},
+                                         {"cnn2", 672, {256, 1, 28, 28}},
+                                         {"cnn2", 672, {16, 1, 28, 28}}};
+}  // namespace
+
+static void BM_CompiledStep(benchmark::State& state) {
+  const CompileConfig& c = kCompileConfigs[state.range(0)];
+  mapping::MappingOptions o;
+  o.latent_dim = c.latent;
+  o.strategy = "layerwise";
+  manual_seed(0);
+  mapping::MappingModel eager_model(mapping::make_target(c.target), o);
+  manual_seed(0);
+  mapping::MappingModel compiled_model(mapping::make_target(c.target), o);
+  nn::optim::Adam eager_adam(eager_model.parameters(), nn::optim::AdamOptions{1e-2});
+  nn::optim::Adam compiled_adam(compiled_model.parameters(), nn::optim::AdamOptions{1e-2});
+  Tensor x = randn(c.input), y = labels(c.input[0]);
+  auto body = [](mapping::MappingModel& model) {
+    return [&model](const std::vector<Tensor>& in) {
+      Tensor loss = F::cross_entropy(model.forward(in[0]).predictions, in[1]);
+      loss.backward();
+      return std::vector<Tensor>{loss.detach()};
+    };
+  };
+  auto eager_body = body(eager_model);
+  CompiledFunction compiled = compile(body(compiled_model), compiled_model.compile_guard(), {.fullgraph = true});
+  auto eager_step = [&] {
+    eager_adam.zero_grad();
+    eager_body({x, y});
+    eager_adam.step();
+  };
+  auto compiled_step = [&] {
+    compiled_adam.zero_grad();
+    compiled({x, y});
+    compiled_adam.step();
+  };
+  eager_step();  // warm: optimizer state, allocator segments; the compiled one captures here
+  compiled_step();
+  const int64_t level = memory_stats().allocated_bytes.current;
+  reset_peak_memory_stats();
+  eager_step();
+  const int64_t eager_peak = memory_stats().allocated_bytes.peak - level;
+  std::vector<double> eager_ms, compiled_ms;
+  time_side_by_side(state, eager_step, compiled_step, eager_ms, compiled_ms);
+  const double e = median(eager_ms), k = median(compiled_ms);
+  state.counters["eager_ms"] = e;
+  state.counters["compiled_ms"] = k;
+  state.counters["ratio"] = k / e;
+  state.counters["kernels"] = static_cast<double>(compiled.num_kernels());
+  state.counters["eager_peak_bytes"] = static_cast<double>(eager_peak);
+  state.counters["graph_pool_bytes"] = static_cast<double>(compiled.reserved_bytes());
+  state.counters["graph_peak_bytes"] = static_cast<double>(compiled.peak_allocated_bytes());
+  state.SetLabel(std::string(c.target) + " layerwise " + std::to_string(compiled_model.generator().groups().size()) +
+                 "x" + std::to_string(c.latent) + " batch " + std::to_string(c.input[0]));
+}
+BENCHMARK(BM_CompiledStep)->DenseRange(0, 3)->ArgName("config")->Unit(benchmark::kMillisecond)->UseManualTime();

@@ -4,7 +4,7 @@
 // Every figure is a median over the repetitions of a benchmark (its iteration runs; when the file
 // holds only aggregates, the "median" aggregate). Derived figures: STREAM bandwidth per kernel and
 // thread count, GEMV rate as a fraction of the read and triad bandwidth, mapped step against its
-// bandwidth bound (target <= 1.5), allocator cached hit against malloc, and per spec and latent the
+// bandwidth bound (target <= 1.5), compiled against eager steps, allocator cached hit against malloc, and per spec and latent the
 // generator peaks with the lazy_layerwise < layerwise < slvt ordering. Programs it does not know are
 // listed generically (time and counters). Missing files are skipped: a build without CUDA or
 // without some program still gets a summary of what is there.
@@ -327,7 +327,7 @@ json report_train(const Program* p) {
   section("training steps (mn_bench_train_step; ms per step)");
   json steps = json::object();
   for (const auto& r : p->results) {
-    if (r.family() == "BM_MappedStepBound") continue;
+    if (r.family() == "BM_MappedStepBound" || r.family() == "BM_CompiledStep") continue;
     std::cout << fmt("%-34s %10s", r.run_name.substr(0, r.run_name.find("/real_time")).c_str(),
                      r.error.empty() ? human_time_ms(r.real_ms).c_str() : "skipped");
     if (!r.error.empty()) std::cout << "  " << r.error;
@@ -375,6 +375,33 @@ json report_train(const Program* p) {
     std::cout << "(mapper bytes: the fixed factors and scales read + the n generated values; dense W: the\n"
                  " reference library's n x L matrices, whose bound ratio_dense is given for context)\n";
     out["bound"] = rows;
+  }
+  auto compiled = family(p, "BM_CompiledStep");
+  if (!compiled.empty()) {
+    section("compiled step (mn::compile, captured once, replayed) against the eager step, side by side");
+    std::cout << fmt("%-34s %9s %9s %7s %8s %12s %12s %12s\n", "config", "eager", "compiled", "ratio", "kernels",
+                     "eager peak", "graph peak", "graph pool");
+    json rows = json::array();
+    for (const Result* r : compiled) {
+      if (!r->error.empty()) {
+        std::cout << fmt("%-34s skipped: %s\n", r->label.c_str(), r->error.c_str());
+        continue;
+      }
+      std::cout << fmt("%-34s %9.3f %9.3f %7.3f %8.0f %12s %12s %12s\n", r->label.c_str(), r->counter("eager_ms"),
+                       r->counter("compiled_ms"), r->counter("ratio"), r->counter("kernels"),
+                       human_bytes(r->counter("eager_peak_bytes")).c_str(),
+                       human_bytes(r->counter("graph_peak_bytes")).c_str(),
+                       human_bytes(r->counter("graph_pool_bytes")).c_str());
+      headline("compiled / eager step: " + r->label, fmt("%.3f (%.3f / %.3f ms)", r->counter("ratio"),
+                                                          r->counter("compiled_ms"), r->counter("eager_ms")),
+               "", "");
+      json row = {{"config", r->label}};
+      for (const char* k : {"eager_ms", "compiled_ms", "ratio", "kernels", "eager_peak_bytes", "graph_peak_bytes",
+                            "graph_pool_bytes"})
+        row[k] = num(r->counter(k));
+      rows.push_back(row);
+    }
+    out["compiled"] = rows;
   }
   return out;
 }

@@ -167,6 +167,14 @@ void random_fill(const Tensor& t, Distribution dist, double p1, double p2, Gener
   });
 }
 
+void host_step(std::function<void()> step) {
+  if (!recording()) {
+    step();
+    return;
+  }
+  run_and_append(std::move(step));
+}
+
 void grad_written(const Tensor& leaf, const void* before) {
   if (!recording()) return;
   Recording* r = t_open;

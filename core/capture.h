@@ -149,7 +149,12 @@ void host_wrote(const Tensor& t);
 // The random fill of `t` from `gen` (factories): recorded so that each replay reserves a new range.
 void random_fill(const Tensor& t, Distribution dist, double p1, double p2, Generator& gen);
 
-// AccumulateGrad wrote `leaf`'s gradient, whose memory was `before` (null: it had none).
+// Runs `step` now and, while recording, keeps it as one of the graph's steps: host work a replay must
+// repeat where it stands, such as a collective of a process group run to completion (the DDP
+// all-reduce). It must only touch tensors that outlive the graph or that it holds itself.
+void host_step(std::function<void()> step);
+
+// AccumulateGrad or set_grad wrote `leaf`'s gradient, whose memory was `before` (null: it had none).
 void grad_written(const Tensor& leaf, const void* before);
 
 // Suspends recording in a scope (work that must happen once, not at every replay).

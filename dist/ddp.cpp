@@ -7,6 +7,7 @@
 #include "autograd/engine.h"
 #include "autograd/node.h"
 #include "autograd/ops.h"
+#include "core/capture.h"
 #include "core/error.h"
 #include "dist/env.h"
 #include "dist/store.h"
@@ -323,6 +324,14 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   void launch_ready_buckets() {
     while (next_bucket_ < buckets_.size() && buckets_[next_bucket_].pending == 0) {
       Bucket& bucket = buckets_[next_bucket_++];
+      if (capture::recording()) {
+        // Inside a compiled step (nn/compile.h) the all-reduce becomes one of the graph's steps, run to
+        // completion where it stands: every rank replays the same collectives in the same order.
+        std::shared_ptr<ProcessGroup> group = group_;
+        Tensor contents = bucket.contents;
+        capture::host_step([group, contents] { group->allreduce(contents, ReduceOp::Sum)->wait(); });
+        continue;
+      }
       bucket.work = group_->allreduce(bucket.contents, ReduceOp::Sum);
     }
   }

@@ -31,6 +31,11 @@
 // holds the global batch, so it may continue with another rank count of the same global batch.
 // gloo trains on CPU tensors; nccl needs --device cuda (rank r uses cuda:LOCAL_RANK unless an index is
 // given) and a CUDA build.
+//
+// --compile captures each training step (forward, loss, backward; not the optimizer step) once per
+// batch shape and replays its kernels afterwards (mn::compile, nn/compile.h): same results bit for bit.
+// With --backend the all-reduce is replayed inside the step. What cannot be captured runs eagerly; the end
+// of the run prints what was captured, or "compiled" in the JSON summary holds that report.
 #include <CLI/CLI.hpp>
 #include <unistd.h>
 
@@ -83,6 +88,7 @@ struct Options {
   bool allow_large = false;
   int64_t limit = 0;
   bool json = false;
+  bool compile = false;
   std::string backend;  // empty: one process
 };
 
@@ -182,6 +188,7 @@ struct Summary {
   int64_t trainable_params = 0, target_params = 0, epochs = 0, steps = 0;
   double seconds = 0;
   int64_t bytes_per_step = 0;  // data parallel: bytes all-reduced per step
+  std::string compile_report;  // --compile: CompiledFunction::explain()
 };
 
 // ---- mapping-network training ----
@@ -332,6 +339,7 @@ Summary train_mapped(const Options& o, Device device, const data::Dataset& train
   config.learning_rate = o.lr > 0 ? o.lr : 1e-2;
   config.scheduler = o.scheduler;
   config.seed = o.seed;
+  config.compile = o.compile;
 
   // Only rank 0 writes files and stdout (MetricsFile rewrites metrics.csv as it opens).
   std::optional<MetricsFile> metrics;
@@ -386,6 +394,7 @@ Summary train_mapped(const Options& o, Device device, const data::Dataset& train
   s.trainable_params = model.trainable_parameter_count();
   s.target_params = model.target_parameter_count();
   if (ddp) s.bytes_per_step = static_cast<int64_t>(ddp->bytes_per_step());
+  s.compile_report = trainer.compile_report();
   return s;
 }
 
@@ -479,6 +488,16 @@ Summary train_direct(const Options& o, Device device, const data::Dataset& train
 
   MetricsFile metrics(out_dir / "metrics.csv", first_epoch);
   data::DataLoader loader(train, {o.batch_size, true, o.seed, false});
+  // One step without the optimizer: returns the loss and the number of correct predictions.
+  auto backward_step = [&](const std::vector<Tensor>& in) {
+    Tensor logits = net->forward(in[0]);
+    Tensor loss = nn::functional::cross_entropy(logits, in[1]);
+    loss.backward();
+    autograd::NoGradGuard no_grad;
+    return std::vector<Tensor>{loss.detach(), sum(eq(argmax(logits, 1), in[1]))};
+  };
+  std::optional<CompiledFunction> compiled;
+  if (o.compile) compiled.emplace(backward_step, nn::module_guard(*net));
   Summary s;
   const auto start = std::chrono::steady_clock::now();
   for (int64_t epoch = first_epoch; epoch < o.epochs; ++epoch) {
@@ -489,16 +508,12 @@ Summary train_direct(const Options& o, Device device, const data::Dataset& train
     double loss_sum = 0;
     int64_t correct = 0, seen = 0, step = 0;
     for (const data::Batch& b : loader) {
-      Tensor logits = net->forward(b.inputs);
-      Tensor loss = nn::functional::cross_entropy(logits, b.targets);
       optimizer->zero_grad();
-      loss.backward();
+      const std::vector<Tensor> out = compiled ? (*compiled)({b.inputs, b.targets}) : backward_step({b.inputs, b.targets});
       optimizer->step();
-      loss_sum += loss.item() * static_cast<double>(b.targets.size(0));
-      {
-        autograd::NoGradGuard no_grad;
-        correct += static_cast<int64_t>(sum(eq(argmax(logits, 1), b.targets)).item());
-      }
+      const std::vector<float> values = stack(out, 0).to_vector<float>();  // one host read per step
+      loss_sum += static_cast<double>(values[0]) * static_cast<double>(b.targets.size(0));
+      correct += static_cast<int64_t>(values[1]);
       seen += b.targets.size(0);
       ++s.steps;
       if (tty) progress.update(++step, str("loss ", loss_sum / static_cast<double>(seen)));
@@ -530,6 +545,7 @@ Summary train_direct(const Options& o, Device device, const data::Dataset& train
   s.test_accuracy = back("test_accuracy");
   s.train_accuracy = back("train_accuracy");
   s.trainable_params = s.target_params = net->parameter_count();
+  if (compiled) s.compile_report = compiled->explain();
   return s;
 }
 
@@ -574,6 +590,9 @@ int main(int argc, char** argv) {
   app.add_option("--limit", o.limit, "use only the first N training and test images (0 = all)")
       ->check(CLI::NonNegativeNumber);
   app.add_flag("--json", o.json, "print a JSON summary as the last line of stdout");
+  app.add_flag("--compile", o.compile,
+               "capture each training step (forward, loss, backward) once per batch shape and replay it "
+               "(mn::compile); prints what was captured at the end");
   app.add_option("--backend", o.backend,
                  "data-parallel training under mn-run: gloo (CPU) or nccl (--device cuda); default: one process");
   CLI11_PARSE(app, argc, argv);
@@ -640,6 +659,7 @@ int main(int argc, char** argv) {
                 {"epochs", s.epochs},
                 {"seconds", s.seconds},
                 {"steps_per_second", num(s.seconds > 0 ? static_cast<double>(s.steps) / s.seconds : 0.0)}};
+      if (!s.compile_report.empty()) j["compiled"] = s.compile_report;
       if (dist.active) {
         j["world_size"] = dist.world_size;
         j["backend"] = dist.backend;
@@ -651,6 +671,7 @@ int main(int argc, char** argv) {
       std::printf("test accuracy %.2f%%, train accuracy %.2f%% after %lld epochs (%.1f s); %s\n",
                   100.0 * s.test_accuracy, 100.0 * s.train_accuracy, static_cast<long long>(s.epochs),
                   s.seconds, (out_dir / "metrics.csv").c_str());
+      if (!s.compile_report.empty()) std::printf("%s", s.compile_report.c_str());
     }
   } catch (const std::exception& e) {
     // Under a launcher, name the rank (also for errors before the group exists).

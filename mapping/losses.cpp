@@ -23,7 +23,7 @@ void require_defined(const Tensor& t, const char* loss, const char* field) {
 
 LossOutput task_output(Tensor value) {
   LossOutput out;
-  out.metrics["task"] = value.detach().item();
+  out.set_metric("task", value);
   out.components["task"] = value;
   out.total = std::move(value);
   return out;
@@ -63,6 +63,34 @@ TrainingContext make_training_context(const ForwardResult& result, const Tensor&
   return c;
 }
 
+// ---- deferred metrics ----
+
+namespace {
+thread_local bool t_defer_metrics = false;
+}  // namespace
+
+DeferredMetrics::DeferredMetrics() : previous_(t_defer_metrics) { t_defer_metrics = true; }
+DeferredMetrics::~DeferredMetrics() { t_defer_metrics = previous_; }
+bool DeferredMetrics::active() { return t_defer_metrics; }
+
+void LossOutput::set_metric(const std::string& name, const Tensor& value, double divisor) {
+  MN_CHECK(value.defined() && value.numel() == 1, ValueError, "metric '", name,
+           "' needs a one-element tensor, got ", value.defined() ? value.sizes().str() : std::string("none"));
+  metrics.erase(name);
+  pending_metrics[name] = PendingMetric{value.detach(), divisor};
+  if (!DeferredMetrics::active()) read_metrics();
+}
+
+void LossOutput::read_metrics() {
+  if (pending_metrics.empty()) return;
+  std::vector<Tensor> values;
+  for (const auto& [name, m] : pending_metrics) values.push_back(m.value.reshape(Shape{}).to(DType::f32));
+  const std::vector<float> host = stack(values, 0).to_vector<float>();  // one transfer
+  size_t i = 0;
+  for (const auto& [name, m] : pending_metrics) metrics[name] = static_cast<double>(host[i++]) / m.divisor;
+  pending_metrics.clear();
+}
+
 // ---- task losses ----
 
 ClassificationLoss::ClassificationLoss(double label_smoothing) : label_smoothing_(label_smoothing) {
@@ -80,13 +108,15 @@ LossOutput ClassificationLoss::compute(const TrainingContext& c) const {
   LossOutput out = task_output(F::cross_entropy(c.predictions, targets, label_smoothing_));
   {
     autograd::NoGradGuard no_grad;
-    const std::vector<int64_t> predicted = argmax(c.predictions.detach(), -1).to_vector<int64_t>();
-    const std::vector<int64_t> expected = targets.to_vector<int64_t>();
-    MN_CHECK(predicted.size() == expected.size(), ValueError, "ClassificationLoss: ", predicted.size(),
-             " predictions but ", expected.size(), " targets");
-    int64_t correct = 0;
-    for (size_t i = 0; i < predicted.size(); ++i) correct += predicted[i] == expected[i];
-    out.metrics["accuracy"] = predicted.empty() ? 0.0 : static_cast<double>(correct) / predicted.size();
+    const Tensor predicted = argmax(c.predictions.detach(), -1);
+    MN_CHECK(predicted.numel() == targets.numel(), ValueError, "ClassificationLoss: ", predicted.numel(),
+             " predictions but ", targets.numel(), " targets");
+    // Counted on the device (exact in f32 below 2^24 rows), divided on the host in double.
+    if (predicted.numel() == 0)
+      out.metrics["accuracy"] = 0.0;
+    else
+      out.set_metric("accuracy", sum(eq(predicted, targets.reshape(predicted.sizes()))),
+                     static_cast<double>(predicted.numel()));
   }
   return out;
 }
@@ -146,7 +176,7 @@ LossOutput StabilityLoss::compute(const TrainingContext& c) const {
     value = mean(d2);
   }
   LossOutput out;
-  out.metrics["stability"] = value.detach().item();
+  out.set_metric("stability", value);
   out.components["stability"] = value;
   out.total = value;
   return out;
@@ -213,7 +243,7 @@ LossOutput SmoothnessLoss::compute(const TrainingContext& c) const {
     return out;
   }
   Tensor value = div(jacobian_sq, static_cast<double>(latent_numel));
-  out.metrics["smoothness"] = value.detach().item();
+  out.set_metric("smoothness", value);
   out.components["smoothness"] = value;
   out.total = value;
   return out;
@@ -249,7 +279,7 @@ LossOutput AlignmentLoss::compute(const TrainingContext& c) const {
   // No latent has a summary: a zero that still joins the graph, as in the reference.
   Tensor value = pairs == 0 ? zeros({}, TensorOptions().with_requires_grad(true))
                             : div(sum_distance, static_cast<double>(pairs));
-  out.metrics["alignment"] = value.detach().item();
+  out.set_metric("alignment", value);
   out.components["alignment"] = value;
   out.total = value;
   return out;
@@ -359,7 +389,8 @@ LossOutput MappingLoss::compute(const TrainingContext& c) const {
            "' returned no total");
   LossOutput out;
   out.metrics = task_out.metrics;
-  if (!out.metrics.count("task")) out.metrics["task"] = task_out.total.detach().item();
+  out.pending_metrics = task_out.pending_metrics;
+  if (!out.has_metric("task")) out.set_metric("task", task_out.total);
   out.components["task"] = task_out.total;
   Tensor total = task_out.total;
 
@@ -367,7 +398,14 @@ LossOutput MappingLoss::compute(const TrainingContext& c) const {
     if (loss == nullptr) return;
     LossOutput part = loss->compute(c);
     for (const auto& [k, v] : part.metrics) out.metrics[k] = v;
-    out.metrics[std::string("lambda_") + term_name(t)] = lambda_value(t);
+    for (const auto& [k, v] : part.pending_metrics) out.pending_metrics[k] = v;
+    const std::string lambda_key = std::string("lambda_") + term_name(t);
+    if (const Tensor& rho = raw_lambda_[static_cast<int>(t)]; rho.defined()) {
+      autograd::NoGradGuard no_grad;
+      out.set_metric(lambda_key, softplus(rho));
+    } else {
+      out.metrics[lambda_key] = fixed_lambda_[static_cast<int>(t)];
+    }
     if (!part.total.defined()) return;  // reported absent (smoothness without gradients)
     out.components[term_name(t)] = part.total;
     total = add(total, weighted(t, part.total));
@@ -377,7 +415,7 @@ LossOutput MappingLoss::compute(const TrainingContext& c) const {
   add_term(Term::Alignment, alignment_.get());
 
   out.total = total;
-  out.metrics["total"] = total.detach().item();
+  out.set_metric("total", total);
   return out;
 }
 

@@ -508,12 +508,14 @@ TrainingContext MappingTrainer::build_context(const Batch& batch, const ForwardR
   return c;
 }
 
+// Device metrics stay pending (one host read per step, by the caller, after the backward).
 LossOutput MappingTrainer::forward_loss(const Batch& batch) {
+  DeferredMetrics defer;
   const ForwardResult result = run_forward(batch, {});
   return loss_->compute(build_context(batch, result));
 }
 
-LossOutput MappingTrainer::train_step(const Batch& batch, int64_t accumulation_steps) {
+LossOutput MappingTrainer::backward_step(const Batch& batch, int64_t accumulation_steps) {
   LossOutput out = forward_loss(batch);
   MN_CHECK(out.total.defined() && out.total.numel() == 1, RuntimeError,
            "MappingTrainer: the loss must return a scalar total");
@@ -523,8 +525,87 @@ LossOutput MappingTrainer::train_step(const Batch& batch, int64_t accumulation_s
            "MappingTrainer: the loss total does not depend on any trainable tensor (latents or loss "
            "coefficients); nothing to train");
   objective.backward();
+  return out;
+}
+
+namespace {
+std::vector<int64_t> layout_key(int64_t accumulation_steps, const Tensor& inputs, const Tensor& targets) {
+  std::vector<int64_t> key{accumulation_steps};
+  for (const Tensor* t : {&inputs, &targets}) {
+    key.push_back(t->defined() ? t->dim() : -1);
+    if (t->defined()) key.insert(key.end(), t->sizes().begin(), t->sizes().end());
+  }
+  return key;
+}
+}  // namespace
+
+LossOutput MappingTrainer::compiled_backward_step(const Batch& batch, int64_t accumulation_steps) {
+  auto& compiled = compiled_steps_[accumulation_steps];
+  if (!compiled) {
+    // Outputs: the total, the components, the pending metrics (names in step_layouts_).
+    auto body = [this, accumulation_steps](const std::vector<Tensor>& in) {
+      Batch b;
+      b.inputs = in[0];
+      b.targets = in[1];
+      LossOutput out = backward_step(b, accumulation_steps);
+      StepLayout layout;
+      std::vector<Tensor> outputs{out.total.detach()};
+      for (const auto& [name, t] : out.components) {
+        layout.components.push_back(name);
+        outputs.push_back(t.defined() ? t.detach() : t);
+      }
+      for (const auto& [name, m] : out.pending_metrics) {
+        layout.pending_metrics.emplace_back(name, m.divisor);
+        outputs.push_back(m.value);
+      }
+      layout.metrics = out.metrics;
+      step_layouts_[layout_key(accumulation_steps, in[0], in[1])] = std::move(layout);
+      return outputs;
+    };
+    Guard model_guard = model_.compile_guard();
+    Guard guard = [model_guard, this](std::vector<uint64_t>& key) {
+      model_guard(key);
+      for (const Tensor& rho : loss_->coefficient_parameters())
+        key.push_back(reinterpret_cast<uint64_t>(rho.storage()->data()) + static_cast<uint64_t>(rho.storage_offset()));
+    };
+    compiled = std::make_unique<CompiledFunction>(body, guard, CompileOptions{.fullgraph = config_.compile_fullgraph});
+  }
+  const Device device = model_.device();
+  Tensor inputs = batch.inputs, targets = batch.targets;
+  if (inputs.defined() && inputs.device() != device) inputs = inputs.to(device);
+  if (targets.defined() && targets.device() != device) targets = targets.to(device);
+  const std::vector<Tensor> outputs = (*compiled)({inputs, targets});
+  const auto found = step_layouts_.find(layout_key(accumulation_steps, inputs, targets));
+  MN_CHECK(found != step_layouts_.end(), RuntimeError, "MappingTrainer: no layout for a compiled step of batch ",
+           inputs.sizes());
+  const StepLayout& layout = found->second;
+  MN_CHECK(outputs.size() == 1 + layout.components.size() + layout.pending_metrics.size(), RuntimeError,
+           "MappingTrainer: a compiled step returned ", outputs.size(), " tensors, its layout names ",
+           1 + layout.components.size() + layout.pending_metrics.size());
+  LossOutput out;
+  out.total = outputs[0];
+  size_t i = 1;
+  for (const std::string& name : layout.components) out.components[name] = outputs[i++];
+  out.metrics = layout.metrics;
+  for (const auto& [name, divisor] : layout.pending_metrics) out.pending_metrics[name] = {outputs[i++], divisor};
+  return out;
+}
+
+LossOutput MappingTrainer::train_step(const Batch& batch, int64_t accumulation_steps) {
+  LossOutput out =
+      config_.compile ? compiled_backward_step(batch, accumulation_steps) : backward_step(batch, accumulation_steps);
+  out.read_metrics();
   if (++pending_batches_ >= accumulation_steps) optimizer_step();
   return out;
+}
+
+std::string MappingTrainer::compile_report() const {
+  std::string report;
+  for (const auto& [k, compiled] : compiled_steps_) {
+    if (compiled_steps_.size() > 1) report += str("accumulation ", k, ": ");
+    report += compiled->explain();
+  }
+  return report;
 }
 
 void MappingTrainer::optimizer_step() {
@@ -590,7 +671,9 @@ Metrics MappingTrainer::validate(DataLoader& loader) {
     autograd::NoGradGuard no_grad;
     for (const Batch& batch : loader) {
       check_interrupt();
-      averages.add(forward_loss(batch), batch_samples(batch));
+      LossOutput out = forward_loss(batch);
+      out.read_metrics();
+      averages.add(out, batch_samples(batch));
     }
   } catch (...) {
     model_.train(was_training);

@@ -92,6 +92,11 @@ struct TrainerConfig {
   bool discard_partial_accumulation = false;
   LRFinderOptions lr_finder;
   std::ostream* log = nullptr;  // info lines (active loss terms, LR sweep, interrupts); null: silent
+  // Training steps (forward, loss, backward) through mn::compile (nn/compile.h): captured once per
+  // batch shape, replayed after; the optimizer step stays eager. What cannot be captured (a custom
+  // loss reading values on the host) runs eagerly, or throws with fullgraph.
+  bool compile = false;
+  bool compile_fullgraph = false;
 };
 
 // ---- history and resumable state ----
@@ -329,6 +334,8 @@ class MappingTrainer {
   void set_metrics_reducer(MetricsReducer reducer) { metrics_reducer_ = std::move(reducer); }
   // The optimizer's tensors: latents, then the loss's rho's.
   std::vector<Tensor> trainable_parameters() const;
+  // config.compile: what the compiled steps did (CompiledFunction::explain per accumulation factor).
+  std::string compile_report() const;
 
  private:
   void build_optimizer();
@@ -338,6 +345,8 @@ class MappingTrainer {
   LossOutput forward_loss(const data::Batch& batch);
   // forward + loss + backward of total / accumulation; steps when the window is full.
   LossOutput train_step(const data::Batch& batch, int64_t accumulation_steps);
+  LossOutput backward_step(const data::Batch& batch, int64_t accumulation_steps);  // without the step
+  LossOutput compiled_backward_step(const data::Batch& batch, int64_t accumulation_steps);
   void optimizer_step();
   void finish_accumulation_window();
   double scheduler_metric(const Metrics& metrics) const;
@@ -358,6 +367,16 @@ class MappingTrainer {
   std::unique_ptr<nn::optim::LRScheduler> scheduler_;
   Generator generator_;
   BatchForward batch_forward_;
+  // config_.compile: one compiled backward_step per accumulation factor (a constant of the graph), and
+  // what the compiled function returns, per accumulation factor and batch shape (set whenever it runs
+  // the step itself; divisors such as the batch size are constants of each graph).
+  std::map<int64_t, std::unique_ptr<CompiledFunction>> compiled_steps_;
+  struct StepLayout {
+    std::vector<std::string> components;
+    std::vector<std::pair<std::string, double>> pending_metrics;  // name, divisor
+    std::map<std::string, double> metrics;                        // host values (constants of the step)
+  };
+  std::map<std::vector<int64_t>, StepLayout> step_layouts_;
   MetricsReducer metrics_reducer_;
   int64_t last_pass_samples_ = 0;  // samples averaged by the last fit_epoch / validate
   History history_;

@@ -188,9 +188,23 @@ int64_t CompiledFunction::reserved_bytes() const {
   return n;
 }
 
+int64_t CompiledFunction::peak_allocated_bytes() const {
+  int64_t n = 0;
+  for (const auto& e : entries_)
+    if (e->graph) n += e->graph->peak_allocated_bytes();
+  return n;
+}
+
 int64_t CompiledFunction::num_graphs() const {
   int64_t n = 0;
   for (const auto& e : entries_) n += e->graph != nullptr;
+  return n;
+}
+
+int64_t CompiledFunction::num_kernels() const {
+  int64_t n = 0;
+  for (const auto& e : entries_)
+    if (e->graph) n += static_cast<int64_t>(e->graph->num_steps());
   return n;
 }
 

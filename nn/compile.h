@@ -19,8 +19,9 @@
 //
 // What a replay cannot repeat breaks the capture: reading values on the host (item(), to_vector(),
 // so loss metrics are read after the call), optimizer steps (host step counts), empty_cache,
-// process-group collectives, outputs that require grad (a replay has no history: call backward inside
-// the function and return detached tensors), inputs that require grad. Without fullgraph the call
+// collectives called directly, outputs that require grad (a replay has no history: call backward
+// inside the function and return detached tensors), inputs that require grad. The DDP wrapper's
+// all-reduce is captured: it is recorded as a step that runs the collective to completion in order. Without fullgraph the call
 // finishes eagerly and the signature stays eager (explain() says why); with fullgraph it throws
 // RuntimeError naming the cause. BatchNorm in training mode and dropout are captured: running
 // statistics update in place and every replay draws new random numbers from the same generator.
@@ -70,9 +71,12 @@ class CompiledFunction {
   const Stats& stats() const { return stats_; }
   // One line per signature: captured (steps, pool bytes) or eager and why.
   std::string explain() const;
-  // Bytes held by the graphs' private memory pools.
+  // Bytes held by the graphs' private memory pools, and the peak allocated from them while capturing.
   int64_t reserved_bytes() const;
+  int64_t peak_allocated_bytes() const;
   int64_t num_graphs() const;
+  // Kernels recorded, summed over the graphs.
+  int64_t num_kernels() const;
   // Drops every graph (the next call captures again).
   void reset();
 

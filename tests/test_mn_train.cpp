@@ -169,6 +169,31 @@ TEST_CASE("mn-train: 1 epoch + --resume 1 epoch gives the latents of 2 straight 
   }
 }
 
+TEST_CASE("mn-train: --compile replays the steps and writes the checkpoint of the eager run, byte for byte") {
+  std::string exe;
+  if (!ready(exe)) return;
+  TempDir dir("mn_train_test");
+  for (const char* strategy : {"layerwise --latent-dim 16", "direct"}) {
+    INFO("strategy " << strategy);
+    // 512 images in batches of 200: two full batches and a partial one (a second signature).
+    const std::string common = str("--target cnn2 --epochs 2 --limit 512 --batch-size 200 --seed 3 --strategy ", strategy);
+    const std::string name = std::string(strategy).substr(0, 6);
+    const json eager = summary(run(exe, str(common, " --json --out ", dir / (name + "_eager"))));
+    const json compiled = summary(run(exe, str(common, " --json --compile --out ", dir / (name + "_compiled"))));
+    CHECK(compiled["test_accuracy"] == eager["test_accuracy"]);
+    REQUIRE(compiled.contains("compiled"));
+    const std::string report = compiled["compiled"].get<std::string>();
+    INFO(report);
+    CHECK(report.find("6 calls, 2 captures, 4 replays, 0 eager") != std::string::npos);
+    const std::string a = dir / (name + "_eager/checkpoint.safetensors");
+    const std::string b = dir / (name + "_compiled/checkpoint.safetensors");
+    std::ifstream fa(a, std::ios::binary), fb(b, std::ios::binary);
+    const std::string bytes_a((std::istreambuf_iterator<char>(fa)), {}), bytes_b((std::istreambuf_iterator<char>(fb)), {});
+    CHECK(!bytes_a.empty());
+    CHECK(bytes_a == bytes_b);
+  }
+}
+
 TEST_CASE("mn-train: unavailable CUDA and a missing checkpoint are clear errors") {
   std::string exe;
   if (!ready(exe)) return;

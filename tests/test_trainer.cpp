@@ -750,3 +750,49 @@ TEST_CASE("lr finder: fit(auto_lr_find) trains with the suggested learning rate"
   CHECK(history[keys::kLearningRate].front() == expected);
   CHECK(trainer.config().learning_rate == expected);
 }
+
+TEST_CASE("trainer: compiled steps give the same history and latents bit for bit") {
+  // Every regulariser (stability noise, smoothness probes through a double backward, alignment),
+  // trainable coefficients, a partial last batch (a second signature) and accumulation (a graph that
+  // accumulates into the gradients of the first).
+  // Classification adds accuracy, a metric divided by the batch size (a constant of each graph).
+  for (auto [k, classify] : {std::pair{int64_t{1}, false}, std::pair{int64_t{2}, false}, std::pair{int64_t{1}, true}}) {
+    auto run = [&](bool compile) {
+      auto model = linear_model(3);
+      data::DataLoader loader = regression_loader(10, 4, 2, /*shuffle=*/true);
+      if (classify) {
+        Generator gen(5);
+        Tensor x = randn({10, 4}, {}, &gen);
+        Tensor y = uniform({10}, 0.0, 2.0, {}, &gen).to(DType::i64);
+        loader = data::DataLoader(x, y, {.batch_size = 4, .shuffle = true, .seed = 2});
+      }
+      MappingLossOptions o;
+      o.stability = std::make_shared<StabilityLoss>(0.01, 2);
+      o.alignment = std::make_shared<AlignmentLoss>();
+      o.trainable_coefficients = true;
+      std::shared_ptr<Loss> task = std::make_shared<RegressionLoss>();
+      if (classify) task = std::make_shared<ClassificationLoss>();
+      auto loss = std::make_shared<MappingLoss>(task, o);
+      TrainerConfig config;
+      config.max_epochs = 3;
+      config.seed = 11;
+      config.learning_rate = 0.05;
+      config.accumulation_steps = k;
+      config.compile = compile;
+      config.compile_fullgraph = compile;
+      MappingTrainer trainer(*model, loader, nullptr, loss, config);
+      const History history = trainer.fit();
+      if (compile) {
+        INFO(trainer.compile_report());
+        CHECK(!contains(trainer.compile_report(), " 0 replays"));
+        CHECK(contains(trainer.compile_report(), " 0 eager"));
+      }
+      std::vector<std::vector<double>> out;
+      for (const std::string& key : history.keys()) out.push_back(history[key]);
+      for (const auto& z : latent_values(*model)) out.emplace_back(z.begin(), z.end());
+      return out;
+    };
+    INFO("accumulation " << k << (classify ? ", classification" : ", regression"));
+    CHECK(run(false) == run(true));
+  }
+}

@@ -3,7 +3,8 @@
 //   dist_worker collectives   allreduce (sum, avg; f32, i64), broadcast, allgather and barrier for sizes
 //                             0, 1, 1023 and 10^7; Gloo's event loop runs under SCHED_BATCH
 //   dist_worker equivalence   N ranks on disjoint shards == one process on the whole batch after k Adam steps
-//                             (also with two forwards - clean and perturbed - before each backward)
+//                             (also with two forwards - clean and perturbed - before each backward, and
+//                             with --compile: the steps captured once and replayed, all-reduce included)
 //   dist_worker no_sync       two micro-batches, the first under no_sync == one step on their concatenation
 //   dist_worker buffer_mismatch  rank 1 uses another mapper seed: wrap_ddp must fail on every rank
 //   dist_worker kill          rank --kill-rank raises SIGKILL after --after-step steps; the others must stop
@@ -278,6 +279,9 @@ void check_ranks_identical(dist::ProcessGroup& pg, const std::vector<float>& min
 void run_equivalence(int argc, char** argv) {
   const int steps = std::stoi(arg_value(argc, argv, "--steps", "3"));
   const bool two_forwards = has_flag(argc, argv, "--two-forwards");
+  // --compile: the DDP steps go through mn::compile (fullgraph), the all-reduce replayed inside.
+  const bool compiled = has_flag(argc, argv, "--compile");
+  WORKER_CHECK(!(compiled && two_forwards), "--compile takes the single-forward step only");
   const int64_t batch_size = 12;  // divisible by 2 and 3: equal shards
   setup_from_env(60s);
   auto pg = dist::default_process_group();
@@ -313,13 +317,20 @@ void run_equivalence(int argc, char** argv) {
   const Data shard = take(data, sampler.index_tensor());
   WORKER_CHECK(shard.inputs.size(0) == batch_size / world, "shard size");
   nn::optim::Adam opt(ddp.parameters(), nn::optim::AdamOptions{.lr = 1e-2});
+  auto forward = [&](const Tensor& x, const mapping::LatentOverrides& o) { return ddp.forward(x, o).predictions; };
+  CompiledFunction compiled_step(
+      [&](const std::vector<Tensor>& in) {
+        loss_of(forward, model, Data{in[0], in[1]}, false, 0).backward();
+        return std::vector<Tensor>{};
+      },
+      model.compile_guard(), {.fullgraph = true});
   double max_grad_rel = 0;
   for (int step = 0; step < steps; ++step) {
     opt.zero_grad();
-    auto forward = [&](const Tensor& x, const mapping::LatentOverrides& o) {
-      return ddp.forward(x, o).predictions;
-    };
-    loss_of(forward, model, shard, two_forwards, step).backward();
+    if (compiled)
+      compiled_step({shard.inputs, shard.targets});
+    else
+      loss_of(forward, model, shard, two_forwards, step).backward();
     const double grad_rel = relative_difference(flat_grads(model), reference_grads[static_cast<size_t>(step)]);
     WORKER_CHECK(grad_rel <= 1e-5, "step ", step, ": averaged gradients differ from the full-batch ones by ",
                  grad_rel);
@@ -332,6 +343,9 @@ void run_equivalence(int argc, char** argv) {
               rank, world, steps, two_forwards ? " (two forwards per step)" : "", rel, max_grad_rel);
   WORKER_CHECK(rel <= 1e-6, "latents differ from the single-process run by ", rel);
   check_ranks_identical(*pg, mine, "latents after training");
+  if (compiled)
+    WORKER_CHECK(compiled_step.stats().captures == 1 && compiled_step.stats().replays == steps - 1,
+                 "expected 1 capture and ", steps - 1, " replays:\n", compiled_step.explain());
   dist::cleanup_ddp();
 }
 

@@ -40,6 +40,7 @@ foreach(nproc 2 3)
   mn_dist_test(dist_collectives_${nproc} ${nproc} collectives)
   mn_dist_test(dist_equivalence_${nproc} ${nproc} equivalence --steps 3)
   mn_dist_test(dist_equivalence_two_forwards_${nproc} ${nproc} equivalence --steps 3 --two-forwards)
+  mn_dist_test(dist_equivalence_compile_${nproc} ${nproc} equivalence --steps 3 --compile)
   mn_dist_test(dist_no_sync_${nproc} ${nproc} no_sync)
 endforeach()
 
