@@ -4,6 +4,8 @@
 //   BM_CNN2_LayerwiseStep_CUDA  CNN2 through a layerwise mapping network, 4 groups x 672, batch 256:
 //                               generate + forward + backward + Adam (lr 1e-2), as in
 //                               bench_train_step.cpp's BM_CNN2_LayerwiseStep
+//   BM_CNN2_LayerwiseStep_CUDA_Compiled  the same step with forward + backward through mn::compile
+//                               (captured once, its kernels replayed: no per-op host work)
 //   BM_CNN2_DirectStep_CUDA/B   CNN2 trained directly (its own parameters, Adam lr 1e-3), batch B
 //   BM_CNN2_LayerwiseStep_CPU   the mapped step on this machine's CPU (all OpenMP threads), for the
 //                               ">= 5x faster than the CPU backend" target
@@ -22,6 +24,7 @@
 #include "core/cuda.h"
 #include "mapping/mapping_model.h"
 #include "mapping/targets.h"
+#include "nn/compile.h"
 #include "nn/functional.h"
 #include "nn/optim.h"
 
@@ -74,7 +77,7 @@ void timed_steps(benchmark::State& state, Device device, Step&& step) {
   state.counters["median_ms"] = median(ms);
 }
 
-void mapped_cnn2_step(benchmark::State& state, Device device) {
+void mapped_cnn2_step(benchmark::State& state, Device device, bool compiled = false) {
   manual_seed(0);
   mapping::MappingOptions o;
   o.latent_dim = 672;
@@ -84,21 +87,32 @@ void mapped_cnn2_step(benchmark::State& state, Device device) {
   nn::optim::Adam adam(model.parameters(), nn::optim::AdamOptions{1e-2});
   const int64_t batch = 256;
   Tensor x = images({batch, 1, 28, 28}, device), y = labels(batch, device);
+  auto backward = [&](const std::vector<Tensor>& in) {
+    F::cross_entropy(model.forward(in[0]).predictions, in[1]).backward();
+    return std::vector<Tensor>{};
+  };
+  CompiledFunction compiled_backward(backward, model.compile_guard(), {.fullgraph = true});
   timed_steps(state, device, [&] {
-    Tensor loss = F::cross_entropy(model.forward(x).predictions, y);
     adam.zero_grad();
-    loss.backward();
+    if (compiled)
+      compiled_backward({x, y});
+    else
+      backward({x, y});
     adam.step();
   });
   state.SetItemsProcessed(state.iterations() * batch);
+  if (compiled) state.counters["kernels"] = static_cast<double>(compiled_backward.num_kernels());
   state.counters["groups"] = static_cast<double>(model.generator().groups().size());
   state.counters["trainable"] = static_cast<double>(model.trainable_parameter_count());
   state.counters["batch"] = static_cast<double>(batch);
-  state.SetLabel("cnn2 layerwise 4x672 batch 256 on " + device.str());
+  state.SetLabel("cnn2 layerwise 4x672 batch 256 on " + device.str() + (compiled ? ", compiled" : ""));
 }
 
 void BM_CNN2_LayerwiseStep_CUDA(benchmark::State& state) { mapped_cnn2_step(state, kGpu); }
 BENCHMARK(BM_CNN2_LayerwiseStep_CUDA)->UseManualTime()->Unit(benchmark::kMillisecond);
+
+void BM_CNN2_LayerwiseStep_CUDA_Compiled(benchmark::State& state) { mapped_cnn2_step(state, kGpu, true); }
+BENCHMARK(BM_CNN2_LayerwiseStep_CUDA_Compiled)->UseManualTime()->Unit(benchmark::kMillisecond);
 
 void BM_CNN2_DirectStep_CUDA(benchmark::State& state) {
   manual_seed(0);

@@ -137,12 +137,20 @@ void unsupported(const std::string& what) {
   if (Recording* r = detail::t_recording) Access::stop(*r, what);
 }
 
+void host_access() {
+  unsupported("host code read or wrote a tensor's memory (Tensor::data) outside a kernel");
+}
+
 void host_wrote(const Tensor& t) {
   if (!recording()) return;
   MN_CHECK(t.device().is_cpu() && t.is_contiguous(), ValueError,
            "capture::host_wrote: expected a contiguous CPU tensor, got one on ", t.device());
-  const char* src = static_cast<const char*>(t.raw_data());
-  auto bytes = std::make_shared<std::vector<char>>(src, src + t.nbytes());
+  std::shared_ptr<std::vector<char>> bytes;
+  {
+    Pause pause;
+    const char* src = static_cast<const char*>(t.raw_data());
+    bytes = std::make_shared<std::vector<char>>(src, src + t.nbytes());
+  }
   Tensor held = detail::hold(t);
   run_and_append([held, bytes] {
     if (!bytes->empty()) std::memcpy(held.raw_data(), bytes->data(), bytes->size());

@@ -15,7 +15,8 @@
 // before the recording (parameters, optimizer state) are held by the graph.
 //
 // What cannot be replayed breaks the recording: reading a tensor's value on the host (item,
-// to_vector), releasing cached memory (empty_cache), collectives of a process group. A broken
+// to_vector), releasing cached memory (empty_cache), collectives of a process group called directly
+// (host work that must repeat, like the DDP all-reduce, is recorded with host_step). A broken
 // recording stops recording and lets the computation finish eagerly; the caller decides whether
 // that is an error (fullgraph) or a reason to stay eager. Random tensors draw a fresh Philox range
 // from their generator at every replay, exactly as eager calls would. Side effects outside tensors
@@ -52,7 +53,7 @@ class Graph {
 
   size_t num_steps() const { return steps_.size(); }
 
-  // Gradients of leaves the recording wrote (autograd's AccumulateGrad). A replay rewrites the same
+  // Gradients of leaves the recording wrote (AccumulateGrad, set_grad). A replay rewrites the same
   // gradient tensors, so it matches a leaf only while the leaf's gradient is what it was before the
   // recording (none, or the same memory, which is then accumulated into).
   bool grads_match() const;
@@ -142,8 +143,9 @@ inline bool recording() { return detail::t_recording != nullptr; }
 // recording (or throws under set_throw_on_break); does nothing when not recording.
 void unsupported(const std::string& what);
 
-// Host code wrote `t`'s bytes directly (factories from host values): the values are restored at every
-// replay, since the graph's pool may hand the memory to a later tensor of the same recording.
+// Host code wrote `t`'s bytes directly (factories from host values, under a Pause: Tensor::data breaks
+// a recording otherwise): the values are restored at every replay, since the graph's pool may hand the
+// memory to a later tensor of the same recording.
 void host_wrote(const Tensor& t);
 
 // The random fill of `t` from `gen` (factories): recorded so that each replay reserves a new range.

@@ -20,6 +20,13 @@ namespace mn {
 
 class Tensor;
 class Generator;
+namespace capture {  // core/capture.h
+class Recording;
+namespace detail {
+extern thread_local Recording* t_recording;
+}
+void host_access();  // host code touched a tensor's memory while recording: not replayable
+}  // namespace capture
 namespace autograd {
 class Node;
 struct AutogradMeta;
@@ -61,14 +68,17 @@ class Tensor {
   bool is_contiguous() const;
   size_t nbytes() const { return static_cast<size_t>(numel()) * dtype_size(dtype()); }
 
-  // Typed pointer to element 0 (offset applied); throws TypeError on a dtype mismatch.
+  // Typed pointer to element 0 (offset applied); throws TypeError on a dtype mismatch. Outside a kernel
+  // while a graph is being recorded, host access breaks the recording (a replay would not repeat it).
   template <class T>
   T* data() const {
     MN_CHECK(dtype() == dtype_of<T>::value, TypeError, "data<", dtype_name(dtype_of<T>::value),
              ">() called on a tensor of dtype ", dtype_name(dtype()));
+    if (capture::detail::t_recording != nullptr) capture::host_access();
     return static_cast<T*>(storage()->data()) + impl_->offset;
   }
   void* raw_data() const {
+    if (capture::detail::t_recording != nullptr) capture::host_access();
     return static_cast<char*>(storage()->data()) + impl_->offset * static_cast<int64_t>(dtype_size(dtype()));
   }
 

@@ -53,12 +53,15 @@ Tensor arange(double start, double end, double step, TensorOptions opts) {
            ") is empty or reversed for step ", step);
   const int64_t n = std::max<int64_t>(0, static_cast<int64_t>(std::ceil((end - start) / step)));
   Tensor host = empty({n}, TensorOptions(opts.dtype));
-  if (opts.dtype == DType::f32) {
-    float* p = host.data<float>();
-    for (int64_t i = 0; i < n; ++i) p[i] = static_cast<float>(start + i * step);
-  } else {
-    int64_t* p = host.data<int64_t>();
-    for (int64_t i = 0; i < n; ++i) p[i] = static_cast<int64_t>(start + i * step);
+  {
+    capture::Pause pause;  // a host write, kept by host_wrote below
+    if (opts.dtype == DType::f32) {
+      float* p = host.data<float>();
+      for (int64_t i = 0; i < n; ++i) p[i] = static_cast<float>(start + i * step);
+    } else {
+      int64_t* p = host.data<int64_t>();
+      for (int64_t i = 0; i < n; ++i) p[i] = static_cast<int64_t>(start + i * step);
+    }
   }
   capture::host_wrote(host);
   Tensor t = opts.device.is_cpu() ? host : host.to(opts.device);
@@ -108,7 +111,10 @@ Tensor from_values(const std::vector<T>& values, const Shape& shape, TensorOptio
            " values do not fill shape ", s);
   const bool rg = opts.requires_grad;
   Tensor host = empty(s, TensorOptions(dtype_of<T>::value));
-  std::copy(values.begin(), values.end(), host.data<T>());
+  {
+    capture::Pause pause;  // a host write, kept by host_wrote below
+    std::copy(values.begin(), values.end(), host.data<T>());
+  }
   capture::host_wrote(host);
   Tensor t = host;
   if (opts.dtype != dtype_of<T>::value) t = t.to(opts.dtype);

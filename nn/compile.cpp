@@ -83,6 +83,10 @@ std::vector<uint64_t> CompiledFunction::key_of(const std::vector<Tensor>& inputs
 
 std::vector<Tensor> CompiledFunction::operator()(const std::vector<Tensor>& inputs) {
   ++stats_.calls;
+  if (capture::recording()) {  // inside another compiled function's capture: its graph records ours
+    ++stats_.eager;
+    return fn_(inputs);
+  }
   const std::vector<uint64_t> key = key_of(inputs);
   for (const auto& e : entries_) {
     if (e->key != key) continue;

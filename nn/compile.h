@@ -25,7 +25,9 @@
 // finishes eagerly and the signature stays eager (explain() says why); with fullgraph it throws
 // RuntimeError naming the cause. BatchNorm in training mode and dropout are captured: running
 // statistics update in place and every replay draws new random numbers from the same generator.
-// Outputs are fresh tensors at every call.
+// Outputs are fresh tensors at every call; the gradients a replay leaves on the parameters are the
+// graph's own tensors, rewritten by the next replay (clone one to keep it). Not thread-safe: one caller
+// at a time, on the thread that captured.
 #include <cstdint>
 #include <functional>
 #include <memory>

@@ -129,6 +129,7 @@ def main():
             return None
         return b.get("median_ms", to_ns(b) / 1e6)
     step = {"ours_gpu_ms": median("BM_CNN2_LayerwiseStep_CUDA"), "ours_cpu_ms": median("BM_CNN2_LayerwiseStep_CPU"),
+            "ours_gpu_compiled_ms": median("BM_CNN2_LayerwiseStep_CUDA_Compiled"),
             "torch_gpu_ms": torch.get("cnn2_layerwise_b256_ms"), "torch_cpu_ms": torch.get("cnn2_layerwise_b256_cpu_ms"),
             "ours_direct_b128_ms": median("BM_CNN2_DirectStep_CUDA/128"),
             "ours_direct_b256_ms": median("BM_CNN2_DirectStep_CUDA/256"),
@@ -146,6 +147,7 @@ def main():
                      f"(PyTorch cpu {fmt(step['torch_cpu_ms'])})")
         lines.append(f"             ours cpu / ours cuda = {fmt(step.get('cpu_over_gpu'), '.1f')}x (target >= 5); "
                      f"ours / PyTorch = {fmt(step.get('ours_over_torch'))} (target <= 1)")
+        lines.append(f"             compiled (mn::compile) cuda {fmt(step['ours_gpu_compiled_ms'])} ms")
         lines.append(f"direct step: CNN2 batch 128 / 256, median ms: ours {fmt(step['ours_direct_b128_ms'])} / "
                      f"{fmt(step['ours_direct_b256_ms'])}, PyTorch {fmt(step['torch_direct_b128_ms'])} / "
                      f"{fmt(step['torch_direct_b256_ms'])}")

@@ -201,6 +201,12 @@ TEST_CASE("compile: what a replay cannot repeat runs eagerly (and names why), or
          return std::vector<Tensor>{s.detach()};
        }},
       {"output 0 requires grad", [&](const std::vector<Tensor>& in) { return std::vector<Tensor>{lin->forward(in[0])}; }},
+      {"Tensor::data", [&](const std::vector<Tensor>& in) {
+         autograd::NoGradGuard no_grad;
+         Tensor t = mul(lin->forward(in[0]), 2.0);
+         t.data<float>()[0] = 5.0f;  // a host write no replay would repeat
+         return std::vector<Tensor>{sum(t)};
+       }},
   };
   for (const Case& c : cases) {
     INFO(c.what);
@@ -217,6 +223,16 @@ TEST_CASE("compile: what a replay cannot repeat runs eagerly (and names why), or
     CHECK_THROWS_WITH_AS(strict({x}), doctest::Contains(c.what), RuntimeError);
     CHECK(!capture::recording());
   }
+  // A compiled function called while another one captures runs eagerly inside the outer graph.
+  CompiledFunction inner = compile([&](const std::vector<Tensor>& in) { return std::vector<Tensor>{mul(in[0], 3.0)}; });
+  CompiledFunction outer = compile([&](const std::vector<Tensor>& in) { return std::vector<Tensor>{add(inner(in)[0], 1.0)}; },
+                                   {}, {.fullgraph = true});
+  for (uint64_t seed = 1; seed <= 3; ++seed) {
+    const Tensor v = random_tensor({4}, seed);
+    CHECK(flat(outer({v})) == flat({add(mul(v, 3.0), 1.0)}));
+  }
+  CHECK(outer.stats().replays == 2);
+  CHECK(inner.stats().calls == 1);
   // An input that requires grad cannot receive gradients from a replay.
   CompiledFunction f = compile([&](const std::vector<Tensor>& in) { return std::vector<Tensor>{sum(in[0]).detach()}; });
   f({random_param({2}, 1)});

@@ -2,7 +2,8 @@
 // layerwise, lazy_layerwise and slvt against the same model on the CPU (generated parameters,
 // predictions, latent gradients, a few Adam steps), mapper factors built for the device against the
 // CPU ones, MappingModel::to, lazy_layerwise emptying the CUDA cache once per group, the scaling
-// guide's peak ordering from the CUDA allocator's exact counters, and a short training loop on CUDA.
+// guide's peak ordering from the CUDA allocator's exact counters, a short training loop on CUDA, and a
+// compiled (captured, replayed) step against the eager one.
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -22,6 +23,7 @@
 #include "mapping/orthogonal.h"
 #include "mapping/profiler.h"
 #include "mapping/targets.h"
+#include "nn/compile.h"
 #include "nn/functional.h"
 #include "nn/optim.h"
 
@@ -333,4 +335,41 @@ TEST_CASE("cuda mapping: Adam steps on CUDA follow the CPU ones and a short trai
   MESSAGE("cuda training loop: loss " << gpu_losses.front() << " -> " << last);
   CHECK(std::isfinite(last));
   CHECK(last < 0.7 * gpu_losses.front());
+}
+
+TEST_CASE("cuda mapping: a compiled training step replays on the device like the eager one") {
+  MappingModel eager = cnn2_model("layerwise", 64, kGpu);
+  MappingModel compiled = cnn2_model("layerwise", 64, kGpu);
+  nn::optim::Adam eager_adam(eager.parameters(), nn::optim::AdamOptions{1e-2});
+  nn::optim::Adam compiled_adam(compiled.parameters(), nn::optim::AdamOptions{1e-2});
+  const Tensor x = batch_images(64, 31).to(kGpu), y = batch_labels(64, 32).to(kGpu);
+  auto body = [](MappingModel& m) {
+    return [&m](const std::vector<Tensor>& in) {
+      Tensor loss = F::cross_entropy(m.forward(in[0]).predictions, in[1]);
+      loss.backward();
+      return std::vector<Tensor>{loss.detach()};
+    };
+  };
+  auto eager_step = body(eager);
+  CompiledFunction step = compile(body(compiled), compiled.compile_guard(), {.fullgraph = true});
+  bool bitwise = true;
+  for (int i = 0; i < 4; ++i) {
+    eager_adam.zero_grad();
+    compiled_adam.zero_grad();
+    const Tensor a = eager_step({x, y})[0], b = step({x, y})[0];
+    CHECK(b.device() == kGpu);
+    check_close(b, a, 0.0, 1e-6, "loss of step " + std::to_string(i));
+    bitwise = bitwise && same_bits(a, b);
+    eager_adam.step();
+    compiled_adam.step();
+  }
+  CHECK(step.stats().captures == 1);
+  CHECK(step.stats().replays == 3);
+  const auto ez = eager.named_latents(), cz = compiled.named_latents();
+  for (size_t i = 0; i < ez.size(); ++i) {
+    check_close(cz[i].second, ez[i].second, 0.0, 1e-6, "latent " + ez[i].first);
+    bitwise = bitwise && same_bits(cz[i].second, ez[i].second);
+  }
+  MESSAGE("cuda compiled step: " << step.num_kernels() << " kernels, pool " << step.reserved_bytes()
+                                 << " bytes, results " << (bitwise ? "bit for bit equal" : "within 1e-6"));
 }
