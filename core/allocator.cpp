@@ -91,6 +91,7 @@ std::string device_name(Device d) {
 struct DeviceRegistry {
   std::mutex mutex;  // guards factory and creation; lookups of created allocators take no lock
   DeviceAllocatorFactory factory = nullptr;
+  DeviceAllocatorFactory pool_factory = nullptr;
   std::atomic<bool> ever_registered{false};  // false: the backends have not had their turn yet
   std::array<std::atomic<DeviceAllocator*>, kMaxDevicesPerType> created{};
 };
@@ -125,7 +126,8 @@ std::string stat_row(const char* label, const Stat& stat, bool bytes) {
 
 std::unique_ptr<RawBackend> make_cpu_raw_backend() { return std::make_unique<CpuRawBackend>(); }
 
-void register_device_allocator_factory(DeviceType type, DeviceAllocatorFactory factory) {
+void register_device_allocator_factory(DeviceType type, DeviceAllocatorFactory factory,
+                                       DeviceAllocatorFactory pool_factory) {
   MN_CHECK(type != DeviceType::CPU, DeviceError,
            "register_device_allocator_factory: expected a non-CPU device type, got cpu (the CPU "
            "allocator is built in)");
@@ -133,6 +135,7 @@ void register_device_allocator_factory(DeviceType type, DeviceAllocatorFactory f
   DeviceRegistry& registry = registry_for(type);
   std::lock_guard<std::mutex> lock(registry.mutex);
   registry.factory = factory;
+  registry.pool_factory = pool_factory;
   registry.ever_registered.store(true, std::memory_order_release);
   for (auto& slot : registry.created) slot.store(nullptr, std::memory_order_release);
 }
@@ -162,17 +165,23 @@ DeviceAllocator& allocator_for(Device d) {
   return *allocator;
 }
 
+// Always a caching allocator, MN_NO_CACHING or not: a capture graph replays into blocks that were freed
+// during its recording, so its pool must never hand them back.
 std::shared_ptr<DeviceAllocator> make_private_allocator(Device d) {
   if (d.is_cpu()) {
     MN_CHECK(d.index == 0, DeviceError, "make_private_allocator: expected cpu device index 0, got ", device_name(d));
-    if (caching_disabled_by_environment()) return std::make_shared<PassThroughAllocator>(make_cpu_raw_backend());
     return std::make_shared<CachingAllocatorImpl>(make_cpu_raw_backend());
   }
   allocator_for(d);  // registers the backend and checks that the device exists
   DeviceRegistry& registry = registry_for(d.type);
   std::lock_guard<std::mutex> lock(registry.mutex);
-  MN_CHECK(registry.factory != nullptr, DeviceError, "no allocator for device ", device_name(d));
-  return std::shared_ptr<DeviceAllocator>(registry.factory(d.index));
+  const DeviceAllocatorFactory factory = registry.pool_factory ? registry.pool_factory : registry.factory;
+  MN_CHECK(factory != nullptr, DeviceError, "no allocator for device ", device_name(d));
+  std::shared_ptr<DeviceAllocator> pool(factory(d.index));
+  MN_CHECK(pool != nullptr, DeviceError, "no allocator for device ", device_name(d));
+  MN_CHECK(dynamic_cast<PassThroughAllocator*>(pool.get()) == nullptr, DeviceError, "the allocator factory of ",
+           device_name(d), " made a pass-through allocator for a capture pool, which must cache its blocks");
+  return pool;
 }
 
 bool caching_enabled(Device d) {

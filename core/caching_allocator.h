@@ -194,8 +194,12 @@ class PassThroughAllocator final : public DeviceAllocator {
 // CUDA (or any other non-CPU device type) plugs in here. The factory is called once per device index,
 // on first use, and returns an allocator that lives for the rest of the process, or nullptr when the
 // device does not exist. Registering again (nullptr included) forgets allocators already created.
+// pool_factory makes the private pools of capture graphs (core/capture.h, owned by the caller): they
+// must keep the blocks freed into them, so it returns a caching allocator even when `factory` does
+// not (MN_NO_CACHING); null means `factory` serves pools too.
 using DeviceAllocatorFactory = DeviceAllocator* (*)(int index);
-void register_device_allocator_factory(DeviceType type, DeviceAllocatorFactory factory);
+void register_device_allocator_factory(DeviceType type, DeviceAllocatorFactory factory,
+                                       DeviceAllocatorFactory pool_factory = nullptr);
 inline constexpr int kMaxDevicesPerType = 64;
 
 // False when MN_NO_CACHING turned caching off for this device's allocator.

@@ -509,6 +509,26 @@ TEST_CASE("allocator: non-CPU devices need a registered factory") {
                        DeviceError);
   CHECK_THROWS_AS(allocator_for(cuda_device(kMaxDevicesPerType)), DeviceError);
   CHECK_THROWS_AS(register_device_allocator_factory(DeviceType::CPU, nullptr), DeviceError);
+
+  // Capture graphs' private pools (core/capture.h) must cache: a device whose factory passes through
+  // (MN_NO_CACHING) needs a pool factory, and the CPU pool caches whatever the environment says.
+  const DeviceAllocatorFactory passing = [](int index) -> DeviceAllocator* {
+    return index == 1 ? new PassThroughAllocator(std::make_unique<FakeBackend>()) : nullptr;
+  };
+  register_device_allocator_factory(DeviceType::CUDA, passing);
+  CHECK_THROWS_WITH_AS(make_private_allocator(cuda_device(1)), doctest::Contains("pass-through"), DeviceError);
+  register_device_allocator_factory(DeviceType::CUDA, passing, [](int index) -> DeviceAllocator* {
+    return index == 1 ? new CachingAllocatorImpl(std::make_unique<FakeBackend>()) : nullptr;
+  });
+  CHECK(dynamic_cast<CachingAllocatorImpl*>(make_private_allocator(cuda_device(1)).get()) != nullptr);
+  const std::shared_ptr<DeviceAllocator> cpu_pool = make_private_allocator(kCPU);
+  const Allocation first = cpu_pool->allocate(1 << 20);
+  void* const where = first.ptr;
+  cpu_pool->free(first);
+  const Allocation again = cpu_pool->allocate(1 << 20);
+  CHECK(again.ptr == where);
+  cpu_pool->free(again);
+
   register_device_allocator_factory(DeviceType::CUDA, nullptr);
   CHECK_THROWS_AS(allocator_for(cuda_device(1)), DeviceError);
 }

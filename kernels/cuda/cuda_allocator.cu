@@ -111,8 +111,16 @@ DeviceAllocator* make_cuda_allocator(int index) {
   return new CachingAllocatorImpl(std::move(backend));
 }
 
+// The private pools of capture graphs always cache (see make_private_allocator).
+DeviceAllocator* make_cuda_pool_allocator(int index) {
+  if (index < 0 || index >= cuda_device_count()) return nullptr;
+  return new CachingAllocatorImpl(std::make_unique<CudaRawBackend>(index));
+}
+
 }  // namespace
 
-void register_cuda_allocator() { register_device_allocator_factory(DeviceType::CUDA, &make_cuda_allocator); }
+void register_cuda_allocator() {
+  register_device_allocator_factory(DeviceType::CUDA, &make_cuda_allocator, &make_cuda_pool_allocator);
+}
 
 }  // namespace mn::cuda
