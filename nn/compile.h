@@ -9,7 +9,7 @@
 //     loss.backward();
 //     return std::vector<Tensor>{loss.detach()};
 //   }, nn::module_guard(model));
-//   for (auto& [x, y] : loader) { opt.zero_grad(); Tensor loss = step({x, y})[0]; opt.step(); }
+//   for (const auto& b : loader) { opt.zero_grad(); Tensor loss = step({b.inputs, b.targets})[0]; opt.step(); }
 //
 // Signature (the guard of torch.compile): every input's shape, dtype, device and requires_grad, the
 // grad mode, and the words of the optional Guard (nn::module_guard: training flags and the memory
@@ -18,12 +18,12 @@
 // tensors (accumulation); otherwise another graph is captured.
 //
 // What a replay cannot repeat breaks the capture: reading values on the host (item(), to_vector(),
-// so loss metrics are read after the call), optimizer steps (host step counts), empty_cache,
-// collectives called directly, outputs that require grad (a replay has no history: call backward
-// inside the function and return detached tensors), inputs that require grad. The DDP wrapper's
-// all-reduce is captured: it is recorded as a step that runs the collective to completion in order. Without fullgraph the call
-// finishes eagerly and the signature stays eager (explain() says why); with fullgraph it throws
-// RuntimeError naming the cause. BatchNorm in training mode and dropout are captured: running
+// Tensor::data outside a kernel; so loss metrics are read after the call), optimizer steps (host step
+// counts), empty_cache, collectives called directly, outputs that require grad (a replay has no
+// history: call backward inside the function and return detached tensors), inputs that require
+// grad. Without fullgraph the call finishes eagerly and the signature stays eager (explain() says
+// why); with fullgraph it throws RuntimeError naming the cause. The DDP wrapper's all-reduce is
+// captured: it is recorded as a step that runs the collective to completion in order. BatchNorm in training mode and dropout are captured: running
 // statistics update in place and every replay draws new random numbers from the same generator.
 // Outputs are fresh tensors at every call; the gradients a replay leaves on the parameters are the
 // graph's own tensors, rewritten by the next replay (clone one to keep it). Not thread-safe: one caller
