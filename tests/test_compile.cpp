@@ -321,3 +321,29 @@ TEST_CASE("capture: a destroyed generator, nested recordings and kernel errors a
   CHECK(flat(g({from_vector(std::vector<int64_t>{4, 0})})) == flat(gather({from_vector(std::vector<int64_t>{4, 0})})));
   CHECK_THROWS_AS(g({from_vector(std::vector<int64_t>{9, 0})}), IndexError);
 }
+
+TEST_CASE("compile: a function without inputs: lazy_layerwise generation replays (empty_cache is CUDA-only)") {
+  manual_seed(8);
+  auto net = small_net();
+  const mapping::ParameterSpec spec = mapping::ParameterSpec::from_module(*net);
+  mapping::GeneratorOptions o;
+  o.empty_cache_on_cuda = true;  // no effect on the CPU, so nothing breaks the capture
+  mapping::LazyLayerwiseGenerator gen(spec, 16, o);
+  auto generate = [&gen](const std::vector<Tensor>&) {
+    autograd::NoGradGuard no_grad;
+    const mapping::ParameterTree tree = gen.generate_parameters();
+    std::vector<Tensor> out;
+    for (const auto& [name, t] : tree.items()) out.push_back(t);
+    return out;
+  };
+  CompiledFunction f = compile(generate, {}, {.fullgraph = true});
+  for (int i = 0; i < 3; ++i) {
+    // A latent changed in place between calls: the replay reads it.
+    {
+      autograd::NoGradGuard no_grad;
+      for (const Tensor& z : gen.latents()) z.detach().copy_(random_tensor(z.sizes(), 40 + i));
+    }
+    CHECK(flat(f({})) == flat(generate({})));
+  }
+  CHECK(f.stats().replays == 2);
+}

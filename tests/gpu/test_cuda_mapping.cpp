@@ -2,8 +2,9 @@
 // layerwise, lazy_layerwise and slvt against the same model on the CPU (generated parameters,
 // predictions, latent gradients, a few Adam steps), mapper factors built for the device against the
 // CPU ones, MappingModel::to, lazy_layerwise emptying the CUDA cache once per group, the scaling
-// guide's peak ordering from the CUDA allocator's exact counters, a short training loop on CUDA, and a
-// compiled (captured, replayed) step against the eager one.
+// guide's peak ordering from the CUDA allocator's exact counters, a short training loop on CUDA, and
+// mn::compile on the device (a compiled step against the eager one; lazy generation with and without
+// the per-group empty_cache).
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -14,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "autograd/node.h"
 #include "autograd/ops.h"
 #include "core/allocator.h"
 #include "core/cuda.h"
@@ -372,4 +374,37 @@ TEST_CASE("cuda mapping: a compiled training step replays on the device like the
   }
   MESSAGE("cuda compiled step: " << step.num_kernels() << " kernels, pool " << step.reserved_bytes()
                                  << " bytes, results " << (bitwise ? "bit for bit equal" : "within 1e-6"));
+}
+
+TEST_CASE("cuda mapping: compiling lazy_layerwise generation: empty_cache_on_cuda breaks the capture, off it replays") {
+  // The scaling guide's fullgraph constraint: the per-group empty_cache cannot be part of a graph.
+  const ParameterSpec spec = target_spec("cnn2");
+  for (const bool empty_each : {true, false}) {
+    INFO("empty_cache_on_cuda = " << empty_each);
+    GeneratorOptions o;
+    o.device = kGpu;
+    o.empty_cache_on_cuda = empty_each;
+    LazyLayerwiseGenerator gen(spec, 64, o);
+    auto generate = [&gen](const std::vector<Tensor>&) {
+      autograd::NoGradGuard no_grad;
+      const ParameterTree tree = gen.generate_parameters();
+      std::vector<Tensor> out;
+      for (const auto& [name, t] : tree.items()) out.push_back(t);
+      return out;
+    };
+    CompiledFunction lenient = compile(generate);
+    for (int i = 0; i < 3; ++i) {
+      const std::vector<Tensor> got = lenient({}), want = generate({});
+      REQUIRE(got.size() == want.size());
+      for (size_t k = 0; k < got.size(); ++k) check_close(got[k], want[k], 0.0, 1e-6, "parameter " + std::to_string(k));
+    }
+    if (empty_each) {
+      CHECK(lenient.stats().eager == 3);
+      CHECK(lenient.explain().find("empty_cache") != std::string::npos);
+      CompiledFunction strict = compile(generate, {}, {.fullgraph = true});
+      CHECK_THROWS_WITH_AS(strict({}), doctest::Contains("empty_cache"), RuntimeError);
+    } else {
+      CHECK(lenient.stats().replays == 2);
+    }
+  }
 }
