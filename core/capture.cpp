@@ -40,18 +40,6 @@ bool from_pool(Graph& g, const Storage& s) {
   return false;
 }
 
-// Runs a step with recording suspended (so the kernels it calls are not recorded again), then keeps it.
-void run_and_append(std::function<void()> step) {
-  Recording* r = detail::t_recording;
-  detail::t_recording = nullptr;
-  struct Restore {
-    Recording* r;
-    ~Restore() { detail::t_recording = r; }
-  } restore{r};
-  step();
-  Access::steps(Access::graph(*r)).push_back(std::move(step));
-}
-
 }  // namespace
 
 // ---- Graph ----
@@ -129,8 +117,6 @@ Tensor hold(const Tensor& t) {
   return make_view(bound, t.sizes(), t.strides(), t.storage_offset(), t.dtype());
 }
 
-void append(std::function<void()> step) { Access::steps(Access::graph(*t_open)).push_back(std::move(step)); }
-
 }  // namespace detail
 
 void unsupported(const std::string& what) {
@@ -152,7 +138,7 @@ void host_wrote(const Tensor& t) {
     bytes = std::make_shared<std::vector<char>>(src, src + t.nbytes());
   }
   Tensor held = detail::hold(t);
-  run_and_append([held, bytes] {
+  host_step([held, bytes] {
     if (!bytes->empty()) std::memcpy(held.raw_data(), bytes->data(), bytes->size());
   });
 }
@@ -166,7 +152,7 @@ void random_fill(const Tensor& t, Distribution dist, double p1, double p2, Gener
   Tensor held = detail::hold(t);
   std::weak_ptr<const void> alive = gen.lifetime();
   Generator* g = &gen;
-  run_and_append([held, alive, g, dist, p1, p2]() mutable {
+  host_step([held, alive, g, dist, p1, p2]() mutable {
     const auto token = alive.lock();
     MN_CHECK(token != nullptr, RuntimeError,
              "capture: the generator of a random tensor in this graph was destroyed after the recording; "
@@ -180,7 +166,11 @@ void host_step(std::function<void()> step) {
     step();
     return;
   }
-  run_and_append(std::move(step));
+  {
+    Pause pause;
+    step();
+  }
+  Access::steps(Access::graph(*t_open)).push_back(std::move(step));
 }
 
 void grad_written(const Tensor& leaf, const void* before) {

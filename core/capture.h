@@ -104,9 +104,16 @@ class Recording {
   bool throw_on_break_ = false;
 };
 
+// Runs `step` now and, while recording, keeps it as one of the graph's steps, with recording suspended
+// while it runs (what it launches is not recorded again). Every step is made here: kernels, random
+// fills, host-written bytes, and host work a replay must repeat where it stands, such as a collective
+// of a process group run to completion (the DDP all-reduce). A step must only touch tensors that
+// outlive the graph or that it holds itself.
+void host_step(std::function<void()> step);
+
 namespace detail {
-// The recording of this thread that is still recording (null otherwise). Null inside a kernel that
-// is being recorded, so kernels calling kernels are recorded once, as the outer call.
+// The recording of this thread that is still recording (null otherwise). Null inside a step that is
+// being recorded, so kernels calling kernels are recorded once, as the outer call.
 extern thread_local Recording* t_recording;
 
 // An argument as the graph keeps it: tensors rebound to the same memory without owning the graph's
@@ -117,23 +124,12 @@ std::decay_t<T> hold(T&& v) {
   return std::forward<T>(v);
 }
 
-// Appends a step (already run once by the caller).
-void append(std::function<void()> step);
-
-// Runs one kernel now and records it; nested kernel calls inside it are not recorded.
+// Runs one kernel now and records it as a step.
 template <class Fn, class... A>
 void record_kernel(Fn* fn, A&&... args) {
-  auto step = [fn, held = std::make_tuple(hold(std::forward<A>(args))...)]() mutable {
+  host_step([fn, held = std::make_tuple(hold(std::forward<A>(args))...)]() mutable {
     std::apply([fn](auto&... a) { fn(a...); }, held);
-  };
-  Recording* r = t_recording;
-  t_recording = nullptr;
-  struct Restore {
-    Recording* r;
-    ~Restore() { t_recording = r; }
-  } restore{r};
-  step();
-  append(std::move(step));
+  });
 }
 }  // namespace detail
 
@@ -150,11 +146,6 @@ void host_wrote(const Tensor& t);
 
 // The random fill of `t` from `gen` (factories): recorded so that each replay reserves a new range.
 void random_fill(const Tensor& t, Distribution dist, double p1, double p2, Generator& gen);
-
-// Runs `step` now and, while recording, keeps it as one of the graph's steps: host work a replay must
-// repeat where it stands, such as a collective of a process group run to completion (the DDP
-// all-reduce). It must only touch tensors that outlive the graph or that it holds itself.
-void host_step(std::function<void()> step);
 
 // AccumulateGrad or set_grad wrote `leaf`'s gradient, whose memory was `before` (null: it had none).
 void grad_written(const Tensor& leaf, const void* before);

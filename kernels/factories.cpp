@@ -1,6 +1,7 @@
 // Tensor factories: allocation from the device's caching allocator, constant fills, ranges and
 // Philox random fills.
 #include <cmath>
+#include <vector>
 
 #include "kernels/kernels.h"
 
@@ -52,21 +53,13 @@ Tensor arange(double start, double end, double step, TensorOptions opts) {
   MN_CHECK((end - start) / step >= 0 || start == end, ValueError, "arange: range [", start, ", ", end,
            ") is empty or reversed for step ", step);
   const int64_t n = std::max<int64_t>(0, static_cast<int64_t>(std::ceil((end - start) / step)));
-  Tensor host = empty({n}, TensorOptions(opts.dtype));
-  {
-    capture::Pause pause;  // a host write, kept by host_wrote below
-    if (opts.dtype == DType::f32) {
-      float* p = host.data<float>();
-      for (int64_t i = 0; i < n; ++i) p[i] = static_cast<float>(start + i * step);
-    } else {
-      int64_t* p = host.data<int64_t>();
-      for (int64_t i = 0; i < n; ++i) p[i] = static_cast<int64_t>(start + i * step);
-    }
-  }
-  capture::host_wrote(host);
-  Tensor t = opts.device.is_cpu() ? host : host.to(opts.device);
-  if (opts.requires_grad) t.requires_grad_(true);
-  return t;
+  auto values = [&](auto zero) {
+    std::vector<decltype(zero)> v(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i) v[static_cast<size_t>(i)] = static_cast<decltype(zero)>(start + i * step);
+    return v;
+  };
+  if (opts.dtype == DType::f32) return from_vector(values(0.0f), Shape{n}, opts);
+  return from_vector(values(int64_t{0}), Shape{n}, opts);
 }
 Tensor arange(int64_t end, TensorOptions opts) { return arange(0.0, static_cast<double>(end), 1.0, opts); }
 

@@ -109,8 +109,7 @@ Guard MappingModel::compile_guard() const {
   const ParameterGenerator* generator = generator_.get();
   return [target, generator](std::vector<uint64_t>& key) {
     target(key);
-    for (const Tensor& z : generator->latents())
-      key.push_back(reinterpret_cast<uint64_t>(z.storage()->data()) + static_cast<uint64_t>(z.storage_offset()));
+    for (const Tensor& z : generator->latents()) guard_memory(key, z);
   };
 }
 

@@ -565,8 +565,7 @@ LossOutput MappingTrainer::compiled_backward_step(const Batch& batch, int64_t ac
     Guard model_guard = model_.compile_guard();
     Guard guard = [model_guard, this](std::vector<uint64_t>& key) {
       model_guard(key);
-      for (const Tensor& rho : loss_->coefficient_parameters())
-        key.push_back(reinterpret_cast<uint64_t>(rho.storage()->data()) + static_cast<uint64_t>(rho.storage_offset()));
+      for (const Tensor& rho : loss_->coefficient_parameters()) guard_memory(key, rho);
     };
     compiled = std::make_unique<CompiledFunction>(body, guard, CompileOptions{.fullgraph = config_.compile_fullgraph});
   }

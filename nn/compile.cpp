@@ -21,11 +21,6 @@ struct CompiledFunction::Entry {
 
 namespace {
 
-uint64_t address(const Tensor& t) {
-  if (!t.defined()) return 0;
-  return reinterpret_cast<uint64_t>(t.storage()->data()) + static_cast<uint64_t>(t.storage_offset());
-}
-
 std::string describe(const std::vector<Tensor>& inputs) {
   std::ostringstream os;
   os << '(';
@@ -51,6 +46,11 @@ std::vector<Tensor> fresh_copies(const std::vector<Tensor>& outputs) {
 }
 
 }  // namespace
+
+void guard_memory(std::vector<uint64_t>& key, const Tensor& t) {
+  key.push_back(t.defined() ? reinterpret_cast<uint64_t>(t.storage()->data()) + static_cast<uint64_t>(t.storage_offset())
+                            : 0);
+}
 
 CompiledFunction::CompiledFunction(Function fn, Guard guard, CompileOptions options)
     : fn_(std::move(fn)), guard_(std::move(guard)), options_(options) {
@@ -185,31 +185,28 @@ std::string CompiledFunction::explain() const {
   return os.str();
 }
 
+namespace {
+// Sum of per_graph(graph) over the signatures that hold a graph.
+template <class Entries, class PerGraph>
+int64_t over_graphs(const Entries& entries, PerGraph per_graph) {
+  int64_t n = 0;
+  for (const auto& e : entries)
+    if (e->graph) n += static_cast<int64_t>(per_graph(*e->graph));
+  return n;
+}
+}  // namespace
+
 int64_t CompiledFunction::reserved_bytes() const {
-  int64_t n = 0;
-  for (const auto& e : entries_)
-    if (e->graph) n += e->graph->reserved_bytes();
-  return n;
+  return over_graphs(entries_, [](const capture::Graph& g) { return g.reserved_bytes(); });
 }
-
 int64_t CompiledFunction::peak_allocated_bytes() const {
-  int64_t n = 0;
-  for (const auto& e : entries_)
-    if (e->graph) n += e->graph->peak_allocated_bytes();
-  return n;
+  return over_graphs(entries_, [](const capture::Graph& g) { return g.peak_allocated_bytes(); });
 }
-
 int64_t CompiledFunction::num_graphs() const {
-  int64_t n = 0;
-  for (const auto& e : entries_) n += e->graph != nullptr;
-  return n;
+  return over_graphs(entries_, [](const capture::Graph&) { return 1; });
 }
-
 int64_t CompiledFunction::num_kernels() const {
-  int64_t n = 0;
-  for (const auto& e : entries_)
-    if (e->graph) n += static_cast<int64_t>(e->graph->num_steps());
-  return n;
+  return over_graphs(entries_, [](const capture::Graph& g) { return g.num_steps(); });
 }
 
 void CompiledFunction::reset() {
@@ -228,10 +225,10 @@ Guard module_guard(const Module& module) {
   return [m](std::vector<uint64_t>& key) {
     for (const auto& [name, sub] : m->named_modules()) key.push_back(sub->is_training());
     for (const auto& [name, t] : m->named_parameters()) {
-      key.push_back(address(t));
+      guard_memory(key, t);
       key.push_back(t.defined() && t.requires_grad());
     }
-    for (const auto& [name, t] : m->named_buffers()) key.push_back(address(t));
+    for (const auto& [name, t] : m->named_buffers()) guard_memory(key, t);
   };
 }
 

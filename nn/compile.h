@@ -48,6 +48,10 @@ class Module;
 // Appends words that identify the state a compiled function depends on besides its inputs.
 using Guard = std::function<void(std::vector<uint64_t>& key)>;
 
+// The guard word of a tensor the function reads: where its elements start (0 when undefined), which
+// changes when the tensor is replaced and not when it is updated in place.
+void guard_memory(std::vector<uint64_t>& key, const Tensor& t);
+
 struct CompileOptions {
   bool fullgraph = false;   // a computation that cannot be captured throws instead of running eagerly
   int64_t max_graphs = 8;   // signatures kept; calls with further signatures run eagerly
@@ -77,7 +81,7 @@ class CompiledFunction {
   int64_t reserved_bytes() const;
   int64_t peak_allocated_bytes() const;
   int64_t num_graphs() const;
-  // Kernels recorded, summed over the graphs.
+  // Steps recorded (kernels, random fills, host steps), summed over the graphs.
   int64_t num_kernels() const;
   // Drops every graph (the next call captures again).
   void reset();
