@@ -11,6 +11,17 @@
 
 namespace mn::kernels {
 
+// A float or double converted to i64 the same way by every kernel of both backends: toward zero,
+// saturating at the i64 range, NaN -> 0. A plain cast is undefined there (x86 gives INT64_MIN for
+// everything out of range, the GPU's cvt saturates), and a one-sided clamp passes 2^63 as its bound.
+template <class F>
+MN_HOST_DEVICE inline int64_t saturating_i64(F v) {
+  if (v != v) return 0;
+  if (v >= F(9223372036854775808.0)) return INT64_MAX;
+  if (v < F(-9223372036854775808.0)) return INT64_MIN;
+  return static_cast<int64_t>(v);
+}
+
 // ---- elementwise ----
 enum class UnaryOp : uint8_t {
   Neg, Exp, Log, Log1p, Sqrt, Rsqrt, Abs, Sign, Relu, Gelu, Tanh, Sigmoid, Softplus, Square,

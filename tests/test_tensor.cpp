@@ -1,5 +1,8 @@
 // Tensor core: factories, metadata, views sharing storage and the version counter, copies,
 // conversion, printing and argument errors.
+#include <cmath>
+#include <limits>
+
 #include "autograd/gradcheck.h"
 #include "tests/test_support.h"
 
@@ -15,6 +18,8 @@ TEST_CASE("tensor: factories and metadata") {
   CHECK(z.dtype() == DType::f32);
   CHECK(z.device() == kCPU);
   CHECK(z.is_contiguous());
+  CHECK(zeros({37, 0}).is_contiguous());  // nothing to be out of place; random fills accept it
+  CHECK(randn({37, 0}).numel() == 0);
   check_close(z, {0, 0, 0, 0, 0, 0});
   check_close(ones({3}), {1, 1, 1});
   check_close(full({2}, 2.5), {2.5, 2.5});
@@ -116,6 +121,18 @@ TEST_CASE("tensor: cat, stack, split, index_select") {
   check_close(tensor({10, 20, 30}).index_select(0, idx), {30, 10, 30});
   CHECK_THROWS_WITH_AS(cat({a, tensor({1, 2, 3}, {1, 3})}, 0), doctest::Contains("[1, 3]"), ValueError);
   CHECK_THROWS_AS(tensor({1, 2}).index_select(0, from_vector(std::vector<int64_t>{5})), IndexError);
+}
+
+TEST_CASE("tensor: f32 -> i64 truncates toward zero, saturates at the i64 range, NaN -> 0") {
+  const float inf = std::numeric_limits<float>::infinity();
+  const Tensor odd = from_vector(std::vector<float>{-2.7f, 2.7f, std::nanf(""), inf, -inf, 1e19f, -1e19f});
+  const std::vector<int64_t> want = {-2, 2, 0, INT64_MAX, INT64_MIN, INT64_MAX, INT64_MIN};
+  CHECK(odd.to(DType::i64).to_vector<int64_t>() == want);
+  CHECK(full({2}, 1e30, DType::i64).to_vector<int64_t>() == std::vector<int64_t>{INT64_MAX, INT64_MAX});
+  // a one-sided clamp passes the missing bound as +-2^63, which must not wrap
+  const Tensor i = from_vector(std::vector<int64_t>{-5, 0, 3, 100});
+  CHECK(clamp(i, 0.0, std::nullopt).to_vector<int64_t>() == std::vector<int64_t>{0, 0, 3, 100});
+  CHECK(clamp(i, std::nullopt, 3.0).to_vector<int64_t>() == std::vector<int64_t>{-5, 0, 3, 3});
 }
 
 TEST_CASE("tensor: copy_, fill_, dtype conversion, item, printing") {

@@ -71,7 +71,7 @@ void unary_cpu(UnaryOp op, const Tensor& in, Tensor& out, double alpha, double b
   if (in.dtype() == DType::f32)
     unary_typed<float>(op, in, out, static_cast<float>(alpha), static_cast<float>(beta));
   else
-    unary_typed<int64_t>(op, in, out, static_cast<int64_t>(alpha), static_cast<int64_t>(beta));
+    unary_typed<int64_t>(op, in, out, saturating_i64(alpha), saturating_i64(beta));
 }
 
 template <class T>
@@ -139,7 +139,7 @@ void fill_cpu(Tensor& out, double value) {
     const float v = static_cast<float>(value);
     return map<float>(out, [v]() { return v; });
   }
-  const int64_t v = static_cast<int64_t>(value);
+  const int64_t v = saturating_i64(value);
   map<int64_t>(out, [v]() { return v; });
 }
 
@@ -153,7 +153,7 @@ void copy_cpu(const Tensor& src, Tensor& dst) {
     return map<float, int64_t>(dst, [](int64_t x) { return static_cast<float>(x); }, src);
   }
   if (src.dtype() == DType::i64) return map<int64_t, int64_t>(dst, [](int64_t x) { return x; }, src);
-  map<int64_t, float>(dst, [](float x) { return static_cast<int64_t>(x); }, src);
+  map<int64_t, float>(dst, [](float x) { return saturating_i64(x); }, src);
 }
 
 void random_cpu(Tensor& out, Distribution dist, double p1, double p2, const PhiloxState& state) {

@@ -91,7 +91,7 @@ struct AddOp {
   __device__ T operator()(T a, T b) const { return a + b; }
 };
 struct MaxOp {
-  __device__ float operator()(float a, float b) const { return a > b ? a : b; }
+  __device__ float operator()(float a, float b) const { return (a != a || a > b) ? a : b; }  // NaN wins
 };
 
 // Position of the first element of the 1-D i64 tensor `index` (on the device) that is neither in

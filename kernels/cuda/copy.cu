@@ -13,7 +13,7 @@
 #include <type_traits>
 
 #include "core/random.h"
-#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/compute_utils.cuh"
 #include "kernels/kernels.h"
 
 namespace mn::kernels {
@@ -25,16 +25,25 @@ using cuda::Strided;
 
 // ---- device kernels ----
 
+// The element conversion of every copy; f32 -> i64 saturates like the CPU's (kernels.h).
+template <class D, class S>
+__device__ inline D convert(S x) {
+  if constexpr (std::is_same_v<D, int64_t> && std::is_floating_point_v<S>)
+    return saturating_i64(x);
+  else
+    return static_cast<D>(x);
+}
+
 template <class S, class D>
 __global__ void convert_dense_kernel(const S* __restrict__ src, D* __restrict__ dst, int64_t n) {
   MN_CUDA_KERNEL_LOOP(i, n)
-    dst[i] = static_cast<D>(src[i]);
+    dst[i] = convert<D>(src[i]);
 }
 
 template <class S, class D>
 __global__ void copy_strided_kernel(const S* src, Strided src_layout, D* dst, Strided dst_layout, int64_t n) {
   MN_CUDA_KERNEL_LOOP(i, n)
-    dst[dst_layout.offset(i)] = static_cast<D>(src[src_layout.offset(i)]);
+    dst[dst_layout.offset(i)] = convert<D>(src[src_layout.offset(i)]);
 }
 
 template <class T>
@@ -76,7 +85,8 @@ void launch_convert(const Tensor& src, Tensor& dst, bool dense, cudaStream_t str
   if (dense) {
     convert_dense_kernel<S, D><<<blocks_for(n), kThreads, 0, stream>>>(s, d, n);
   } else {
-    copy_strided_kernel<S, D><<<blocks_for(n), kThreads, 0, stream>>>(s, cuda::strided(src), d, cuda::strided(dst), n);
+    copy_strided_kernel<S, D><<<blocks_for(n), kThreads, 0, stream>>>(s, cuda::collapse(cuda::strided(src)), d,
+                                                                      cuda::collapse(cuda::strided(dst)), n);
   }
   MN_CUDA_CHECK_LAUNCH();
 }
@@ -173,9 +183,9 @@ void fill_cuda(Tensor& out, double value) {
     if (dense)
       fill_dense_kernel<float><<<blocks_for(n), kThreads, 0, stream>>>(p, v, n);
     else
-      fill_strided_kernel<float><<<blocks_for(n), kThreads, 0, stream>>>(p, cuda::strided(out), v, n);
+      fill_strided_kernel<float><<<blocks_for(n), kThreads, 0, stream>>>(p, cuda::collapse(cuda::strided(out)), v, n);
   } else {
-    const int64_t v = static_cast<int64_t>(value);
+    const int64_t v = saturating_i64(value);
     if (dense && v == 0) {
       MN_CUDA_CHECK(cudaMemsetAsync(out.raw_data(), 0, out.nbytes(), stream));
       return;
@@ -184,7 +194,7 @@ void fill_cuda(Tensor& out, double value) {
     if (dense)
       fill_dense_kernel<int64_t><<<blocks_for(n), kThreads, 0, stream>>>(p, v, n);
     else
-      fill_strided_kernel<int64_t><<<blocks_for(n), kThreads, 0, stream>>>(p, cuda::strided(out), v, n);
+      fill_strided_kernel<int64_t><<<blocks_for(n), kThreads, 0, stream>>>(p, cuda::collapse(cuda::strided(out)), v, n);
   }
   MN_CUDA_CHECK_LAUNCH();
 }
