@@ -148,9 +148,13 @@ Tensor Tensor::grad() const {
 }
 
 void Tensor::set_grad(const Tensor& g) const {
-  if (g.defined())
+  if (g.defined()) {
     MN_CHECK(g.sizes() == sizes(), ValueError, "set_grad: gradient shape ", g.sizes(), " does not match tensor shape ",
              sizes());
+    // Accumulation adds into it in place, with the tensor's device and dtype.
+    MN_CHECK(g.device() == device() && g.dtype() == dtype(), ValueError, "set_grad: expected a gradient on ", device(),
+             " of dtype ", dtype(), ", got ", g.device(), " ", g.dtype());
+  }
   Tensor& grad = autograd::ensure_meta(*this).grad;
   const void* before = grad.defined() ? grad.storage()->data() : nullptr;
   grad = g;

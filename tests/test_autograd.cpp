@@ -17,6 +17,9 @@ TEST_CASE("autograd: gradients accumulate into leaves across backward calls") {
   CHECK(x.is_leaf());
   CHECK(!y.is_leaf());
   CHECK(y.grad_fn() != nullptr);
+  // a gradient set by hand is later accumulated into in place: it must match shape, device and dtype
+  CHECK_THROWS_WITH_AS(x.set_grad(zeros({3}, DType::i64)), doctest::Contains("dtype f32"), ValueError);
+  CHECK_THROWS_AS(x.set_grad(zeros({2})), ValueError);
 }
 
 TEST_CASE("autograd: a tensor used twice sums both paths") {

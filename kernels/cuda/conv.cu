@@ -222,21 +222,6 @@ void conv2d_backward_input_cuda(const Tensor& grad_out, const Tensor& weight, co
   }
 }
 
-// grad_bias[o] = sum over n, p of go[n, o, p]; one block per channel, double accumulation.
-__global__ void bias_grad_kernel(const float* go, int64_t batch, int64_t channels, int64_t plane, float* gb) {
-  __shared__ double sh[kThreads];
-  const int64_t count = batch * plane;
-  for (int64_t o = blockIdx.x; o < channels; o += gridDim.x) {
-    double acc = 0.0;
-    for (int64_t l = threadIdx.x; l < count; l += blockDim.x) {
-      const int64_t n = l / plane, q = l % plane;
-      acc += static_cast<double>(go[(n * channels + o) * plane + q]);
-    }
-    acc = cuda::block_reduce(acc, cuda::AddOp{}, sh);
-    if (threadIdx.x == 0) gb[o] = static_cast<float>(acc);
-  }
-}
-
 // go_t[o, nl, p] = go[n0 + nl, o, p]
 __global__ void transpose_batch_kernel(const float* go, int64_t n0, int64_t nb, int64_t channels, int64_t plane,
                                        float* go_t) {
@@ -258,11 +243,10 @@ void conv2d_backward_weight_cuda(const Tensor& grad_out, const Tensor& x, const 
     const int64_t batch = go.size(0), channels = go.size(1), plane = go.size(2) * go.size(3);
     MN_CHECK(grad_bias.is_contiguous() && grad_bias.numel() == channels, ValueError,
              "conv2d backward: grad_bias must be a contiguous [", channels, "], got ", grad_bias.sizes());
-    if (channels > 0) {
-      bias_grad_kernel<<<cuda::grid_for_blocks(channels), kThreads, 0, stream>>>(
-          static_cast<const float*>(go.raw_data()), batch, channels, plane, static_cast<float*>(grad_bias.raw_data()));
-      MN_CUDA_CHECK_LAUNCH();
-    }
+    // grad_bias[o] = sum over n, p of go[n, o, p]: the reduction kernels split each channel's long sum
+    // over many blocks (a block per channel would leave most of the device idle) and merge in order.
+    const Tensor go3 = view(go, {batch, channels, plane}, {channels * plane, plane, 1}, 0);
+    reduce(go.device(), ReduceOp::Sum, go3, 0b101, grad_bias, 0.0);
   }
   if (!grad_weight.defined()) return;
   MN_CHECK(grad_weight.is_contiguous(), ValueError, "conv2d backward: grad_weight must be contiguous");

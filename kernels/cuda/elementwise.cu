@@ -35,6 +35,9 @@ struct Loop {
 // ops[0] is the output; all operands have the output's shape.
 template <int N>
 Loop<N> make_loop(const Shape& shape, const Tensor* const (&ops)[N]) {
+  // Every operand on the output's device: a host pointer in a launch would poison the context.
+  static constexpr const char* kArgs[] = {"out", "first input", "second input", "third input"};
+  for (int k = 0; k < N; ++k) cuda::check_on_device("elementwise kernel", *ops[k], ops[0]->device().index, kArgs[k]);
   Loop<N> loop;
   for (int d = 0; d < shape.size(); ++d) {
     if (shape[d] == 1) continue;
@@ -225,7 +228,7 @@ void unary_cuda(UnaryOp op, const Tensor& in, Tensor& out, double alpha, double 
     return launch1<float, float>(in, out, UnaryF32{op, static_cast<float>(alpha), static_cast<float>(beta)});
   if (!unary_defined_for_i64(op))
     throw TypeError(str("unary op ", static_cast<int>(op), " is not defined for dtype ", dtype_name(in.dtype())));
-  launch1<int64_t, int64_t>(in, out, UnaryI64{op, static_cast<int64_t>(alpha), static_cast<int64_t>(beta)});
+  launch1<int64_t, int64_t>(in, out, UnaryI64{op, saturating_i64(alpha), saturating_i64(beta)});
 }
 
 // ---------------- binary ----------------

@@ -101,6 +101,9 @@ __global__ void gather_kernel(const T* in, Strided rest, int64_t in_dim_stride, 
 }
 
 void index_select_cuda(const Tensor& in, int dim, const Tensor& index, Tensor& out) {
+  MN_CHECK(in.device().is_cuda(), DeviceError, "index_select: expected 'input' on a CUDA device, got ", in.device());
+  cuda::check_on_device("index_select", index, in.device().index, "index");
+  cuda::check_on_device("index_select", out, in.device().index, "out");
   MN_CHECK(dim >= 0 && dim < std::max(in.dim(), 1), IndexError, "index_select: dim ", dim,
            " is out of range for shape ", in.sizes());
   check_indices("index_select", index, dim_size(in, dim), dim, in.sizes());
@@ -108,6 +111,7 @@ void index_select_cuda(const Tensor& in, int dim, const Tensor& index, Tensor& o
            " with strides ", out.strides());
   const int64_t count = index.numel();
   if (in.dim() > 0) check_slices("index_select", in, out, dim, count, "input", "out");
+  MN_CHECK(out.dtype() == in.dtype(), TypeError, "index_select: 'out' is ", out.dtype(), " but 'input' is ", in.dtype());
   int64_t outer = 1, inner = 1;
   for (int d = 0; d < in.dim(); ++d) {
     if (d < dim) outer *= in.size(d);

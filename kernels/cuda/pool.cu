@@ -18,7 +18,7 @@ namespace {
 using cuda::kThreads;
 
 // Planes from which max-pool backward uses one thread per plane.
-constexpr int64_t kPlaneThreads = 2048;
+constexpr int64_t kPlaneThreads = 512;
 
 struct Planes {
   int64_t planes, height, width, out_h, out_w;
@@ -110,13 +110,35 @@ void max_pool2d_forward_cuda(const Tensor& x, const Pool2dParams& p, Tensor& out
   MN_CUDA_CHECK_LAUNCH();
 }
 
-__global__ void max_pool_backward_plane_kernel(const float* g, const int64_t* idx, int64_t planes, int64_t in_plane,
-                                               int64_t out_plane, float* gx) {
-  MN_CUDA_KERNEL_LOOP(plane, planes) {
+// One warp per plane: the warp walks the plane's outputs 32 at a time, in order. Lanes of one step that
+// hit the same input pixel are merged by the lowest of them, which adds their values to the pixel in
+// lane order, so every pixel receives its contributions in increasing output order, as in the CPU
+// loop (bitwise the same result, no atomics). Loops are warp-uniform (blockDim is a multiple of 32).
+__global__ void max_pool_backward_warp_kernel(const float* g, const int64_t* idx, int64_t planes, int64_t in_plane,
+                                              int64_t out_plane, float* gx) {
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  const int64_t warps_per_block = blockDim.x / 32;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * warps_per_block;
+  for (int64_t plane = static_cast<int64_t>(blockIdx.x) * warps_per_block + threadIdx.x / 32; plane < planes;
+       plane += warps) {
     float* dst = gx + plane * in_plane;
     const float* gp = g + plane * out_plane;
     const int64_t* ip = idx + plane * out_plane;
-    for (int64_t i = 0; i < out_plane; ++i) dst[ip[i]] += gp[i];
+    for (int64_t base = 0; base < out_plane; base += 32) {
+      const int64_t i = base + lane;
+      const bool active = i < out_plane;
+      const long long target = active ? static_cast<long long>(ip[i]) : -1LL - lane;  // idle lanes: unique keys
+      const float v = active ? gp[i] : 0.0f;
+      const unsigned peers = __match_any_sync(0xffffffffu, target);
+      const bool leader = active && __ffs(static_cast<int>(peers)) - 1 == lane;
+      float acc = leader ? dst[target] : 0.0f;
+      for (int src = 0; src < 32; ++src) {
+        const float pv = __shfl_sync(0xffffffffu, v, src);
+        if (leader && ((peers >> src) & 1u)) acc += pv;
+      }
+      if (leader) dst[target] = acc;
+      __syncwarp();  // the next step may read a pixel another lane has just written
+    }
   }
 }
 
@@ -139,8 +161,9 @@ void max_pool2d_backward_cuda(const Tensor& grad_out, const Tensor& indices, Ten
   const int64_t* ip = static_cast<const int64_t*>(id.raw_data());
   float* gx = static_cast<float*>(grad_x.raw_data());
   if (s.planes >= kPlaneThreads) {
-    max_pool_backward_plane_kernel<<<cuda::blocks_for(s.planes), kThreads, 0, stream>>>(gp, ip, s.planes, in_plane,
-                                                                                       out_plane, gx);
+    const int64_t warps_per_block = kThreads / 32;
+    max_pool_backward_warp_kernel<<<cuda::grid_for_blocks((s.planes + warps_per_block - 1) / warps_per_block), kThreads,
+                                    0, stream>>>(gp, ip, s.planes, in_plane, out_plane, gx);
   } else {
     const int64_t total = s.planes * out_plane;
     max_pool_backward_atomic_kernel<<<cuda::blocks_for(total), kThreads, 0, stream>>>(gp, ip, total, in_plane,

@@ -294,6 +294,8 @@ void require_contiguous(const Tensor& t, const char* kernel, const char* arg) {
 }
 
 void reduce_cuda(ReduceOp op, const Tensor& in, uint32_t dim_mask, Tensor& out, double param) {
+  MN_CHECK(in.device().is_cuda(), DeviceError, "reduce: expected 'in' on a CUDA device, got ", in.device());
+  cuda::check_on_device("reduce", out, in.device().index, "out");
   require_contiguous(out, "reduce", "out");
   const Plan plan = make_plan(in, dim_mask);
   MN_CHECK(out.numel() == plan.outputs, ValueError, "reduce: output of shape ", out.sizes(),

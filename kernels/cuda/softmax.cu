@@ -131,6 +131,8 @@ void softmax_backward_cuda(const Tensor& grad_out, const Tensor& out, int dim, b
            "softmax_backward: shapes differ: grad_out ", grad_out.sizes(), ", out ", out.sizes(), ", grad_in ",
            grad_in.sizes());
   require_contiguous(grad_in, "softmax_backward", "grad_in");
+  MN_CHECK(grad_out.dtype() == DType::f32 && out.dtype() == DType::f32 && grad_in.dtype() == DType::f32, TypeError,
+           "softmax_backward: expected f32 tensors, got ", grad_out.dtype(), ", ", out.dtype(), ", ", grad_in.dtype());
   if (out.numel() == 0) return;
   const Tensor g = cuda::dense(grad_out), y = cuda::dense(out);
   const DimSplit s = split_at(y.sizes(), dim);

@@ -187,6 +187,12 @@ TEST_CASE("cuda ops: unary i64 variants and refusals") {
     K::unary(kGpu, op, v.gpu, out.gpu, 7.0, 20.0);
     expect_close(out);
   }
+  // a one-sided clamp passes the missing bound as +-2^63: it saturates, never wraps
+  const Pair small = pair_of(from_vector(std::vector<int64_t>{-5, 0, 3, 100}));
+  for (const Tensor& t : {small.cpu, small.gpu}) {
+    CHECK(clamp(t, 0.0, std::nullopt).to_vector<int64_t>() == std::vector<int64_t>{0, 0, 3, 100});
+    CHECK(clamp(t, std::nullopt, 3.0).to_vector<int64_t>() == std::vector<int64_t>{-5, 0, 3, 3});
+  }
   Pair out = empty_pair({5, 8}, DType::i64);
   CHECK_THROWS_AS(K::unary(kGpu, K::UnaryOp::Exp, in.gpu, out.gpu, 0, 0), TypeError);
 }
@@ -347,6 +353,14 @@ TEST_CASE("cuda ops: long reductions are split, merged in order and reproducible
   K::var(kGpu, rows.gpu, 0b10, 1.0, v1);
   K::var(kGpu, rows.gpu, 0b10, 1.0, v2);
   CHECK(same_bits(v1, v2));
+  // split variance (rows and columns paths, many pieces) against the CPU
+  Pair vr = empty_pair({3, 1}), vt = empty_pair({1, 3});
+  K::var(kCPU, rows.cpu, 0b10, 1.0, vr.cpu);
+  K::var(kGpu, rows.gpu, 0b10, 1.0, vr.gpu);
+  expect_close(vr, 1e-6, 1e-5);
+  K::var(kCPU, tall.cpu, 0b01, 0.0, vt.cpu);
+  K::var(kGpu, tall.gpu, 0b01, 0.0, vt.gpu);
+  expect_close(vt, 1e-6, 1e-5);
 }
 
 TEST_CASE("cuda ops: reduce i64, NaN, empty and refusals") {
@@ -539,11 +553,17 @@ TEST_CASE("cuda ops: softmax and log_softmax forward and backward along every di
   }
   // long rows (block path with several strides per thread) and large values
   const Pair x = uniform_pair({3, 3001}, 850, -60, 60);
+  const Pair g = uniform_pair({3, 3001}, 851);
   for (bool log : {false, true}) {
     Pair y = empty_pair({3, 3001});
     K::softmax(kCPU, x.cpu, 1, log, y.cpu);
     K::softmax(kGpu, x.gpu, 1, log, y.gpu);
     expect_close(y, 1e-6, 1e-4);
+    // the block-per-row backward (long rows, inner 1); atol covers the float sum of 3001 gradients
+    Pair gi = empty_pair({3, 3001});
+    K::softmax_backward(kCPU, g.cpu, y.cpu, 1, log, gi.cpu);
+    K::softmax_backward(kGpu, g.gpu, y.gpu, 1, log, gi.gpu);
+    expect_close(gi, 1e-4, 1e-4);
   }
 }
 
@@ -704,7 +724,8 @@ TEST_CASE("cuda ops: max and avg pooling forward and backward") {
                             {3, 1, 1, false, false}, {2, 3, 0, true, true},  {3, 2, 0, true, true}};
   uint64_t seed = 1200;
   for (const PoolCase& c : cases)
-    for (const Shape& shape : {Shape{2, 3, 7, 9}, Shape{64, 40, 5, 4}}) {  // few planes (atomic) / many planes
+    // few planes (atomics); many planes (a warp per plane), short and long (several warp steps) planes
+    for (const Shape& shape : {Shape{2, 3, 7, 9}, Shape{64, 40, 5, 4}, Shape{16, 40, 15, 13}}) {
       CAPTURE(c.k);
       CAPTURE(c.s);
       CAPTURE(c.p);
