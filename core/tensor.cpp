@@ -16,6 +16,7 @@ int64_t Tensor::stride(int64_t dim) const { return strides()[wrap_dim(dim, this-
 
 bool Tensor::is_contiguous() const {
   const TensorImpl* t = checked();
+  if (t->sizes.numel() == 0) return true;  // no element to be out of place (as PyTorch; [37, 0] included)
   int64_t expected = 1;
   for (int i = t->sizes.size() - 1; i >= 0; --i) {
     if (t->sizes[i] == 1) continue;

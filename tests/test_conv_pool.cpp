@@ -266,4 +266,7 @@ TEST_CASE("pool: errors name the arguments") {
   CHECK_THROWS_WITH_AS(F::avg_pool2d(x, {5, 5}), doctest::Contains("[1, 1, 4, 4]"), ValueError);
   CHECK_THROWS_WITH_AS(F::max_pool2d(zeros({4, 4}), {2, 2}), doctest::Contains("[4, 4]"), ValueError);
   CHECK_THROWS_WITH_AS(F::max_pool2d(x, {0, 2}), doctest::Contains("kernel size must be positive"), ValueError);
+  // padding would give an empty plane an output whose windows hold nothing to read
+  CHECK_THROWS_WITH_AS(F::max_pool2d(zeros({1, 1, 0, 4}), {3, 3}, {1, 1}, {1, 1}), doctest::Contains("non-empty height"),
+                       ValueError);
 }

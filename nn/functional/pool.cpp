@@ -50,6 +50,9 @@ Pool2dParams pool_params(const char* op, const Tensor& x, std::array<int64_t, 2>
 }
 
 Shape pool_output_shape(const char* op, const Tensor& x, const Pool2dParams& p) {
+  // Padding could make an output of an empty plane; its windows would hold no element to read.
+  MN_CHECK(x.size(2) > 0 && x.size(3) > 0, ValueError, op, ": expected an input with non-empty height and width, got shape ",
+           x.sizes());
   const int64_t oh = pool_output_size(x.size(2), p.kernel_h, p.stride_h, p.pad_h, p.ceil_mode);
   const int64_t ow = pool_output_size(x.size(3), p.kernel_w, p.stride_w, p.pad_w, p.ceil_mode);
   MN_CHECK(oh >= 1 && ow >= 1, ValueError, op, ": input of shape ", x.sizes(), " is too small for kernel [", p.kernel_h,
