@@ -106,7 +106,12 @@ CachingAllocatorImpl::~CachingAllocatorImpl() {
   for (CachedBlock* head : segment_heads_) {
     size_t segment_bytes = 0;
     for (CachedBlock* b = head; b != nullptr; b = b->next) segment_bytes += b->size;
-    backend_->raw_free(head->ptr, segment_bytes);
+    try {  // a destructor must not throw: cudaFree fails after a sticky error or at process exit
+      backend_->raw_free(head->ptr, segment_bytes);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "warning: %s allocator: releasing a segment failed: %s\n", backend_->name().c_str(),
+                   e.what());
+    }
   }
 }
 

@@ -8,11 +8,13 @@
 
 #include <chrono>
 #include <cstring>
+#include <mutex>
 #include <thread>
 #include <vector>
 
 #include "core/allocator.h"
 #include "core/capture.h"
+#include "core/cuda.h"
 #include "core/error.h"
 
 namespace mn::dist {
@@ -32,8 +34,48 @@ ncclDataType_t nccl_type(DType dtype) { return dtype == DType::f32 ? ncclFloat32
 
 std::string seconds_text(Milliseconds ms) { return str(static_cast<double>(ms.count()) / 1000.0, " s"); }
 
-// The stream the library's kernels run on: the legacy default stream (StreamId 0 in the allocator).
-constexpr cudaStream_t kComputeStream = nullptr;
+// The stream the library's kernels on `device` run on: the calling thread's current stream (core/cuda.h;
+// the legacy default stream unless a StreamGuard or set_current_stream changed it).
+cudaStream_t compute_stream(int device) {
+  return static_cast<cudaStream_t>(cuda::get_current_stream(device).handle());
+}
+
+// cudaErrorNotReady is an answer, not a failure, but the runtime also leaves it in the thread's
+// last-error slot, where the next MN_CUDA_CHECK_LAUNCH (cudaGetLastError) would report it.
+cudaError_t query_event(cudaEvent_t event) {
+  const cudaError_t status = cudaEventQuery(event);
+  if (status == cudaErrorNotReady) cudaGetLastError();
+  return status;
+}
+
+// The communicator, shared by the group and its Work objects. ncclCommAbort frees the communicator:
+// after it nobody may touch `comm` again, and every later collective fails with the first error.
+struct CommState {
+  std::mutex mutex;
+  ncclComm_t comm = nullptr;
+  std::string error;  // set once, when the communicator was aborted
+
+  void abort(const std::string& reason) {
+    std::lock_guard<std::mutex> lock(mutex);
+    if (!error.empty()) return;
+    error = reason;
+    if (comm != nullptr) ncclCommAbort(comm);  // unblocks the stream
+    comm = nullptr;
+  }
+  // ncclSuccess, or the asynchronous error of a communicator that is still alive.
+  ncclResult_t async_error() {
+    std::lock_guard<std::mutex> lock(mutex);
+    ncclResult_t result = ncclSuccess;
+    if (comm != nullptr) ncclCommGetAsyncError(comm, &result);
+    return result == ncclInProgress ? ncclSuccess : result;
+  }
+  ncclComm_t usable(const char* what) {
+    std::lock_guard<std::mutex> lock(mutex);
+    MN_CHECK(error.empty(), RuntimeError, "NCCL ", what, " on a broken process group (an earlier collective failed: ",
+             error, ")");
+    return comm;
+  }
+};
 
 // Sets the group's device for the scope of one call and restores the caller's.
 class DeviceGuard {
@@ -50,9 +92,9 @@ class DeviceGuard {
 
 class NcclWork final : public Work {
  public:
-  NcclWork(ncclComm_t comm, int device, cudaEvent_t done, Milliseconds timeout, std::string what,
+  NcclWork(std::shared_ptr<CommState> comm, int device, cudaEvent_t done, Milliseconds timeout, std::string what,
            std::vector<Tensor> keep_alive)
-      : comm_(comm),
+      : comm_(std::move(comm)),
         device_(device),
         done_(done),
         timeout_(timeout),
@@ -62,38 +104,39 @@ class NcclWork final : public Work {
     if (done_) cudaEventDestroy(done_);
   }
 
-  bool is_completed() override { return done_ == nullptr || cudaEventQuery(done_) != cudaErrorNotReady; }
+  bool is_completed() override { return done_ == nullptr || query_event(done_) != cudaErrorNotReady; }
 
   void wait() override {
     if (done_ == nullptr) return;
     DeviceGuard guard(device_);
     const auto deadline = std::chrono::steady_clock::now() + timeout_;
     while (true) {
-      const cudaError_t state = cudaEventQuery(done_);
+      const cudaError_t state = query_event(done_);
       if (state == cudaSuccess) break;
       MN_CHECK(state == cudaErrorNotReady, RuntimeError, "NCCL ", what_, " failed: ", cudaGetErrorString(state));
-      ncclResult_t async_error = ncclSuccess;
-      ncclCommGetAsyncError(comm_, &async_error);
-      if (async_error != ncclSuccess && async_error != ncclInProgress) {
-        ncclCommAbort(comm_);  // unblocks the stream; the group is unusable afterwards
-        throw RuntimeError(
-            str("NCCL ", what_, " failed: ", ncclGetErrorString(async_error), "; a peer rank may have exited"));
+      const ncclResult_t async_error = comm_->async_error();
+      if (async_error != ncclSuccess) {
+        const std::string reason =
+            str("NCCL ", what_, " failed: ", ncclGetErrorString(async_error), "; a peer rank may have exited");
+        comm_->abort(reason);  // unblocks the stream; the group is unusable afterwards
+        throw RuntimeError(reason);
       }
       if (std::chrono::steady_clock::now() >= deadline) {
-        ncclCommAbort(comm_);
-        throw RuntimeError(str("NCCL ", what_, " did not finish within ", seconds_text(timeout_),
-                               "; a peer rank may have exited or stopped calling collectives"));
+        const std::string reason = str("NCCL ", what_, " did not finish within ", seconds_text(timeout_),
+                                       "; a peer rank may have exited or stopped calling collectives");
+        comm_->abort(reason);
+        throw RuntimeError(reason);
       }
       std::this_thread::sleep_for(std::chrono::microseconds(50));
     }
     // Later work on the compute stream must see the result (already true after the host wait, but it
     // keeps the ordering explicit should the host wait become a stream wait).
-    cuda_check(cudaStreamWaitEvent(kComputeStream, done_, 0), "cudaStreamWaitEvent");
+    cuda_check(cudaStreamWaitEvent(compute_stream(device_), done_, 0), "cudaStreamWaitEvent");
     keep_alive_.clear();
   }
 
  private:
-  ncclComm_t comm_;
+  std::shared_ptr<CommState> comm_;
   int device_;
   cudaEvent_t done_;
   Milliseconds timeout_;
@@ -106,7 +149,7 @@ class NcclWork final : public Work {
 struct NcclProcessGroup::Impl {
   ProcessGroupOptions options;
   int device = 0;
-  ncclComm_t comm = nullptr;
+  std::shared_ptr<CommState> comm = std::make_shared<CommState>();
   cudaStream_t stream = nullptr;
   float* barrier_buffer = nullptr;
 
@@ -114,7 +157,7 @@ struct NcclProcessGroup::Impl {
   void wait_for_compute_stream() {
     cudaEvent_t ready = nullptr;
     cuda_check(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming), "cudaEventCreate");
-    cuda_check(cudaEventRecord(ready, kComputeStream), "cudaEventRecord");
+    cuda_check(cudaEventRecord(ready, compute_stream(device)), "cudaEventRecord");
     cuda_check(cudaStreamWaitEvent(stream, ready, 0), "cudaStreamWaitEvent");
     cudaEventDestroy(ready);  // safe: destruction is deferred until the event completes
   }
@@ -164,7 +207,7 @@ NcclProcessGroup::NcclProcessGroup(std::shared_ptr<Store> store, int rank, int s
   }
 
   DeviceGuard guard(impl_->device);
-  nccl_check(ncclCommInitRank(&impl_->comm, size, id, rank), "ncclCommInitRank");
+  nccl_check(ncclCommInitRank(&impl_->comm->comm, size, id, rank), "ncclCommInitRank");
   cuda_check(cudaStreamCreateWithFlags(&impl_->stream, cudaStreamNonBlocking), "cudaStreamCreate");
   cuda_check(cudaMalloc(reinterpret_cast<void**>(&impl_->barrier_buffer), sizeof(float)), "cudaMalloc");
 }
@@ -172,9 +215,27 @@ NcclProcessGroup::NcclProcessGroup(std::shared_ptr<Store> store, int rank, int s
 NcclProcessGroup::~NcclProcessGroup() {
   if (!impl_) return;
   DeviceGuard guard(impl_->device);
+  CommState& state = *impl_->comm;
+  // A collective that can never finish (a peer died, nobody waited) must not hang the destructor.
+  const auto deadline = std::chrono::steady_clock::now() + impl_->options.timeout;
+  while (impl_->stream && cudaStreamQuery(impl_->stream) == cudaErrorNotReady) {
+    cudaGetLastError();
+    if (state.async_error() != ncclSuccess || std::chrono::steady_clock::now() >= deadline) {
+      state.abort("the process group was destroyed with a collective that could not finish");
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(50));
+  }
   if (impl_->stream) cudaStreamSynchronize(impl_->stream);
-  if (impl_->comm) ncclCommDestroy(impl_->comm);
-  if (impl_->stream) cudaStreamDestroy(impl_->stream);
+  {
+    std::lock_guard<std::mutex> lock(state.mutex);
+    if (state.comm) ncclCommDestroy(state.comm);  // not after ncclCommAbort: that freed it already
+    state.comm = nullptr;
+    if (state.error.empty()) state.error = "the process group was destroyed";
+  }
+  // The stream is not destroyed: tensors recorded on it (record_stream) may outlive the group, and the
+  // caching allocator records an event on it when they are freed (core/cuda.h: stream ids are never
+  // reused while the allocator may remember them).
   if (impl_->barrier_buffer) cudaFree(impl_->barrier_buffer);
 }
 
@@ -192,7 +253,7 @@ WorkPtr NcclProcessGroup::allreduce(const Tensor& tensor, ReduceOp op) {
   impl_->wait_for_compute_stream();
   void* data = tensor.raw_data();
   nccl_check(ncclAllReduce(data, data, static_cast<size_t>(tensor.numel()), nccl_type(tensor.dtype()),
-                           op == ReduceOp::Sum ? ncclSum : ncclAvg, impl_->comm, impl_->stream),
+                           op == ReduceOp::Sum ? ncclSum : ncclAvg, impl_->comm->usable("allreduce"), impl_->stream),
              "ncclAllReduce");
   return impl_->finish(str("allreduce of ", tensor.numel(), " elements on rank ", rank(), " of ", size()),
                        {tensor});
@@ -209,7 +270,7 @@ WorkPtr NcclProcessGroup::broadcast(const Tensor& tensor, int root) {
   impl_->wait_for_compute_stream();
   void* data = tensor.raw_data();
   nccl_check(ncclBroadcast(data, data, static_cast<size_t>(tensor.numel()), nccl_type(tensor.dtype()), root,
-                           impl_->comm, impl_->stream),
+                           impl_->comm->usable("broadcast"), impl_->stream),
              "ncclBroadcast");
   return impl_->finish(str("broadcast of ", tensor.numel(), " elements from rank ", root), {tensor});
 }
@@ -229,7 +290,7 @@ WorkPtr NcclProcessGroup::allgather(const Tensor& input, const Tensor& output) {
   output.bump_version();
   impl_->wait_for_compute_stream();
   nccl_check(ncclAllGather(input.raw_data(), output.raw_data(), static_cast<size_t>(input.numel()),
-                           nccl_type(input.dtype()), impl_->comm, impl_->stream),
+                           nccl_type(input.dtype()), impl_->comm->usable("allgather"), impl_->stream),
              "ncclAllGather");
   return impl_->finish(str("allgather of ", input.numel(), " elements on rank ", rank(), " of ", size()),
                        {input, output});
@@ -239,8 +300,8 @@ WorkPtr NcclProcessGroup::barrier() {
   capture::unsupported(str("a ", backend(), " barrier of a process group"));
   DeviceGuard guard(impl_->device);
   impl_->wait_for_compute_stream();
-  nccl_check(ncclAllReduce(impl_->barrier_buffer, impl_->barrier_buffer, 1, ncclFloat32, ncclSum, impl_->comm,
-                           impl_->stream),
+  nccl_check(ncclAllReduce(impl_->barrier_buffer, impl_->barrier_buffer, 1, ncclFloat32, ncclSum,
+                           impl_->comm->usable("barrier"), impl_->stream),
              "ncclAllReduce (barrier)");
   WorkPtr work = impl_->finish(str("barrier on rank ", rank(), " of ", size()), {});
   work->wait();

@@ -29,6 +29,12 @@ class CudaRawBackend final : public RawBackend {
     size_t free_bytes = 0;
     MN_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_));
   }
+  // Capture pools (make_cuda_pool_allocator) are destroyed with their graph: their events go too.
+  // The caching allocator has handed every pending event back through release_event by now.
+  ~CudaRawBackend() override {
+    for (cudaEvent_t event : spare_events_) cudaEventDestroy(event);
+    cudaGetLastError();
+  }
 
   void* raw_alloc(size_t bytes) override {
     if (cap_ != 0 && held_ + bytes > cap_) return nullptr;

@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <string>
 #include <thread>
 #include <tuple>
@@ -23,8 +24,10 @@
 #include "core/cuda.h"
 #include "core/random.h"
 #include "kernels/kernels.h"
+#include "tests/gpu/stream_gate.h"
 
 using namespace mn;
+using mn::testing::StreamGate;
 
 namespace {
 
@@ -51,29 +54,6 @@ void check_close(const std::vector<float>& got, const std::vector<float>& want, 
     }
   }
 }
-
-// Holds a stream busy until released: a host function on the stream spins on a flag, so everything
-// queued behind it waits (a deterministic "kernel still running").
-class StreamGate {
- public:
-  explicit StreamGate(const cuda::Stream& s) : stream_(s) {
-    REQUIRE(cudaLaunchHostFunc(static_cast<cudaStream_t>(s.handle()), &StreamGate::wait_open, &open_) == cudaSuccess);
-  }
-  // The host function reads open_: it must have returned before the gate goes away.
-  ~StreamGate() {
-    release();
-    cudaStreamSynchronize(static_cast<cudaStream_t>(stream_.handle()));
-  }
-  void release() { open_.store(true); }
-
- private:
-  static void wait_open(void* flag) {
-    auto* open = static_cast<std::atomic<bool>*>(flag);
-    while (!open->load()) std::this_thread::sleep_for(std::chrono::microseconds(50));
-  }
-  cuda::Stream stream_;
-  std::atomic<bool> open_{false};
-};
 
 MemoryStats gpu_stats() { return memory_stats(kGpu); }
 
@@ -116,6 +96,13 @@ TEST_CASE("cuda runtime: dtype conversions on the device truncate like the CPU")
   Tensor host_f32 = empty({4});
   host_f32.copy_(ints.to(kGpu));
   CHECK(host_f32.to_vector<float>() == ints.to(DType::f32).to_vector<float>());
+  // Out of range and NaN: both sides saturate and give 0 for NaN (a plain cast differs between them).
+  const float inf = std::numeric_limits<float>::infinity();
+  const Tensor odd = from_vector(std::vector<float>{std::nanf(""), inf, -inf, 1e19f, -1e19f});
+  const std::vector<int64_t> want = {0, INT64_MAX, INT64_MIN, INT64_MAX, INT64_MIN};
+  CHECK(odd.to(DType::i64).to_vector<int64_t>() == want);
+  CHECK(odd.to(kGpu).to(DType::i64).to_vector<int64_t>() == want);
+  CHECK(odd.to(kGpu).t().contiguous().to(DType::i64).to_vector<int64_t>() == want);
 }
 
 TEST_CASE("cuda runtime: strided and expanded copies in every direction") {
@@ -309,6 +296,13 @@ TEST_CASE("cuda runtime: gemm matches the CPU kernel") {
     Tensor out = empty({64, 48}, kGpu);
     CHECK_THROWS_WITH_AS(kernels::gemm(kGpu, a, b.to(kGpu), out, 1.0, 0.0), doctest::Contains("got a tensor on cpu"),
                          DeviceError);
+    // elementwise kernels check their operands too (a host pointer in a launch would poison the context),
+    // and a gradient set by hand must live where the parameter does
+    Tensor sum_out = empty({64, 32}, kGpu);
+    CHECK_THROWS_WITH_AS(kernels::binary(kGpu, kernels::BinaryOp::Add, a.to(kGpu), a, sum_out),
+                         doctest::Contains("got a tensor on cpu"), DeviceError);
+    const Tensor w = a.to(kGpu).requires_grad_(true);
+    CHECK_THROWS_AS(w.set_grad(a), ValueError);
   }
   SUBCASE("TF32 is opt-in") {
     const Tensor a = randn_on({512, 512}, 1), b = randn_on({512, 512}, 2);
@@ -412,6 +406,7 @@ TEST_CASE("cuda runtime: allocator stats, rounding and per-stream pools") {
   if (!caching_enabled(kGpu)) return;  // MN_NO_CACHING: nothing is cached
   empty_cache(kGpu);
   REQUIRE(gpu_stats().allocated_bytes.current == 0);
+  reset_peak_memory_stats(kGpu);  // earlier test cases of this process left their peaks behind
   {
     Tensor t = empty({250}, kGpu);  // 1000 bytes -> one 1024-byte block of a 2 MiB segment
     const MemoryStats s = gpu_stats();

@@ -13,12 +13,15 @@
 
 #include "autograd/ops.h"
 #include "core/allocator.h"
+#include "core/caching_allocator.h"
+#include "core/cuda.h"
 #include "dist/ddp.h"
 #include "dist/process_group.h"
 #include "dist/store.h"
 #include "mapping/mapping_model.h"
 #include "mapping/targets.h"
 #include "nn/functional.h"
+#include "tests/gpu/stream_gate.h"
 #include "tests/test_support.h"
 
 using namespace mn;
@@ -74,18 +77,29 @@ TEST_CASE("gpu: NCCL process group, one rank: collectives in stream order, dtype
   CHECK(out.to(kCPU).to_vector<float>() == std::vector<float>{4.0f, 5.0f, 6.0f});
   pg->barrier()->wait();
 
-  // A tensor dropped while its collective may still run: the allocator must not hand its block to the
-  // next allocation before the NCCL stream is done with it.
-  {
-    dist::WorkPtr work;
+  // A tensor dropped, with its unwaited Work, while its collective cannot have run: the compute stream
+  // (a side stream made current) is held by a host function and the NCCL stream waits for it. Only
+  // record_stream keeps the block out of the pool (the Work's keep-alive is gone with the Work) until the
+  // NCCL stream has passed the collective. (MN_NO_CACHING: nothing is pooled, nothing to check.)
+  if (caching_enabled(kGpu)) {
+    const cuda::Stream compute = cuda::new_stream(0);
+    cuda::StreamGuard on_compute(compute);
+    empty_cache(kGpu);
+    const int64_t n = int64_t{1} << 22;  // 16 MiB: a segment of its own
+    void* dropped = nullptr;
+    testing::StreamGate gate(compute);
     {
-      Tensor temp = ones({1 << 22}, TensorOptions().with_device(kGpu));
-      work = pg->allreduce(temp, dist::ReduceOp::Sum);
+      Tensor temp = empty({n}, TensorOptions().with_device(kGpu));
+      dropped = temp.raw_data();
+      pg->allreduce(temp, dist::ReduceOp::Sum);  // the Work is dropped at once
     }
-    Tensor reuse = full({1 << 22}, 9.0, TensorOptions().with_device(kGpu));
-    work->wait();
-    const std::vector<float> values = reuse.to(kCPU).to_vector<float>();
-    CHECK(std::all_of(values.begin(), values.end(), [](float v) { return v == 9.0f; }));
+    CHECK(memory_stats(kGpu).active_bytes.current >= n * 4);  // waiting on the NCCL stream's event
+    Tensor reuse = empty({n}, TensorOptions().with_device(kGpu));
+    CHECK(reuse.raw_data() != dropped);
+    gate.release();
+    cuda::synchronize(0);
+    Tensor again = empty({n}, TensorOptions().with_device(kGpu));  // the event completed: back in the pool
+    CHECK(again.raw_data() == dropped);
   }
 
   // Errors name what was expected.
