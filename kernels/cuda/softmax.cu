@@ -152,7 +152,12 @@ void softmax_backward_cuda(const Tensor& grad_out, const Tensor& out, int dim, b
 
 // ---------------- cross entropy ----------------
 
-void check_cross_entropy_args(const char* op, const Tensor& logits, const Tensor& target, int64_t ignore_index) {
+// Shapes, dtypes and devices; with check_targets also the target values, which costs a stream
+// synchronisation. The backward skips that scan: its kernel never indexes memory by a target (it only
+// compares classes with it), and the forward already refused bad values of the very target (autograd
+// refuses one changed in place since, by its version).
+void check_cross_entropy_args(const char* op, const Tensor& logits, const Tensor& target, int64_t ignore_index,
+                              bool check_targets) {
   MN_CHECK(logits.dtype() == DType::f32 && logits.dim() == 2, ValueError, op, ": expected f32 logits [N, C], got ",
            logits.dtype(), logits.sizes());
   const int64_t rows = logits.sizes()[0], classes = logits.sizes()[1];
@@ -162,6 +167,7 @@ void check_cross_entropy_args(const char* op, const Tensor& logits, const Tensor
            ", got ", target.dtype(), target.sizes());
   MN_CHECK(target.device().is_cuda(), ValueError, op, ": target must be on a CUDA device, got ",
            target.device().str());
+  if (!check_targets) return;
   int64_t value = 0;
   const int64_t pos = cuda::first_invalid_index(target, classes, true, ignore_index, &value);
   MN_CHECK(pos < 0, IndexError, op, ": target ", value, " at position ", pos, " is out of range for ", classes,
@@ -203,7 +209,7 @@ __global__ void cross_entropy_kernel(const float* x, const int64_t* target, int6
 
 void cross_entropy_cuda(const Tensor& logits, const Tensor& target, double smoothing, int64_t ignore_index,
                         Tensor& loss, Tensor& lse) {
-  check_cross_entropy_args("cross_entropy", logits, target, ignore_index);
+  check_cross_entropy_args("cross_entropy", logits, target, ignore_index, true);
   const int64_t rows = logits.sizes()[0], classes = logits.sizes()[1];
   MN_CHECK(loss.numel() == rows && lse.numel() == rows, ValueError, "cross_entropy: loss ", loss.sizes(), " and lse ",
            lse.sizes(), " must hold one value per row of logits ", logits.sizes());
@@ -238,7 +244,7 @@ __global__ void cross_entropy_backward_kernel(const float* grad_loss, const floa
 
 void cross_entropy_backward_cuda(const Tensor& grad_loss, const Tensor& logits, const Tensor& target,
                                  const Tensor& lse, double smoothing, int64_t ignore_index, Tensor& grad_logits) {
-  check_cross_entropy_args("cross_entropy_backward", logits, target, ignore_index);
+  check_cross_entropy_args("cross_entropy_backward", logits, target, ignore_index, false);
   const int64_t rows = logits.sizes()[0], classes = logits.sizes()[1];
   MN_CHECK(grad_loss.numel() == rows && lse.numel() == rows && grad_logits.sizes() == logits.sizes(), ValueError,
            "cross_entropy_backward: grad_loss ", grad_loss.sizes(), ", lse ", lse.sizes(), " and grad_logits ",
