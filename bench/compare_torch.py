@@ -76,10 +76,11 @@ class Group:
         self.s = (torch.rand(n) * 0.1 + 0.01).to(device)
         if mode == "same" and n >= 2 * L:
             k = n // L
-            self.q = torch.linalg.qr(torch.randn(L, L))[0].to(device)
-            self.signs = (torch.randint(0, 2, (k - 1, L)).float() * 2 - 1).to(device)
-            self.tail = torch.linalg.qr(torch.randn(n - (k - 1) * L, L))[0].to(device)
+            # sqrt(n / k) folded into the factors, as ours does (no extra pass over the output)
             self.scale = math.sqrt(n / k)
+            self.q = (torch.linalg.qr(torch.randn(L, L))[0] * self.scale).to(device)
+            self.signs = (torch.randint(0, 2, (k - 1, L)).float() * 2 - 1).to(device)
+            self.tail = (torch.linalg.qr(torch.randn(n - (k - 1) * L, L))[0] * self.scale).to(device)
         else:
             w = torch.linalg.qr(torch.randn(max(n, L), min(n, L)))[0]
             self.w = ((w if n >= L else w.t()).contiguous() * math.sqrt(max(n, L))).to(device)
@@ -92,7 +93,7 @@ class Group:
             out = w_mod @ z
         elif self.q is not None:
             rep = ((self.signs * z) @ self.q.t()).reshape(-1)
-            out = torch.cat([rep, self.tail @ z]) * self.scale + self.alpha * (z * z).sum()
+            out = torch.cat([rep, self.tail @ z]) + self.alpha * (z * z).sum()
         else:
             out = self.w @ z + self.alpha * (z * z).sum()
         return self.s * out

@@ -70,7 +70,9 @@ def main():
         result = {
             "torch": torch.__version__,
             "device": torch.cuda.get_device_name(0),
-            "tf32": False,
+            # read back, not asserted: what cuDNN and cuBLAS were told
+            "tf32": {"cudnn": torch.backends.cudnn.allow_tf32, "matmul": torch.backends.cuda.matmul.allow_tf32,
+                     "float32_matmul_precision": torch.get_float32_matmul_precision()},
             "groups": groups,
             "steps": args.steps,
             "cnn2_layerwise_b256_ms": median_ms(step, gpu, args.steps, args.warmup),

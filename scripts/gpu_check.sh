@@ -22,7 +22,7 @@
 # MN_JOBS (default: all cores), MN_GPU_BENCH_MIN_TIME (default 0.1 s per runtime benchmark),
 # MN_GPU_STEP_MIN_TIME (default 0.3 s per training-step benchmark),
 # MN_FASHION_MNIST_DIR (default .deps/datasets/fashion-mnist, then /usr/share/datasets/fashion-mnist),
-# MN_GPU_DEADLINE (default 520: seconds after which no phase runs on; the summary still comes).
+# MN_GPU_DEADLINE (default 420: seconds after which no phase runs on; the summary still comes).
 set -uo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -33,6 +33,9 @@ JOBS=${MN_JOBS:-$(nproc 2>/dev/null || echo 2)}
 MIN_TIME=${MN_GPU_BENCH_MIN_TIME:-0.1}
 STEP_MIN_TIME=${MN_GPU_STEP_MIN_TIME:-0.3}
 mkdir -p "$OUT_DIR" "$BUILD"
+# One node, no network beyond it: NCCL's bootstrap on the loopback interface (it skips lo by default
+# and fails where lo is all there is).
+export NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-lo}
 rm -f "$OUT_DIR"/{gpu-check.log,summary.txt,summary.json,gpu_tests.log,mn_bench_cuda_runtime.json} \
   "$OUT_DIR"/{mn_bench_cuda_train_step.json,torch_cuda_step.json,mn-train.log}
 exec > >(tee "$OUT_DIR/gpu-check.log") 2>&1
@@ -41,7 +44,7 @@ TEE_PID=$!
 T0=$SECONDS
 # Every phase ends by this many seconds after the start, so the summary is written even when
 # something hangs (the device call's timeout_s should be ~20 s more).
-DEADLINE=${MN_GPU_DEADLINE:-520}
+DEADLINE=${MN_GPU_DEADLINE:-420}
 declare -A TIMES RCS
 log() { printf '[gpu-check %4ds] %s\n' $((SECONDS - T0)) "$*"; }
 # phase NAME TIMEOUT_S [--tee FILE] CMD...: runs CMD under timeout (its output also copied to FILE),
@@ -76,9 +79,12 @@ phase() {
 }
 
 log "root $ROOT, build $BUILD, out $OUT_DIR, $JOBS jobs, $(nproc) cores"
+# What a failed configure needs explained, in the one log that comes back.
+log "toolchain: $(cmake --version 2>/dev/null | head -1); $(c++ --version 2>/dev/null | head -1);" \
+  "nvcc $(command -v nvcc || echo /usr/local/cuda/bin/nvcc); cuBLAS $(ls /usr/local/cuda/lib64/libcublas.so* 2>/dev/null | head -1)"
 if command -v nvidia-smi >/dev/null 2>&1; then
-  nvidia-smi || true
-  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader \
+  timeout 30 nvidia-smi || true
+  timeout 30 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader \
     >"$BUILD/nvidia-smi.txt" 2>/dev/null || true
 else
   log "nvidia-smi not found: the GPU tests will report themselves skipped"
@@ -100,31 +106,42 @@ fi
 [[ -n ${MN_GPU_CMAKE_ARGS:-} ]] && cmake_args+=(${MN_GPU_CMAKE_ARGS})
 TARGETS=(mn_gpu_tests mn_bench_cuda_runtime mn_bench_cuda_train_step mn-train)
 build_ok=0
-if phase configure 300 cmake "${cmake_args[@]}" && phase build 600 cmake --build "$BUILD" -j "$JOBS" --target "${TARGETS[@]}"; then
-  build_ok=1
-else
-  log "configure or build FAILED: nothing to run"
+built() { [[ -f $BUILD/$1 && -x $BUILD/$1 ]]; }
+if phase configure 300 cmake "${cmake_args[@]}"; then
+  # No stale programs, and keep going past a failing target: whatever links still runs below.
+  rm -f "$BUILD"/{tests/mn_gpu_tests,bench/mn_bench_cuda_runtime,bench/mn_bench_cuda_train_step,examples/mn-train}
+  keep_going=(-- -k)
+  [[ -f $BUILD/build.ninja ]] && keep_going=(-- -k 0)
+  phase build 600 cmake --build "$BUILD" -j "$JOBS" --target "${TARGETS[@]}" "${keep_going[@]}" && build_ok=1
 fi
+((build_ok)) || log "configure or build FAILED; running what was built:" \
+  $(for t in tests/mn_gpu_tests bench/mn_bench_cuda_runtime bench/mn_bench_cuda_train_step examples/mn-train; do
+      built "$t" && echo "${t##*/}"; done)
 
 have_gpu=0
-if ((build_ok)); then
+if built tests/mn_gpu_tests; then
   # Our own runtime's view: main() exits 77 before running anything when there is no usable device.
-  "$BUILD/tests/mn_gpu_tests" --test-case=__none__ --no-intro=true >/dev/null 2>&1 && have_gpu=1
-  log "CUDA device usable by mapping_networks: $([[ $have_gpu == 1 ]] && echo yes || echo no)"
-
-  # ---- tests ----
-  phase tests 300 --tee "$OUT_DIR/gpu_tests.log" ctest --test-dir "$BUILD" -L gpu -V --output-on-failure
-
-  # ---- benchmarks ----
-  phase bench_runtime 180 "$BUILD/bench/mn_bench_cuda_runtime" --benchmark_min_time="$MIN_TIME" \
-    --benchmark_out="$OUT_DIR/mn_bench_cuda_runtime.json" --benchmark_out_format=json
-  phase bench_train_step 180 "$BUILD/bench/mn_bench_cuda_train_step" --benchmark_min_time="$STEP_MIN_TIME" \
-    --benchmark_out="$OUT_DIR/mn_bench_cuda_train_step.json" --benchmark_out_format=json
+  timeout 60 "$BUILD/tests/mn_gpu_tests" --test-case=__none__ --no-intro=true >/dev/null 2>&1 && have_gpu=1
+elif command -v nvidia-smi >/dev/null 2>&1 && timeout 30 nvidia-smi -L >/dev/null 2>&1; then
+  have_gpu=1
 fi
+log "CUDA device usable: $([[ $have_gpu == 1 ]] && echo yes || echo no)"
+
+# ---- tests ----
+built tests/mn_gpu_tests &&
+  phase tests 180 --tee "$OUT_DIR/gpu_tests.log" ctest --test-dir "$BUILD" -L gpu -V --output-on-failure
+
+# ---- benchmarks ----
+built bench/mn_bench_cuda_runtime &&
+  phase bench_runtime 120 "$BUILD/bench/mn_bench_cuda_runtime" --benchmark_min_time="$MIN_TIME" \
+    --benchmark_out="$OUT_DIR/mn_bench_cuda_runtime.json" --benchmark_out_format=json
+built bench/mn_bench_cuda_train_step &&
+  phase bench_train_step 150 "$BUILD/bench/mn_bench_cuda_train_step" --benchmark_min_time="$STEP_MIN_TIME" \
+    --benchmark_out="$OUT_DIR/mn_bench_cuda_train_step.json" --benchmark_out_format=json
 
 # ---- PyTorch, same steps, same GPU ----
-if command -v python3 >/dev/null 2>&1 && python3 -c 'import torch' >/dev/null 2>&1; then
-  PYTHONUNBUFFERED=1 phase torch_step 240 python3 "$ROOT/bench/torch_cuda_step.py" --out "$OUT_DIR/torch_cuda_step.json"
+if command -v python3 >/dev/null 2>&1 && timeout 60 python3 -c 'import torch' >/dev/null 2>&1; then
+  PYTHONUNBUFFERED=1 phase torch_step 150 python3 "$ROOT/bench/torch_cuda_step.py" --out "$OUT_DIR/torch_cuda_step.json"
 else
   log "python3 with torch not found: no PyTorch figures"
 fi
@@ -136,13 +153,16 @@ if [[ -z $data ]]; then
     [[ -f $d/train-images-idx3-ubyte.gz ]] && data=$d && break
   done
 fi
-if ((build_ok && have_gpu)) && [[ -n $data ]]; then
+if ((have_gpu)) && built examples/mn-train && [[ -n $data ]]; then
   rm -rf "$BUILD/gpu-check-train"  # a fresh run, never a resumed one
-  MN_FASHION_MNIST_DIR=$data phase train 300 --tee "$OUT_DIR/mn-train.log" "$BUILD/examples/mn-train" \
+  MN_FASHION_MNIST_DIR=$data phase train 120 --tee "$OUT_DIR/mn-train.log" "$BUILD/examples/mn-train" \
     --device cuda --target cnn2 --strategy layerwise --latent-dim 672 --epochs 1 --batch-size 256 --json \
     --out "$BUILD/gpu-check-train"
-elif ((build_ok)); then
-  log "mn-train on cuda skipped: $([[ $have_gpu == 0 ]] && echo 'no CUDA device' || echo 'no Fashion-MNIST (./mn gpu-bundle carries it)')"
+else
+  why='no Fashion-MNIST (./mn gpu-bundle carries it)'
+  built examples/mn-train || why='mn-train not built'
+  ((have_gpu)) || why='no CUDA device'
+  log "mn-train on cuda skipped: $why"
 fi
 
 # ---- summary ----

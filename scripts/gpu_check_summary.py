@@ -8,6 +8,14 @@ import os
 import re
 
 
+ERRORS = []  # benchmarks that reported an error (SkipWithError): their times are not figures
+PEAK_F32_TFLOPS = 67.0  # H200 SXM fp32 (132 SMs x 128 FMA x 2 x 1.98 GHz)
+
+
+def verdict(ok):
+    return "n/a" if ok is None else ("PASS" if ok else "FAIL")
+
+
 PHASE_ORDER = ["configure", "build", "tests", "bench_runtime", "bench_train_step", "torch_step", "train", "total"]
 
 
@@ -35,6 +43,9 @@ def benchmarks(path):
         if b.get("run_type", "iteration") != "iteration":
             continue
         name = re.sub(r"/(manual_time|real_time)$", "", b.get("name", ""))
+        if b.get("error_occurred"):
+            ERRORS.append(f"{name}: {b.get('error_message', 'error')}")
+            continue
         out[name] = b
     return out
 
@@ -102,7 +113,9 @@ def main():
     s["gemm_tflops"] = gemm
     if gemm:
         f32 = gemm.get("f32_8192")
-        lines.append(f"GEMM:        f32 8192^3 {fmt(f32, '.1f')} TFLOP/s (target >= 47, 70% of 67), "
+        s["targets"] = {"gemm": verdict(None if f32 is None else f32 >= 0.7 * PEAK_F32_TFLOPS)}
+        lines.append(f"GEMM:        f32 8192^3 {fmt(f32, '.1f')} TFLOP/s (target >= 47, 70% of 67): "
+                     f"{s['targets']['gemm']}; "
                      f"TF32 {fmt(gemm.get('tf32_8192'), '.1f')}, f32 4096^3 {fmt(gemm.get('f32_4096'), '.1f')}")
     alloc = {}
     for size in ("512", "65536", "1048576", "16777216", "268435456"):
@@ -116,7 +129,9 @@ def main():
             return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB" if n >= 1 << 10 else f"{n} B"
         parts = [f"{size(k)}: {fmt(v['hit_ns'], '.0f')} vs {fmt(v['cudaMalloc_free_ns'], '.0f')}"
                  for k, v in alloc.items()]
-        lines.append(f"allocator:   hit (ns) vs cudaMalloc+cudaFree (ns), worst hit {worst:.0f} ns (target <= 1000)")
+        s.setdefault("targets", {})["allocator"] = verdict(worst <= 1000)
+        lines.append(f"allocator:   hit (ns) vs cudaMalloc+cudaFree (ns), worst hit {worst:.0f} ns (target <= 1000): "
+                     f"{s['targets']['allocator']}")
         lines.append("             " + "; ".join(parts))
 
     # ---- training steps ----
@@ -145,8 +160,13 @@ def main():
         lines.append(f"mapped step: CNN2 layerwise 4x672 batch 256, median ms: ours cuda {fmt(step['ours_gpu_ms'])}, "
                      f"PyTorch cuda {fmt(step['torch_gpu_ms'])}, ours cpu {fmt(step['ours_cpu_ms'])} "
                      f"(PyTorch cpu {fmt(step['torch_cpu_ms'])})")
-        lines.append(f"             ours cpu / ours cuda = {fmt(step.get('cpu_over_gpu'), '.1f')}x (target >= 5); "
-                     f"ours / PyTorch = {fmt(step.get('ours_over_torch'))} (target <= 1)")
+        cpu_threads = (st.get("BM_CNN2_LayerwiseStep_CPU") or {}).get("threads")
+        t = s.setdefault("targets", {})
+        t["step_vs_cpu"] = verdict(None if "cpu_over_gpu" not in step else step["cpu_over_gpu"] >= 5)
+        t["step_vs_torch"] = verdict(None if "ours_over_torch" not in step else step["ours_over_torch"] <= 1)
+        lines.append(f"             ours cpu ({fmt(cpu_threads, '.0f')} threads) / ours cuda = "
+                     f"{fmt(step.get('cpu_over_gpu'), '.1f')}x (target >= 5): {t['step_vs_cpu']}; "
+                     f"ours / PyTorch = {fmt(step.get('ours_over_torch'))} (target <= 1): {t['step_vs_torch']}")
         lines.append(f"             compiled (mn::compile) cuda {fmt(step['ours_gpu_compiled_ms'])} ms")
         lines.append(f"direct step: CNN2 batch 128 / 256, median ms: ours {fmt(step['ours_direct_b128_ms'])} / "
                      f"{fmt(step['ours_direct_b256_ms'])}, PyTorch {fmt(step['torch_direct_b128_ms'])} / "
@@ -171,6 +191,10 @@ def main():
                      f"{fmt(train.get('steps_per_second'), '.1f')} steps/s")
     elif train_log:
         lines.append("mn-train:    no JSON summary (failed? see mn-train.log)")
+
+    s["benchmark_errors"] = ERRORS
+    for e in ERRORS[:10]:
+        lines.append(f"bench error: {e}")
 
     times = ", ".join(f"{k} {v['seconds']} s" + (f" (exit {v['rc']})" if v["rc"] else "")
                       for k, v in sorted(phases.items(), key=lambda kv: PHASE_ORDER.index(kv[0])
