@@ -7,7 +7,7 @@
 //   backward weight:  grad_W_g     = grad_out_g [Og, nb*P] @ col_g^T [nb*P, K]  (one GEMM per group and
 //                     chunk; the columns of a chunk are laid out [G, K, nb, P] so the batch folds
 //                     into the GEMM's inner dimension; chunks accumulate with beta = 1 in order)
-//   grad_bias[o]    = sum over n and pixels of grad_out[n, o]: one block per channel, in double.
+//   grad_bias[o]    = sum over n and pixels of grad_out[n, o]: the reduce kernels (split, in double).
 // Chunks of samples bound the column buffer; their size depends on the shapes only, so results are
 // reproducible from run to run.
 #include <algorithm>

@@ -5,7 +5,7 @@
 //   * avg backward: one thread per input pixel gathers the windows that cover it, in the CPU's
 //     (oy, ox) order: deterministic, no atomics.
 //   * max backward: the kernel gets only the indices (no window parameters). With many planes one
-//     thread per plane scatters that plane's outputs in order (deterministic, as on the CPU); with few
+//     warp per plane scatters that plane's outputs in order (the CPU's sums, bit for bit); with few
 //     planes one thread per output element scatters with atomicAdd, so when windows overlap the f32
 //     sum order (and so the last bits) may vary from run to run.
 #include <cmath>
@@ -17,7 +17,7 @@ namespace {
 
 using cuda::kThreads;
 
-// Planes from which max-pool backward uses one thread per plane.
+// Planes from which max-pool backward uses one warp per plane (below: one atomic add per output).
 constexpr int64_t kPlaneThreads = 512;
 
 struct Planes {
