@@ -235,8 +235,9 @@ void ParameterGenerator::to(Device device) {
   for (auto& g : groups_) {
     g.mapper->to(device);
     if (g.scale.defined()) g.scale = g.scale.to(device);
-    Tensor z = g.latent.detach().to(device);
-    g.latent = z.requires_grad_(true);
+    // Only a real move makes new leaves: to() on the current device keeps the latents (and so the
+    // optimizers, DDP hooks and compiled graphs that hold them) as they are.
+    if (g.latent.device() != device) g.latent = g.latent.detach().to(device).requires_grad_(true);
   }
   options_.device = device;
 }

@@ -277,7 +277,9 @@ LossOutput AlignmentLoss::compute(const TrainingContext& c) const {
   }
   LossOutput out;
   // No latent has a summary: a zero that still joins the graph, as in the reference.
-  Tensor value = pairs == 0 ? zeros({}, TensorOptions().with_requires_grad(true))
+  // On the latents' device: the zero joins a total that lives there (a CPU zero is a DeviceError on CUDA).
+  const Device device = c.latent_vectors.empty() ? kCPU : c.latent_vectors.begin()->second.device();
+  Tensor value = pairs == 0 ? zeros({}, TensorOptions().with_device(device).with_requires_grad(true))
                             : div(sum_distance, static_cast<double>(pairs));
   out.set_metric("alignment", value);
   out.components["alignment"] = value;

@@ -1,5 +1,7 @@
 #include "mapping/mapping_model.h"
 
+#include "autograd/node.h"
+
 #include <limits>
 #include <sstream>
 
@@ -43,6 +45,9 @@ MappingModel::MappingModel(std::shared_ptr<nn::Module> target, std::unique_ptr<P
   options_.latent_dim = generator_->groups().front().latent_dim;
   if (options_.parameter_scaling && !generator_->scaling_initialized()) generator_->initialize_parameter_scaling(*target_);
   for (auto& [n, t] : target_->named_buffers()) buffers_[n] = t.detach().clone();
+  // The generator decides the device: carried buffers (and the target) go beside it.
+  options_.device = generator_->device();
+  if (!options_.device.is_cpu()) to(options_.device);
 }
 
 void MappingModel::check_target() const {
@@ -81,8 +86,15 @@ ForwardResult MappingModel::forward_with(const std::function<Tensor(nn::Module&)
     nn::FunctionalCallGuard guard(*target_, tensors, call);
     result.predictions = run(*target_);
   }
-  if (options_.write_back_buffers)
-    for (auto& [n, t] : updated) buffers_[n] = t.detach();
+  if (options_.write_back_buffers) {
+    // In place: the buffers keep their memory, so a compiled step (nn/compile.h) records this copy
+    // and repeats it at every replay (rebinding would leave replays reading the captured call's input).
+    autograd::NoGradGuard no_grad;
+    for (auto& [n, t] : updated) {
+      Tensor dst = buffers_.at(n);
+      dst.copy_(t.detach());
+    }
+  }
   result.latent_vectors = generator_->named_latents();
   return result;
 }
@@ -107,9 +119,14 @@ void MappingModel::to(Device device) {
 Guard MappingModel::compile_guard() const {
   Guard target = nn::module_guard(*target_);
   const ParameterGenerator* generator = generator_.get();
-  return [target, generator](std::vector<uint64_t>& key) {
+  const nn::StateDict* buffers = &buffers_;
+  return [target, generator, buffers](std::vector<uint64_t>& key) {
     target(key);
     for (const Tensor& z : generator->latents()) guard_memory(key, z);
+    // What the step reads besides the latents: scales and mapper factors (replaced by set_scales / to)
+    // and the carried buffers (replaced by set_buffers, e.g. lr_find's restore).
+    for (const Tensor& b : generator->buffers()) guard_memory(key, b);
+    for (const auto& [n, b] : *buffers) guard_memory(key, b);
   };
 }
 

@@ -251,7 +251,12 @@ void ProgressCallback::on_epoch_start(MappingTrainer& trainer, int64_t epoch) {
 void ProgressCallback::on_batch_end(MappingTrainer&, int64_t batch, const LossOutput& output) {
   if (!progress_) return;
   std::ostringstream os;
-  os << std::fixed << std::setprecision(4) << "loss " << (output.total.defined() ? output.total.detach().item() : 0.0);
+  // The trainer has read the step's metrics already (one transfer); item() would synchronise again.
+  const auto total = output.metrics.find("total");
+  const double loss = total != output.metrics.end() ? total->second
+                      : output.total.defined()     ? output.total.detach().item()
+                                                   : 0.0;
+  os << std::fixed << std::setprecision(4) << "loss " << loss;
   progress_->update(batch + 1, os.str());
 }
 

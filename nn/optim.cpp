@@ -1,6 +1,7 @@
 #include "nn/optim.h"
 
 #include <cmath>
+#include <algorithm>
 #include <limits>
 
 #include "autograd/node.h"
@@ -55,7 +56,12 @@ void Optimizer::load_state_dict(const OptimizerState& state) {
              " but the optimizer has ", params_.size(), " parameters");
     MN_CHECK(value.dim() == 0 || value.sizes() == params_[index].sizes(), ValueError, "optimizer state: '", key, "' has shape ",
              value.sizes(), " but parameter ", index, " has shape ", params_[index].sizes());
-    restored[index][key.substr(dot + 1)] = value.to(params_[index].device()).contiguous().clone();
+    const std::string name = key.substr(dot + 1);
+    // Adam's per-parameter step counter is read on the host at every step (count.item() in
+    // Adam::step): keep it on the CPU, where step() creates it, so a resumed CUDA run does not
+    // synchronise once per parameter per step. Moment buffers go beside their parameter.
+    const Device where = name == "step" ? kCPU : params_[index].device();
+    restored[index][name] = value.to(where).contiguous().clone();
   }
   state_ = std::move(restored);
 }
@@ -244,12 +250,18 @@ double clip_grad_norm_(const std::vector<Tensor>& params, double max_norm, doubl
   autograd::NoGradGuard no_grad;
   double total = 0.0;
   const bool inf_norm = std::isinf(norm_type);
+  // One host read per device (not one per parameter): the per-parameter norms are stacked first.
+  std::vector<std::pair<Device, std::vector<Tensor>>> norms;
   for (const Tensor& p : params) {
     Tensor g = p.grad();
     if (!g.defined()) continue;
-    const double n = norm(g.detach(), norm_type).item();
-    total = inf_norm ? std::max(total, n) : total + std::pow(n, norm_type);
+    auto it = std::find_if(norms.begin(), norms.end(), [&](const auto& e) { return e.first == g.device(); });
+    if (it == norms.end()) it = norms.insert(norms.end(), {g.device(), {}});
+    it->second.push_back(norm(g.detach(), norm_type).reshape(Shape{}));
   }
+  for (const auto& [device, list] : norms)
+    for (float n : stack(list, 0).to_vector<float>())
+      total = inf_norm ? std::max(total, static_cast<double>(n)) : total + std::pow(static_cast<double>(n), norm_type);
   if (!inf_norm) total = std::pow(total, 1.0 / norm_type);
   const double coef = max_norm / (total + 1e-6);
   if (coef < 1.0)

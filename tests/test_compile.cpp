@@ -95,35 +95,44 @@ TEST_CASE("compile: mapped training steps replay bit for bit for every strategy"
   const Tensor x = randn({3, 1, 8, 8}, {}, &g);
   const Tensor y = from_vector(std::vector<int64_t>{0, 2, 1});
   for (std::string strategy : {"slvt", "layerwise", "lazy_layerwise"}) {
-    CAPTURE(strategy);
-    auto run = [&](bool compiled) {
-      manual_seed(9);
-      auto cnn = std::make_shared<nn::Sequential>(std::vector<nn::ModulePtr>{
-          std::make_shared<nn::Conv2d>(1, 4, 3), std::make_shared<nn::BatchNorm2d>(4), std::make_shared<nn::ReLU>(),
-          std::make_shared<nn::MaxPool2d>(2), std::make_shared<nn::Flatten>(), std::make_shared<nn::Linear>(36, 3)});
-      MappingOptions o;
-      o.latent_dim = 12;
-      o.strategy = strategy;
-      MappingModel model(cnn, o);
-      nn::optim::Adam opt(model.parameters(), {.lr = 0.05});
-      auto body = [&](const std::vector<Tensor>& in) {
-        Tensor loss = F::cross_entropy(model.forward(in[0]).predictions, in[1]);
-        loss.backward();
-        return std::vector<Tensor>{loss.detach()};
+    for (bool write_back : {false, true}) {
+      CAPTURE(strategy);
+      CAPTURE(write_back);
+      auto run = [&](bool compiled) {
+        manual_seed(9);
+        auto cnn = std::make_shared<nn::Sequential>(std::vector<nn::ModulePtr>{
+            std::make_shared<nn::Conv2d>(1, 4, 3), std::make_shared<nn::BatchNorm2d>(4), std::make_shared<nn::ReLU>(),
+            std::make_shared<nn::MaxPool2d>(2), std::make_shared<nn::Flatten>(), std::make_shared<nn::Linear>(36, 3)});
+        MappingOptions o;
+        o.latent_dim = 12;
+        o.strategy = strategy;
+        o.write_back_buffers = write_back;  // BatchNorm's running stats carried across calls, replays included
+        MappingModel model(cnn, o);
+        nn::optim::Adam opt(model.parameters(), {.lr = 0.05});
+        auto body = [&](const std::vector<Tensor>& in) {
+          Tensor loss = F::cross_entropy(model.forward(in[0]).predictions, in[1]);
+          loss.backward();
+          return std::vector<Tensor>{loss.detach()};
+        };
+        CompiledFunction step = compile(body, model.compile_guard(), {.fullgraph = true});
+        std::vector<float> out;
+        for (int i = 0; i < 4; ++i) {
+          opt.zero_grad();
+          out.push_back(static_cast<float>((compiled ? step({x, y}) : body({x, y}))[0].item()));
+          opt.step();
+        }
+        if (compiled) CHECK(step.stats().replays == 3);
+        std::vector<float> latents = flat(model.parameters());
+        out.insert(out.end(), latents.begin(), latents.end());
+        for (const auto& [name, b] : model.buffers()) {
+          const Tensor f = b.to(DType::f32);
+          for (float v : f.to_vector<float>()) out.push_back(v);
+          if (write_back && name.find("num_batches_tracked") != std::string::npos) CHECK(f.item() == 4.0);
+        }
+        return out;
       };
-      CompiledFunction step = compile(body, model.compile_guard(), {.fullgraph = true});
-      std::vector<float> out;
-      for (int i = 0; i < 4; ++i) {
-        opt.zero_grad();
-        out.push_back(static_cast<float>((compiled ? step({x, y}) : body({x, y}))[0].item()));
-        opt.step();
-      }
-      if (compiled) CHECK(step.stats().replays == 3);
-      std::vector<float> latents = flat(model.parameters());
-      out.insert(out.end(), latents.begin(), latents.end());
-      return out;
-    };
-    CHECK(run(false) == run(true));
+      CHECK(run(false) == run(true));
+    }
   }
 }
 

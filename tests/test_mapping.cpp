@@ -288,6 +288,10 @@ TEST_CASE("mapping: MappingModel counts, gradients, untouched target, strategies
   ForwardResult shifted = model.forward(x, {{"<root>", zeros({4})}});
   check_close(shifted.predictions, std::vector<float>(15, 0.0f));
   CHECK(shifted.latent_vectors[0].second.same(model.named_latents()[0].second));
+  // to() the current device keeps the latents: optimizers (and DDP hooks, compiled graphs) hold them
+  const Tensor z0 = model.named_latents()[0].second;
+  model.to(kCPU);
+  CHECK(model.named_latents()[0].second.same(z0));
   o.latent_dim = 0;
   CHECK_THROWS_WITH_AS(MappingModel(lin, o), doctest::Contains("positive"), ValueError);
   o.latent_dim = 4;

@@ -20,14 +20,18 @@
 #include "core/allocator.h"
 #include "core/cuda.h"
 #include "core/random.h"
+#include "mapping/checkpoint.h"
 #include "mapping/generator.h"
 #include "mapping/mapping_model.h"
 #include "mapping/orthogonal.h"
 #include "mapping/profiler.h"
 #include "mapping/targets.h"
+#include "mapping/trainer.h"
 #include "nn/compile.h"
+#include "nn/data/dataloader.h"
 #include "nn/functional.h"
 #include "nn/optim.h"
+#include "tests/temp_dir.h"
 
 using namespace mn;
 using namespace mn::mapping;
@@ -407,4 +411,72 @@ TEST_CASE("cuda mapping: compiling lazy_layerwise generation: empty_cache_on_cud
       CHECK(lenient.stats().replays == 2);
     }
   }
+}
+
+// Written from device tensors (copied to the host), resumed on the device: the same run as one without
+// the stop, and the same file loads into a CPU model with the values the device held.
+TEST_CASE("cuda mapping: trainer on the device, checkpoint written from device tensors, resumed on the device") {
+  Generator gen(41);
+  const Tensor inputs = randn({48, 1, 28, 28}, {}, &gen).to(kGpu);
+  const Tensor targets = uniform({48}, 0.0, 10.0, {}, &gen).to(DType::i64).to(kGpu);
+  auto make = [] {
+    manual_seed(0);
+    MappingOptions o;
+    o.strategy = "layerwise";
+    o.latent_dim = 32;
+    o.seed = 5;
+    o.device = kGpu;
+    return std::make_unique<MappingModel>(make_target("cnn2"), o);
+  };
+  TrainerConfig config;
+  config.max_epochs = 2;
+  config.learning_rate = 1e-2;
+  config.seed = 9;
+  auto loss = [] { return std::make_shared<ClassificationLoss>(); };
+  testing::TempDir dir("mn_gpu_ckpt");
+  const std::string path = dir / "checkpoint.safetensors";
+
+  auto straight = make();
+  data::DataLoader straight_loader(inputs, targets, {16, true, 3, false});
+  MappingTrainer straight_trainer(*straight, straight_loader, nullptr, loss(), config);
+  straight_trainer.fit();
+
+  std::vector<Tensor> written;  // the device latents at save time, on the host
+  {
+    auto first = make();
+    data::DataLoader loader(inputs, targets, {16, true, 3, false});
+    TrainerConfig one = config;
+    one.max_epochs = 1;
+    MappingTrainer trainer(*first, loader, nullptr, loss(), one);
+    trainer.fit();
+    save_checkpoint(path, *first, trainer);  // device latents and Adam moments, copied to the host
+    for (const Tensor& z : first->parameters()) written.push_back(z.detach().to(kCPU));
+  }
+  auto resumed = make();
+  data::DataLoader loader(inputs, targets, {16, true, 3, false});
+  MappingTrainer trainer(*resumed, loader, nullptr, loss(), config);
+  load_checkpoint(path, *resumed, &trainer);
+  for (const Tensor& z : resumed->parameters()) CHECK(z.device() == kGpu);
+  trainer.fit();
+  CHECK(trainer.epoch() == 2);
+  const auto a = straight->named_latents(), b = resumed->named_latents();
+  for (size_t i = 0; i < a.size(); ++i) {
+    INFO("latent " << a[i].first);
+    CHECK(b[i].second.device() == kGpu);
+    CHECK(same_bits(b[i].second, a[i].second));  // same kernels, same order: bit for bit
+  }
+  CHECK(trainer.history() == straight_trainer.history());
+  // The same file loads into a CPU model: the values written from the device, exactly.
+  MappingOptions host_options = resumed->options();
+  host_options.device = kCPU;
+  manual_seed(0);
+  MappingModel host(make_target("cnn2"), host_options);
+  load_checkpoint(path, host);
+  const std::vector<Tensor> host_z = host.parameters();
+  REQUIRE(host_z.size() == written.size());
+  for (size_t i = 0; i < written.size(); ++i) {
+    CHECK(host_z[i].device() == kCPU);
+    CHECK(same_bits(host_z[i], written[i]));
+  }
+  CHECK(read_checkpoint(path).trainer_state->optimizer.count("state.0.exp_avg") == 1);
 }
