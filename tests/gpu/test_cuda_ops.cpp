@@ -773,6 +773,52 @@ TEST_CASE("cuda ops: max and avg pooling forward and backward") {
 
 // ---------------------------------------------------------------- batch norm
 
+namespace {
+
+struct BatchNormRun {
+  Pair x, w, b, out, mean, invstd, go, gx, gw, gb;
+};
+
+// Forward and backward of batch norm on both devices from the same data, compared with the CPU twin.
+// param_grad_atol: the CPU sums long channels in float lanes, so on ~16k values per channel its
+// grad_weight / grad_bias carry more rounding than the device's double sums.
+BatchNormRun batch_norm_on_both(const Shape& shape, uint64_t& seed, bool affine, bool training,
+                                double param_grad_atol = 1e-5) {
+  const int64_t c = shape[1];
+  BatchNormRun r;
+  r.x = uniform_pair(shape, ++seed, -3, 5);
+  r.w = affine ? uniform_pair({c}, ++seed, 0.5, 1.5) : Pair{};
+  r.b = affine ? uniform_pair({c}, ++seed) : Pair{};
+  Pair rm = uniform_pair({c}, ++seed, -0.5, 0.5);
+  Pair rv = uniform_pair({c}, ++seed, 0.5, 2.0);
+  r.out = empty_pair(shape), r.mean = empty_pair({c}), r.invstd = empty_pair({c});
+  K::batch_norm_forward(kCPU, r.x.cpu, r.w.cpu, r.b.cpu, rm.cpu, rv.cpu, training, 0.1, 1e-5, r.out.cpu, r.mean.cpu,
+                        r.invstd.cpu);
+  K::batch_norm_forward(kGpu, r.x.gpu, r.w.gpu, r.b.gpu, rm.gpu, rv.gpu, training, 0.1, 1e-5, r.out.gpu, r.mean.gpu,
+                        r.invstd.gpu);
+  expect_close(r.out, 1e-5, 1e-5);
+  expect_close(r.mean, 1e-6, 1e-5);
+  expect_close(r.invstd, 1e-6, 1e-5);
+  expect_close(rm, 1e-6, 1e-5);
+  expect_close(rv, 1e-6, 1e-5);
+
+  r.go = uniform_pair(shape, ++seed);
+  r.gx = empty_pair(shape);
+  r.gw = affine ? empty_pair({c}) : Pair{}, r.gb = affine ? empty_pair({c}) : Pair{};
+  K::batch_norm_backward(kCPU, r.go.cpu, r.x.cpu, r.w.cpu, r.mean.cpu, r.invstd.cpu, training, r.gx.cpu, r.gw.cpu,
+                         r.gb.cpu);
+  K::batch_norm_backward(kGpu, r.go.gpu, r.x.gpu, r.w.gpu, r.mean.gpu, r.invstd.gpu, training, r.gx.gpu, r.gw.gpu,
+                         r.gb.gpu);
+  expect_close(r.gx, 1e-5, 1e-4);
+  if (affine) {
+    expect_close(r.gw, param_grad_atol, 1e-5);
+    expect_close(r.gb, param_grad_atol, 1e-5);
+  }
+  return r;
+}
+
+}  // namespace
+
 TEST_CASE("cuda ops: batch norm training and eval, forward and backward") {
   uint64_t seed = 1300;
   for (const Shape& shape : {Shape{8, 3}, Shape{4, 5, 6, 7}, Shape{3, 4, 10}})
@@ -781,33 +827,7 @@ TEST_CASE("cuda ops: batch norm training and eval, forward and backward") {
         CAPTURE(shape);
         CAPTURE(affine);
         CAPTURE(training);
-        const int64_t c = shape[1];
-        const Pair x = uniform_pair(shape, ++seed, -3, 5);
-        const Pair w = affine ? uniform_pair({c}, ++seed, 0.5, 1.5) : Pair{};
-        const Pair b = affine ? uniform_pair({c}, ++seed) : Pair{};
-        Pair rm = uniform_pair({c}, ++seed, -0.5, 0.5);
-        Pair rv = uniform_pair({c}, ++seed, 0.5, 2.0);
-        Pair out = empty_pair(shape), mean = empty_pair({c}), invstd = empty_pair({c});
-        K::batch_norm_forward(kCPU, x.cpu, w.cpu, b.cpu, rm.cpu, rv.cpu, training, 0.1, 1e-5, out.cpu, mean.cpu,
-                              invstd.cpu);
-        K::batch_norm_forward(kGpu, x.gpu, w.gpu, b.gpu, rm.gpu, rv.gpu, training, 0.1, 1e-5, out.gpu, mean.gpu,
-                              invstd.gpu);
-        expect_close(out, 1e-5, 1e-5);
-        expect_close(mean, 1e-6, 1e-5);
-        expect_close(invstd, 1e-6, 1e-5);
-        expect_close(rm, 1e-6, 1e-5);
-        expect_close(rv, 1e-6, 1e-5);
-
-        const Pair go = uniform_pair(shape, ++seed);
-        Pair gx = empty_pair(shape);
-        Pair gw = affine ? empty_pair({c}) : Pair{}, gb = affine ? empty_pair({c}) : Pair{};
-        K::batch_norm_backward(kCPU, go.cpu, x.cpu, w.cpu, mean.cpu, invstd.cpu, training, gx.cpu, gw.cpu, gb.cpu);
-        K::batch_norm_backward(kGpu, go.gpu, x.gpu, w.gpu, mean.gpu, invstd.gpu, training, gx.gpu, gw.gpu, gb.gpu);
-        expect_close(gx, 1e-5, 1e-4);
-        if (affine) {
-          expect_close(gw, 1e-5, 1e-5);
-          expect_close(gb, 1e-5, 1e-5);
-        }
+        batch_norm_on_both(shape, seed, affine, training);
       }
   // non-contiguous x, training without running stats
   const Pair x = map(uniform_pair({6, 5, 4}, 1399), [](const Tensor& t) { return t.transpose(0, 2); });  // [4,5,6]
@@ -818,6 +838,31 @@ TEST_CASE("cuda ops: batch norm training and eval, forward and backward") {
   K::batch_norm_forward(kGpu, x.gpu, none_w, none_w, none_gpu, none_gpu, true, 0.1, 1e-5, out.gpu, mean.gpu,
                         invstd.gpu);
   expect_close(out, 1e-5, 1e-5);
+}
+
+TEST_CASE("cuda ops: batch norm over long channels (statistics split over blocks), reproducible") {
+  // N*S = 16384 per channel (the rows path, cut into pieces) and [20000, 4] (S = 1: the columns path)
+  uint64_t seed = 1450;
+  for (const Shape& shape : {Shape{16, 8, 32, 32}, Shape{20000, 4}}) {
+    CAPTURE(shape);
+    const int64_t c = shape[1];
+    const BatchNormRun r = batch_norm_on_both(shape, seed, true, true, 2e-4);
+    const Pair &x = r.x, &w = r.w, &b = r.b, &go = r.go, &mean = r.mean, &invstd = r.invstd;
+    const Pair &out = r.out, &gx = r.gx, &gw = r.gw, &gb = r.gb;
+
+    // the same bits on a second run
+    Tensor none;
+    Pair out2 = empty_pair(shape), mean2 = empty_pair({c}), invstd2 = empty_pair({c});
+    K::batch_norm_forward(kGpu, x.gpu, w.gpu, b.gpu, none, none, true, 0.1, 1e-5, out2.gpu, mean2.gpu, invstd2.gpu);
+    CHECK(same_bits(out.gpu, out2.gpu));
+    CHECK(same_bits(mean.gpu, mean2.gpu));
+    CHECK(same_bits(invstd.gpu, invstd2.gpu));
+    Pair gx2 = empty_pair(shape), gw2 = empty_pair({c}), gb2 = empty_pair({c});
+    K::batch_norm_backward(kGpu, go.gpu, x.gpu, w.gpu, mean.gpu, invstd.gpu, true, gx2.gpu, gw2.gpu, gb2.gpu);
+    CHECK(same_bits(gx.gpu, gx2.gpu));
+    CHECK(same_bits(gw.gpu, gw2.gpu));
+    CHECK(same_bits(gb.gpu, gb2.gpu));
+  }
 }
 
 // ---------------------------------------------------------------- gradchecks on the device
