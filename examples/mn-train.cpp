@@ -87,6 +87,7 @@ struct Options {
   bool mapping_loss = false;
   bool allow_large = false;
   bool keep_cuda_cache = false;
+  bool stream_layers = false;
   int64_t limit = 0;
   bool json = false;
   bool compile = false;
@@ -319,6 +320,7 @@ Summary train_mapped(const Options& o, Device device, const data::Dataset& train
   mo.seed = o.seed;
   mo.allow_large = o.allow_large;
   mo.empty_cache_on_cuda = !o.keep_cuda_cache;
+  mo.stream_layers = o.stream_layers;
   if (o.strategy == "grouped") mo.groups = weight_bias_groups(*target);
   mapping::MappingModel model(target, mo);
   if (!device.is_cpu()) model.to(device);
@@ -589,6 +591,9 @@ int main(int argc, char** argv) {
   app.add_flag("--resume", o.resume, "continue from OUT/checkpoint.safetensors");
   app.add_flag("--mapping-loss", o.mapping_loss, "add the stability, smoothness and alignment regularisers");
   app.add_flag("--allow-large", o.allow_large, "allow fixed projections above 1e8 elements");
+  app.add_flag("--stream-layers", o.stream_layers,
+               "generate each layer's parameters just before it runs and again in backward: one layer's "
+               "parameters in memory instead of all (layerwise / lazy_layerwise; a second forward per step)");
   app.add_flag("--keep-cuda-cache", o.keep_cuda_cache,
                "lazy_layerwise on cuda: keep the allocator's cache between groups (no per-group device sync "
                "and re-allocation, and --compile can capture; reserved memory then stays at the peak)");

@@ -187,6 +187,12 @@ void ParameterGenerator::check_overrides(const LatentOverrides& latents) const {
   }
 }
 
+ParameterTree ParameterGenerator::generate_group_parameters(size_t index, const LatentOverrides& latents) const {
+  MN_CHECK(index < groups_.size(), IndexError, "generate_group_parameters: group ", index, " of ", groups_.size());
+  check_overrides(latents);
+  return groups_[index].local_spec.unflatten(generate_group(groups_[index], latents));
+}
+
 Tensor ParameterGenerator::generate_group(const Group& g, const LatentOverrides& latents) const {
   auto it = latents.find(g.name);
   const Tensor& z = it != latents.end() ? it->second : g.latent;

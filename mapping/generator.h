@@ -54,6 +54,11 @@ class ParameterGenerator {
   // (unknown names are an error; missing names use the generator's own latents).
   virtual ParameterTree generate_parameters(const LatentOverrides& latents = {}) const = 0;
   virtual std::string strategy() const = 0;
+  // The parameters of group `index` alone (target names; views of one generated vector), for callers
+  // that generate layer by layer (MappingOptions::stream_layers).
+  ParameterTree generate_group_parameters(size_t index, const LatentOverrides& latents = {}) const;
+  // KeyError for an override naming no group, ValueError for one of the wrong shape.
+  void check_overrides(const LatentOverrides& latents) const;
 
   const ParameterSpec& parameter_spec() const { return spec_; }
   const std::vector<Group>& groups() const { return groups_; }
@@ -81,7 +86,6 @@ class ParameterGenerator {
                      std::map<std::string, int64_t> latent_dims, GeneratorOptions options);
   // theta_g for one group (scaled).
   Tensor generate_group(const Group& g, const LatentOverrides& latents) const;
-  void check_overrides(const LatentOverrides& latents) const;
 
   ParameterSpec spec_;
   std::vector<Group> groups_;

@@ -60,6 +60,7 @@ TrainingContext make_training_context(const ForwardResult& result, const Tensor&
   c.targets = targets;
   for (const auto& [name, z] : result.latent_vectors) c.latent_vectors[name] = z;
   c.generated_parameters = result.generated_parameters;
+  c.parameters_streamed = result.streamed;
   return c;
 }
 
@@ -196,6 +197,9 @@ LossOutput SmoothnessLoss::compute(const TrainingContext& c) const {
   LossOutput out;
   int64_t latent_numel = 0;
   std::vector<Tensor> latents = differentiable_latents(c, latent_numel);
+  MN_CHECK(!(c.parameters_streamed && autograd::grad_mode_enabled()), ValueError,
+           "SmoothnessLoss differentiates the generated parameters, which a model with stream_layers does not "
+           "keep; train it without the smoothness term or without stream_layers");
   std::vector<Tensor> generated;
   for (const auto& [name, theta] : c.generated_parameters.items())
     if (theta.defined() && theta.requires_grad()) generated.push_back(theta);

@@ -49,6 +49,7 @@ struct TrainingContext {
   Tensor targets;
   std::map<std::string, Tensor> latent_vectors;  // group name -> the model's own latent
   ParameterTree generated_parameters;            // generated from latent_vectors
+  bool parameters_streamed = false;              // stream_layers: generated per layer, not kept
   // f(z + eps xi) for the same inputs: shaped like predictions, or stacked on a new dim 0 when
   // several perturbation samples were drawn.
   std::optional<Tensor> perturbed_predictions;

@@ -32,11 +32,21 @@ struct MappingOptions {
   // Buffers (e.g. BatchNorm running stats) are cloned per call; set to keep the updated copies in
   // the model (they then persist across calls and in checkpoints).
   bool write_back_buffers = false;
+  // Streams a Sequential target layer by layer: each top-level layer's parameters are generated just
+  // before it runs and dropped after it, and generated again in backward (autograd::checkpoint over
+  // the layer and the parameter-free layers after it, which are recomputed too), so memory holds one
+  // layer's parameters and activations at a time instead of all of them, for a second forward per
+  // step. Needs every generator group inside one top-level layer (layerwise, lazy_layerwise, grouped by
+  // layer; not slvt) and forward(input) (not forward_with). The model must outlive the backward of its
+  // outputs. ForwardResult::generated_parameters stays empty (not kept), so the smoothness loss, which
+  // differentiates them, refuses such a model.
+  bool stream_layers = false;
 };
 
 struct ForwardResult {
   Tensor predictions;
-  ParameterTree generated_parameters;
+  ParameterTree generated_parameters;  // empty with stream_layers (never all alive at once)
+  bool streamed = false;               // stream_layers: generated layer by layer, not kept
   std::vector<std::pair<std::string, Tensor>> latent_vectors;  // always the model's own latents
 };
 
@@ -89,6 +99,21 @@ class MappingModel {
 
  private:
   void check_target() const;
+  // stream_layers: the target's top-level layers cut into segments, each a layer with generated
+  // parameters and the parameter-free layers after it (leading parameter-free layers: a segment of
+  // their own), with the generator groups of its first layer.
+  struct StreamLayer {
+    std::string prefix;  // "<child name>."
+    std::shared_ptr<nn::Module> module;
+  };
+  struct StreamStep {
+    std::vector<StreamLayer> layers;
+    std::vector<size_t> groups;
+  };
+  void plan_streaming();
+  ForwardResult forward_streamed(const Tensor& input, const LatentOverrides& latents);
+  std::vector<StreamStep> stream_plan_;
+
   std::shared_ptr<nn::Module> target_;
   MappingOptions options_;
   std::unique_ptr<ParameterGenerator> generator_;

@@ -1,5 +1,7 @@
 // The autograd engine: accumulation into leaves, retain_graph, NoGradGuard, hooks and
-// end-of-backward callbacks, version-counter errors, grad() and deep graphs.
+// end-of-backward callbacks, version-counter errors, grad(), deep graphs and checkpoint (recomputation).
+#include "autograd/checkpoint.h"
+#include "nn/functional.h"
 #include "tests/test_support.h"
 
 using namespace mn;
@@ -128,4 +130,50 @@ TEST_CASE("autograd: detach cuts history but shares storage") {
   CHECK(d.grad_fn() == nullptr);
   Tensor x2 = x.detach();
   CHECK(x2.storage() == x.storage());
+}
+
+TEST_CASE("autograd: checkpoint recomputes in backward with the same gradients, dropout replayed") {
+  namespace F = mn::nn::functional;
+  Generator g(77);
+  const Tensor x0 = randn({4, 6}, {}, &g), w0 = randn({6, 5}, {}, &g);
+  // A function that makes a temporary the plain graph would keep (dropout's mask, the product).
+  auto f = [](const autograd::TensorList& in) {
+    return autograd::TensorList{tanh(F::dropout(matmul(in[0], in[1]), 0.3)), sum(in[1])};
+  };
+  auto grads = [&](bool checkpointed) {
+    Tensor x = x0.clone().requires_grad_(true), w = w0.clone().requires_grad_(true);
+    manual_seed(5);
+    const autograd::TensorList out = checkpointed ? autograd::checkpoint(f, {x, w}) : f({x, w});
+    const double after_forward = static_cast<double>(default_generator().offset());
+    add(sum(square(out[0])), mul(out[1], 0.5)).backward();
+    CHECK(static_cast<double>(default_generator().offset()) == after_forward);  // backward leaves it be
+    std::vector<float> v = x.grad().to_vector<float>();
+    const std::vector<float> gw = w.grad().to_vector<float>();
+    v.insert(v.end(), gw.begin(), gw.end());
+    return v;
+  };
+  CHECK(grads(true) == grads(false));  // same kernels, same dropout mask: the same bits
+
+  // Double backward through the recomputation, and first-order gradcheck.
+  const Tensor a = randn({3, 4}, {}, &g).requires_grad_(true), b = randn({4, 2}, {}, &g).requires_grad_(true);
+  auto smooth = [](const autograd::TensorList& in) { return autograd::TensorList{tanh(matmul(in[0], in[1]))}; };
+  auto through = [&](const std::vector<Tensor>& v) { return autograd::checkpoint(smooth, v)[0]; };
+  CHECK(autograd::gradcheck(through, {a, b}) == "");
+  CHECK(autograd::gradgradcheck(through, {a, b}) == "");
+
+  // Without grad mode nothing is recorded; an input changed in place before backward is refused.
+  {
+    autograd::NoGradGuard no_grad;
+    CHECK(autograd::checkpoint(smooth, {a, b})[0].grad_fn() == nullptr);
+  }
+  Tensor c = randn({3, 4}, {}, &g).requires_grad_(true);
+  Tensor e = randn({4, 2}, {}, &g);
+  Tensor out = autograd::checkpoint(smooth, {c, e})[0];
+  e.fill_(1.0);
+  CHECK_THROWS_WITH_AS(sum(out).backward(), doctest::Contains("CheckpointBackward"), RuntimeError);
+  // The output of an identity is a new tensor with history, not the input itself.
+  Tensor id = autograd::checkpoint([](const autograd::TensorList& in) { return in; }, {c})[0];
+  CHECK(!id.same(c));
+  sum(id).backward();
+  check_close(c.grad(), std::vector<float>(12, 1.0f));
 }

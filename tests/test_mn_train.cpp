@@ -194,6 +194,22 @@ TEST_CASE("mn-train: --compile replays the steps and writes the checkpoint of th
   }
 }
 
+TEST_CASE("mn-train: --stream-layers trains the same run (the same checkpoint bytes)") {
+  std::string exe;
+  if (!ready(exe)) return;
+  TempDir dir("mn_train_test");
+  const std::string common = "--target cnn2 --epochs 1 --limit 512 --batch-size 200 --seed 3 --strategy layerwise "
+                             "--latent-dim 16 --json --out ";
+  const json plain = summary(run(exe, str(common, dir / "plain")));
+  const json streamed = summary(run(exe, str(common, dir / "streamed", " --stream-layers")));
+  CHECK(streamed["test_accuracy"] == plain["test_accuracy"]);
+  std::ifstream fa(dir / "plain/checkpoint.safetensors", std::ios::binary);
+  std::ifstream fb(dir / "streamed/checkpoint.safetensors", std::ios::binary);
+  const std::string bytes_a((std::istreambuf_iterator<char>(fa)), {}), bytes_b((std::istreambuf_iterator<char>(fb)), {});
+  CHECK(!bytes_a.empty());
+  CHECK(bytes_a == bytes_b);
+}
+
 TEST_CASE("mn-train: unavailable CUDA and a missing checkpoint are clear errors") {
   std::string exe;
   if (!ready(exe)) return;

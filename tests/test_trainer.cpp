@@ -47,6 +47,20 @@ std::vector<std::vector<float>> latent_values(const MappingModel& model) {
   return out;
 }
 
+// A tiny CNN target (conv, relu, flatten, linear) and 8 labelled 4x4 images in batches of 4.
+std::shared_ptr<nn::Sequential> tiny_cnn() {
+  manual_seed(7);
+  return std::make_shared<nn::Sequential>(std::vector<nn::ModulePtr>{
+      std::make_shared<nn::Conv2d>(1, 2, 3), std::make_shared<nn::ReLU>(), std::make_shared<nn::Flatten>(),
+      std::make_shared<nn::Linear>(8, 2)});
+}
+data::DataLoader tiny_images() {
+  Generator gen(8);
+  Tensor x = randn({8, 1, 4, 4}, {}, &gen);
+  Tensor y = from_vector(std::vector<int64_t>{0, 1, 0, 1, 1, 0, 1, 0}, {8});
+  return data::DataLoader(x, y, {.batch_size = 4});
+}
+
 std::shared_ptr<MappingLoss> full_mapping_loss() {
   return std::make_shared<MappingLoss>(std::make_shared<RegressionLoss>());
 }
@@ -109,18 +123,35 @@ TEST_CASE("trainer: a mapped Linear(4,2) learns a regression (loss falls over 30
   CHECK(trainer.epoch() == 30);
 }
 
+TEST_CASE("trainer: a streamed model (stream_layers) trains as the plain one; smoothness refuses it") {
+  auto run = [](bool stream, std::shared_ptr<Loss> loss) {
+    MappingOptions options;
+    options.latent_dim = 8;
+    options.stream_layers = stream;
+    MappingModel model(tiny_cnn(), options);
+    data::DataLoader loader = tiny_images();
+    TrainerConfig config;
+    config.max_epochs = 3;
+    config.learning_rate = 0.03;
+    MappingTrainer trainer(model, loader, nullptr, loss, config);
+    History history = trainer.fit();
+    std::vector<float> out;
+    for (const Tensor& z : model.parameters())
+      for (float v : z.to_vector<float>()) out.push_back(v);
+    for (double v : history[keys::kTrainTaskLoss]) out.push_back(static_cast<float>(v));
+    return out;
+  };
+  auto classification = std::make_shared<ClassificationLoss>();
+  CHECK(run(true, classification) == run(false, classification));
+  auto smooth = std::make_shared<MappingLoss>(std::make_shared<ClassificationLoss>());  // all three terms
+  CHECK_THROWS_WITH_AS(run(true, smooth), doctest::Contains("stream_layers"), ValueError);
+}
+
 TEST_CASE("trainer: a tiny mapped CNN learns (classification, accuracy recorded)") {
-  manual_seed(7);
-  auto target = std::make_shared<nn::Sequential>(std::vector<nn::ModulePtr>{
-      std::make_shared<nn::Conv2d>(1, 2, 3), std::make_shared<nn::ReLU>(), std::make_shared<nn::Flatten>(),
-      std::make_shared<nn::Linear>(8, 2)});
   MappingOptions options;
   options.latent_dim = 8;
-  MappingModel model(target, options);
-  Generator gen(8);
-  Tensor x = randn({8, 1, 4, 4}, {}, &gen);
-  Tensor y = from_vector(std::vector<int64_t>{0, 1, 0, 1, 1, 0, 1, 0}, {8});
-  data::DataLoader loader(x, y, {.batch_size = 4});
+  MappingModel model(tiny_cnn(), options);
+  data::DataLoader loader = tiny_images();
   TrainerConfig config;
   config.max_epochs = 30;
   config.learning_rate = 0.03;
