@@ -1,5 +1,7 @@
 #include "autograd/checkpoint.h"
 
+#include <unordered_set>
+
 #include "autograd/engine.h"
 #include "autograd/function.h"
 #include "core/capture.h"
@@ -68,12 +70,25 @@ TensorList checkpoint(const CheckpointFn& fn, const TensorList& inputs) {
         TensorList in(saved.size());
         for (size_t i = 0; i < saved.size(); ++i)
           if (saved[i].defined()) in[i] = saved[i].unpack("CheckpointBackward");
-        // Without create_graph the second run starts from fresh leaves, so the nested pass below ends at
-        // them; with it the run is recorded on the inputs' own history (double backward).
+        // What the second run starts from, for each input that requires grad. Without create_graph:
+        // fresh leaves, so the nested pass ends at them. With it: aliases joined to the input's history
+        // by an identity node, so the results keep history (double backward), while the nested pass
+        // still differentiates with respect to each input on its own (one input's history may hold
+        // another input, or one tensor may be passed twice: the outer pass adds those paths).
         TensorList run_in = in;
-        if (!create_graph)
-          for (Tensor& t : run_in)
-            if (t.defined() && t.requires_grad()) t = t.detach().requires_grad_(true);
+        std::unordered_set<const Node*> alias_nodes;
+        for (size_t i = 0; i < in.size(); ++i) {
+          if (!in[i].defined() || !in[i].requires_grad()) continue;
+          if (!create_graph) {
+            run_in[i] = in[i].detach().requires_grad_(true);
+          } else {
+            Tensor alias = in[i].detach();
+            alias_nodes.insert(record("CheckpointInput", {&in[i]}, {&alias},
+                                      [](const GradContext& g) -> TensorList { return {g.grad()}; })
+                                   .get());
+            run_in[i] = alias;
+          }
+        }
 
         TensorList outs;
         const GeneratorPosition now = GeneratorPosition::now();
@@ -100,6 +115,35 @@ TensorList checkpoint(const CheckpointFn& fn, const TensorList& inputs) {
           root_grads.push_back(c.grad(k));
         }
         TensorList result(in.size());
+        if (roots.empty()) return result;
+
+        if (!create_graph) {
+          // A plain backward of the second run: gradients reach the fresh leaves and every leaf fn uses
+          // without receiving it (a layer's own parameters), as they would without checkpointing.
+          backward(roots, root_grads);
+          for (size_t i = 0; i < in.size(); ++i)
+            if (c.needs(i) && run_in[i].defined() && run_in[i].requires_grad() && !run_in[i].same(in[i]))
+              result[i] = run_in[i].grad();
+          return result;
+        }
+        // create_graph differentiates the inputs only: a leaf that fn uses without receiving it would
+        // silently get nothing, so it is refused.
+        {
+          std::vector<const Node*> stack;
+          std::unordered_set<const Node*> seen;
+          for (const Tensor& r : roots)
+            if (const Edge e = gradient_edge(r); e.valid()) stack.push_back(e.node.get());
+          while (!stack.empty()) {
+            const Node* n = stack.back();
+            stack.pop_back();
+            if (!seen.insert(n).second || alias_nodes.count(n)) continue;
+            MN_CHECK(dynamic_cast<const AccumulateGrad*>(n) == nullptr, RuntimeError,
+                     "checkpoint: with create_graph only the inputs are differentiated, but the function uses a "
+                     "tensor that requires grad without receiving it; pass it in `inputs`");
+            for (const Edge& e : n->next_edges)
+              if (e.valid()) stack.push_back(e.node.get());
+          }
+        }
         std::vector<Tensor> wrt;
         std::vector<size_t> wrt_index;
         for (size_t i = 0; i < run_in.size(); ++i)
@@ -107,8 +151,8 @@ TensorList checkpoint(const CheckpointFn& fn, const TensorList& inputs) {
             wrt.push_back(run_in[i]);
             wrt_index.push_back(i);
           }
-        if (roots.empty() || wrt.empty()) return result;
-        const TensorList grads = grad(roots, wrt, root_grads, /*retain_graph=*/create_graph, create_graph,
+        if (wrt.empty()) return result;
+        const TensorList grads = grad(roots, wrt, root_grads, /*retain_graph=*/true, /*create_graph=*/true,
                                       /*allow_unused=*/true);
         for (size_t j = 0; j < wrt_index.size(); ++j) result[wrt_index[j]] = grads[j];
         return result;

@@ -10,9 +10,11 @@
 // fn must compute the same function of its inputs both times: module settings, buffers it reads and
 // the default generator's draws (dropout) are replayed as they were (the default generator is set
 // back to its position at the first call for the second and restored afterwards; other generators
-// are not). Double backward works: with create_graph the second run is recorded on top of the
-// inputs' own history. Inside a captured step (mn::compile) random draws in fn cannot be replayed,
-// so they end the capture.
+// are not). Tensors fn uses without receiving them (a layer's own parameters) get their gradients in
+// a first-order backward, as without checkpointing. Double backward works for the inputs: with
+// create_graph the second run is recorded on top of their history; a tensor that requires grad and
+// is not an input is then refused (pass it in `inputs`). Inside a captured step (mn::compile) random
+// draws in fn cannot be replayed, so they end the capture.
 #include <functional>
 
 #include "autograd/node.h"

@@ -53,12 +53,14 @@ cudaError_t query_event(cudaEvent_t event) {
 struct CommState {
   std::mutex mutex;
   ncclComm_t comm = nullptr;
-  std::string error;  // set once, when the communicator was aborted
+  std::string error;     // set once: why the communicator is gone (aborted, or the group destroyed)
+  bool aborted = false;  // by a failure: collectives still in flight ended early
 
   void abort(const std::string& reason) {
     std::lock_guard<std::mutex> lock(mutex);
     if (!error.empty()) return;
     error = reason;
+    aborted = true;
     if (comm != nullptr) ncclCommAbort(comm);  // unblocks the stream
     comm = nullptr;
   }
@@ -68,6 +70,11 @@ struct CommState {
     ncclResult_t result = ncclSuccess;
     if (comm != nullptr) ncclCommGetAsyncError(comm, &result);
     return result == ncclInProgress ? ncclSuccess : result;
+  }
+  // Empty unless an abort may have cut collectives short.
+  std::string abort_reason() {
+    std::lock_guard<std::mutex> lock(mutex);
+    return aborted ? error : std::string();
   }
   ncclComm_t usable(const char* what) {
     std::lock_guard<std::mutex> lock(mutex);
@@ -129,6 +136,10 @@ class NcclWork final : public Work {
       }
       std::this_thread::sleep_for(std::chrono::microseconds(50));
     }
+    // An abort (another Work's failure) also completes the stream: the result may be partial.
+    const std::string aborted = comm_->abort_reason();
+    MN_CHECK(aborted.empty(), RuntimeError, "NCCL ", what_, " cannot be trusted: the process group was aborted (",
+             aborted, ")");
     // Later work on the compute stream must see the result (already true after the host wait, but it
     // keeps the ordering explicit should the host wait become a stream wait).
     cuda_check(cudaStreamWaitEvent(compute_stream(device_), done_, 0), "cudaStreamWaitEvent");

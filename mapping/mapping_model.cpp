@@ -201,6 +201,11 @@ ForwardResult MappingModel::forward_with(const std::function<Tensor(nn::Module&)
   return result;
 }
 
+void MappingModel::set_buffers(const nn::StateDict& buffers) {
+  buffers_.clear();
+  for (const auto& [name, t] : buffers) buffers_[name] = t.detach().clone();
+}
+
 double MappingModel::compression_ratio() const {
   const int64_t trainable = trainable_parameter_count();
   if (trainable == 0) return std::numeric_limits<double>::infinity();

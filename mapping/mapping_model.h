@@ -93,9 +93,11 @@ class MappingModel {
   void zero_grad();
   void to(Device device);
   Device device() const { return generator_->device(); }
-  // Buffers carried across calls when write_back_buffers is on (else the target's initial ones).
+  // Buffers carried across calls when write_back_buffers is on (else the target's initial ones). The
+  // tensors are the model's own and are updated in place (so compiled steps carry them): clone them
+  // for a snapshot. set_buffers copies the given values in.
   const nn::StateDict& buffers() const { return buffers_; }
-  void set_buffers(const nn::StateDict& buffers) { buffers_ = buffers; }
+  void set_buffers(const nn::StateDict& buffers);
 
  private:
   void check_target() const;

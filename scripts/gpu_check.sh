@@ -107,9 +107,10 @@ fi
 TARGETS=(mn_gpu_tests mn_bench_cuda_runtime mn_bench_cuda_train_step mn-train)
 build_ok=0
 built() { [[ -f $BUILD/$1 && -x $BUILD/$1 ]]; }
+# No stale programs (a failed configure or build must not run an earlier build's), and keep going past
+# a failing target: whatever links still runs below.
+rm -f "$BUILD"/{tests/mn_gpu_tests,bench/mn_bench_cuda_runtime,bench/mn_bench_cuda_train_step,examples/mn-train}
 if phase configure 300 cmake "${cmake_args[@]}"; then
-  # No stale programs, and keep going past a failing target: whatever links still runs below.
-  rm -f "$BUILD"/{tests/mn_gpu_tests,bench/mn_bench_cuda_runtime,bench/mn_bench_cuda_train_step,examples/mn-train}
   keep_going=(-- -k)
   [[ -f $BUILD/build.ninja ]] && keep_going=(-- -k 0)
   phase build 600 cmake --build "$BUILD" -j "$JOBS" --target "${TARGETS[@]}" "${keep_going[@]}" && build_ok=1
@@ -140,7 +141,9 @@ built bench/mn_bench_cuda_train_step &&
     --benchmark_out="$OUT_DIR/mn_bench_cuda_train_step.json" --benchmark_out_format=json
 
 # ---- PyTorch, same steps, same GPU ----
-if command -v python3 >/dev/null 2>&1 && timeout 60 python3 -c 'import torch' >/dev/null 2>&1; then
+if ((SECONDS - T0 >= DEADLINE)); then
+  log "deadline reached: no PyTorch figures"
+elif command -v python3 >/dev/null 2>&1 && timeout 60 python3 -c 'import torch' >/dev/null 2>&1; then
   PYTHONUNBUFFERED=1 phase torch_step 150 python3 "$ROOT/bench/torch_cuda_step.py" --out "$OUT_DIR/torch_cuda_step.json"
 else
   log "python3 with torch not found: no PyTorch figures"

@@ -2,6 +2,7 @@
 // end-of-backward callbacks, version-counter errors, grad(), deep graphs and checkpoint (recomputation).
 #include "autograd/checkpoint.h"
 #include "nn/functional.h"
+#include "nn/layers.h"
 #include "tests/test_support.h"
 
 using namespace mn;
@@ -171,6 +172,37 @@ TEST_CASE("autograd: checkpoint recomputes in backward with the same gradients, 
   Tensor out = autograd::checkpoint(smooth, {c, e})[0];
   e.fill_(1.0);
   CHECK_THROWS_WITH_AS(sum(out).backward(), doctest::Contains("CheckpointBackward"), RuntimeError);
+  // A layer's own parameters, used without being inputs, get their gradients (first order).
+  {
+    manual_seed(2);
+    nn::Linear layer(4, 3);
+    const Tensor xin = randn({5, 4}, {}, &g).requires_grad_(true);
+    auto lin = [&](const autograd::TensorList& in) { return autograd::TensorList{tanh(layer.forward(in[0]))}; };
+    sum(square(autograd::checkpoint(lin, {xin})[0])).backward();
+    const std::vector<float> gw = layer.param("weight").grad().to_vector<float>();
+    const std::vector<float> gx = xin.grad().to_vector<float>();
+    layer.zero_grad();
+    const Tensor xin2 = xin.detach().requires_grad_(true);
+    sum(square(lin({xin2})[0])).backward();
+    CHECK(gw == layer.param("weight").grad().to_vector<float>());
+    CHECK(gx == xin2.grad().to_vector<float>());
+    // With create_graph only inputs are differentiated: a parameter that is not one is refused.
+    const Tensor o = autograd::checkpoint(lin, {xin})[0];
+    CHECK_THROWS_WITH_AS(autograd::grad({sum(o)}, {xin}, {}, false, true), doctest::Contains("pass it in"),
+                         RuntimeError);
+  }
+  // create_graph: an input whose history holds another input, and one tensor passed twice, count once.
+  {
+    const Tensor w = randn({3}, {}, &g).requires_grad_(true);
+    auto prod = [](const autograd::TensorList& in) { return autograd::TensorList{mul(in[0], in[1])}; };
+    const Tensor x = mul(w, 2.0);
+    const Tensor via = autograd::grad({sum(autograd::checkpoint(prod, {x, w})[0])}, {w}, {}, false, true)[0];
+    const Tensor plain = autograd::grad({sum(prod({x, w})[0])}, {w}, {}, false, true)[0];
+    CHECK(via.to_vector<float>() == plain.to_vector<float>());  // 4 w
+    const Tensor twice = autograd::grad({sum(autograd::checkpoint(prod, {w, w})[0])}, {w}, {}, false, true)[0];
+    CHECK(twice.to_vector<float>() == mul(w, 2.0).to_vector<float>());
+    CHECK(twice.requires_grad());  // history kept for a second derivative
+  }
   // The output of an identity is a new tensor with history, not the input itself.
   Tensor id = autograd::checkpoint([](const autograd::TensorList& in) { return in; }, {c})[0];
   CHECK(!id.same(c));
