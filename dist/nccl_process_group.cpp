@@ -76,11 +76,13 @@ struct CommState {
     std::lock_guard<std::mutex> lock(mutex);
     return aborted ? error : std::string();
   }
-  ncclComm_t usable(const char* what) {
+  // Enqueues a collective, collective(comm) -> ncclResult_t, while no abort can free the communicator;
+  // a RuntimeError once it is gone.
+  template <class F>
+  ncclResult_t enqueue(const char* what, F&& collective) {
     std::lock_guard<std::mutex> lock(mutex);
-    MN_CHECK(error.empty(), RuntimeError, "NCCL ", what, " on a broken process group (an earlier collective failed: ",
-             error, ")");
-    return comm;
+    MN_CHECK(error.empty(), RuntimeError, "NCCL ", what, " on a broken process group (", error, ")");
+    return collective(comm);
   }
 };
 
@@ -263,8 +265,12 @@ WorkPtr NcclProcessGroup::allreduce(const Tensor& tensor, ReduceOp op) {
   tensor.bump_version();
   impl_->wait_for_compute_stream();
   void* data = tensor.raw_data();
-  nccl_check(ncclAllReduce(data, data, static_cast<size_t>(tensor.numel()), nccl_type(tensor.dtype()),
-                           op == ReduceOp::Sum ? ncclSum : ncclAvg, impl_->comm->usable("allreduce"), impl_->stream),
+  nccl_check(impl_->comm->enqueue("allreduce",
+                                   [&](ncclComm_t comm) {
+                                     return ncclAllReduce(data, data, static_cast<size_t>(tensor.numel()),
+                                                          nccl_type(tensor.dtype()),
+                                                          op == ReduceOp::Sum ? ncclSum : ncclAvg, comm, impl_->stream);
+                                   }),
              "ncclAllReduce");
   return impl_->finish(str("allreduce of ", tensor.numel(), " elements on rank ", rank(), " of ", size()),
                        {tensor});
@@ -280,8 +286,11 @@ WorkPtr NcclProcessGroup::broadcast(const Tensor& tensor, int root) {
   tensor.bump_version();
   impl_->wait_for_compute_stream();
   void* data = tensor.raw_data();
-  nccl_check(ncclBroadcast(data, data, static_cast<size_t>(tensor.numel()), nccl_type(tensor.dtype()), root,
-                           impl_->comm->usable("broadcast"), impl_->stream),
+  nccl_check(impl_->comm->enqueue("broadcast",
+                                   [&](ncclComm_t comm) {
+                                     return ncclBroadcast(data, data, static_cast<size_t>(tensor.numel()),
+                                                          nccl_type(tensor.dtype()), root, comm, impl_->stream);
+                                   }),
              "ncclBroadcast");
   return impl_->finish(str("broadcast of ", tensor.numel(), " elements from rank ", root), {tensor});
 }
@@ -300,8 +309,12 @@ WorkPtr NcclProcessGroup::allgather(const Tensor& input, const Tensor& output) {
   DeviceGuard guard(impl_->device);
   output.bump_version();
   impl_->wait_for_compute_stream();
-  nccl_check(ncclAllGather(input.raw_data(), output.raw_data(), static_cast<size_t>(input.numel()),
-                           nccl_type(input.dtype()), impl_->comm->usable("allgather"), impl_->stream),
+  nccl_check(impl_->comm->enqueue("allgather",
+                                   [&](ncclComm_t comm) {
+                                     return ncclAllGather(input.raw_data(), output.raw_data(),
+                                                          static_cast<size_t>(input.numel()), nccl_type(input.dtype()),
+                                                          comm, impl_->stream);
+                                   }),
              "ncclAllGather");
   return impl_->finish(str("allgather of ", input.numel(), " elements on rank ", rank(), " of ", size()),
                        {input, output});
@@ -311,8 +324,11 @@ WorkPtr NcclProcessGroup::barrier() {
   capture::unsupported(str("a ", backend(), " barrier of a process group"));
   DeviceGuard guard(impl_->device);
   impl_->wait_for_compute_stream();
-  nccl_check(ncclAllReduce(impl_->barrier_buffer, impl_->barrier_buffer, 1, ncclFloat32, ncclSum,
-                           impl_->comm->usable("barrier"), impl_->stream),
+  nccl_check(impl_->comm->enqueue("barrier",
+                                   [&](ncclComm_t comm) {
+                                     return ncclAllReduce(impl_->barrier_buffer, impl_->barrier_buffer, 1,
+                                                          ncclFloat32, ncclSum, comm, impl_->stream);
+                                   }),
              "ncclAllReduce (barrier)");
   WorkPtr work = impl_->finish(str("barrier on rank ", rank(), " of ", size()), {});
   work->wait();
