@@ -153,13 +153,7 @@ ForwardResult MappingModel::forward_streamed(const Tensor& input, const LatentOv
           nn::FunctionalCallGuard guard(*s->layers[l].module, tensors, call);
           y = s->layers[l].module->forward(y);
         }
-        if (write_back) {
-          autograd::NoGradGuard no_grad;
-          for (const auto& [name, t] : updated) {
-            Tensor dst = buffers_.at(s->layers[l].prefix + name);
-            dst.copy_(t.detach());
-          }
-        }
+        if (write_back) keep_buffers(s->layers[l].prefix, updated);
       }
       return {y};
     };
@@ -188,17 +182,19 @@ ForwardResult MappingModel::forward_with(const std::function<Tensor(nn::Module&)
     nn::FunctionalCallGuard guard(*target_, tensors, call);
     result.predictions = run(*target_);
   }
-  if (options_.write_back_buffers) {
-    // In place: the buffers keep their memory, so a compiled step (nn/compile.h) records this copy
-    // and repeats it at every replay (rebinding would leave replays reading the captured call's input).
-    autograd::NoGradGuard no_grad;
-    for (auto& [n, t] : updated) {
-      Tensor dst = buffers_.at(n);
-      dst.copy_(t.detach());
-    }
-  }
+  if (options_.write_back_buffers) keep_buffers("", updated);
   result.latent_vectors = generator_->named_latents();
   return result;
+}
+
+void MappingModel::keep_buffers(const std::string& prefix, const nn::StateDict& updated) {
+  // In place: the buffers keep their memory, so a compiled step (nn/compile.h) records this copy and
+  // repeats it at every replay (rebinding would leave replays reading the captured call's input).
+  autograd::NoGradGuard no_grad;
+  for (const auto& [name, t] : updated) {
+    Tensor dst = buffers_.at(prefix + name);
+    dst.copy_(t.detach());
+  }
 }
 
 void MappingModel::set_buffers(const nn::StateDict& buffers) {

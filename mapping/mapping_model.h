@@ -113,6 +113,8 @@ class MappingModel {
     std::vector<size_t> groups;
   };
   void plan_streaming();
+  // write_back_buffers: a call's updated buffers (names under `prefix`) copied into the model's.
+  void keep_buffers(const std::string& prefix, const nn::StateDict& updated);
   ForwardResult forward_streamed(const Tensor& input, const LatentOverrides& latents);
   std::vector<StreamStep> stream_plan_;
 

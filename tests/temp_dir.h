@@ -1,10 +1,13 @@
 #pragma once
 // A fresh, empty directory under the system's temporary directory (named after the test program,
-// the process and a counter), removed with everything in it when the object goes out of scope.
+// the process and a counter), removed with everything in it when the object goes out of scope; and
+// read_bytes for the files written there.
 #include <unistd.h>
 
 #include <atomic>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <string>
 #include <system_error>
 
@@ -33,5 +36,11 @@ class TempDir {
  private:
   std::filesystem::path path_;
 };
+
+// A file's whole content ("" when it cannot be read).
+inline std::string read_bytes(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
 
 }  // namespace mn::testing

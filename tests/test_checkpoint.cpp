@@ -25,6 +25,7 @@ namespace fs = std::filesystem;
 
 namespace {
 
+using mn::testing::read_bytes;
 using mn::testing::TempDir;
 
 // A fresh directory under the system temp dir, removed at scope exit.
@@ -95,11 +96,6 @@ void rewrite_metadata(const std::string& path, const std::string& key, const std
   else
     file.metadata[key] = value;
   safetensors::save(path, tensors, file.metadata);
-}
-
-std::string read_bytes(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  return std::string(std::istreambuf_iterator<char>(in), {});
 }
 
 }  // namespace

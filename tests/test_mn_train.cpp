@@ -21,6 +21,7 @@ using json = nlohmann::json;
 
 namespace {
 
+using mn::testing::read_bytes;
 using mn::testing::TempDir;
 
 std::string mn_train_exe() {
@@ -185,12 +186,9 @@ TEST_CASE("mn-train: --compile replays the steps and writes the checkpoint of th
     const std::string report = compiled["compiled"].get<std::string>();
     INFO(report);
     CHECK(report.find("6 calls, 2 captures, 4 replays, 0 eager") != std::string::npos);
-    const std::string a = dir / (name + "_eager/checkpoint.safetensors");
-    const std::string b = dir / (name + "_compiled/checkpoint.safetensors");
-    std::ifstream fa(a, std::ios::binary), fb(b, std::ios::binary);
-    const std::string bytes_a((std::istreambuf_iterator<char>(fa)), {}), bytes_b((std::istreambuf_iterator<char>(fb)), {});
+    const std::string bytes_a = read_bytes(dir / (name + "_eager/checkpoint.safetensors"));
     CHECK(!bytes_a.empty());
-    CHECK(bytes_a == bytes_b);
+    CHECK(bytes_a == read_bytes(dir / (name + "_compiled/checkpoint.safetensors")));
   }
 }
 
@@ -203,11 +201,9 @@ TEST_CASE("mn-train: --stream-layers trains the same run (the same checkpoint by
   const json plain = summary(run(exe, str(common, dir / "plain")));
   const json streamed = summary(run(exe, str(common, dir / "streamed", " --stream-layers")));
   CHECK(streamed["test_accuracy"] == plain["test_accuracy"]);
-  std::ifstream fa(dir / "plain/checkpoint.safetensors", std::ios::binary);
-  std::ifstream fb(dir / "streamed/checkpoint.safetensors", std::ios::binary);
-  const std::string bytes_a((std::istreambuf_iterator<char>(fa)), {}), bytes_b((std::istreambuf_iterator<char>(fb)), {});
+  const std::string bytes_a = read_bytes(dir / "plain/checkpoint.safetensors");
   CHECK(!bytes_a.empty());
-  CHECK(bytes_a == bytes_b);
+  CHECK(bytes_a == read_bytes(dir / "streamed/checkpoint.safetensors"));
 }
 
 TEST_CASE("mn-train: unavailable CUDA and a missing checkpoint are clear errors") {

@@ -18,7 +18,7 @@ namespace {
 using cuda::kThreads;
 
 // Planes from which max-pool backward uses one warp per plane (below: one atomic add per output).
-constexpr int64_t kPlaneThreads = 512;
+constexpr int64_t kWarpPerPlaneFrom = 512;
 
 struct Planes {
   int64_t planes, height, width, out_h, out_w;
@@ -160,7 +160,7 @@ void max_pool2d_backward_cuda(const Tensor& grad_out, const Tensor& indices, Ten
   const float* gp = static_cast<const float*>(go.raw_data());
   const int64_t* ip = static_cast<const int64_t*>(id.raw_data());
   float* gx = static_cast<float*>(grad_x.raw_data());
-  if (s.planes >= kPlaneThreads) {
+  if (s.planes >= kWarpPerPlaneFrom) {
     const int64_t warps_per_block = kThreads / 32;
     max_pool_backward_warp_kernel<<<cuda::grid_for_blocks((s.planes + warps_per_block - 1) / warps_per_block), kThreads,
                                     0, stream>>>(gp, ip, s.planes, in_plane, out_plane, gx);
