@@ -10,6 +10,7 @@
 
 #include <chrono>
 #include <cstdio>
+#include <functional>
 #include <vector>
 
 #include "autograd/ops.h"
@@ -31,6 +32,25 @@ bool ok(cudaError_t status, benchmark::State& state, const char* what) {
   if (status == cudaSuccess) return true;
   state.SkipWithError(what);
   return false;
+}
+
+// Times run() once per iteration with CUDA events on the current stream (for UseManualTime).
+void time_with_events(benchmark::State& state, const std::function<void()>& run, const char* failure) {
+  cudaStream_t stream = static_cast<cudaStream_t>(cuda::get_current_stream(0).handle());
+  cudaEvent_t start = nullptr, stop = nullptr;
+  cudaEventCreate(&start);
+  cudaEventCreate(&stop);
+  for (auto _ : state) {
+    cudaEventRecord(start, stream);
+    run();
+    cudaEventRecord(stop, stream);
+    if (!ok(cudaEventSynchronize(stop), state, failure)) break;
+    float ms = 0;
+    cudaEventElapsedTime(&ms, start, stop);
+    state.SetIterationTime(ms / 1e3);
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
 }
 
 // allocate + free of a block the cache already holds: host bookkeeping only.
@@ -87,22 +107,8 @@ void BM_GemmF32(benchmark::State& state) {
   // warm: handle, heuristics, module load, and clocks up from idle (~0.2 s of GEMMs at 8192)
   for (int i = 0; i < 10; ++i) kernels::gemm(kGpu, a, b, c, 1.0, 0.0);
   cuda::synchronize(0);
-  cudaStream_t stream = static_cast<cudaStream_t>(cuda::get_current_stream(0).handle());
-  cudaEvent_t start = nullptr, stop = nullptr;
-  cudaEventCreate(&start);
-  cudaEventCreate(&stop);
-  for (auto _ : state) {
-    cudaEventRecord(start, stream);
-    kernels::gemm(kGpu, a, b, c, 1.0, 0.0);
-    cudaEventRecord(stop, stream);
-    if (!ok(cudaEventSynchronize(stop), state, "gemm failed")) break;
-    float ms = 0;
-    cudaEventElapsedTime(&ms, start, stop);
-    state.SetIterationTime(ms / 1e3);
-  }
+  time_with_events(state, [&] { kernels::gemm(kGpu, a, b, c, 1.0, 0.0); }, "gemm failed");
   cuda::set_allow_tf32(false);
-  cudaEventDestroy(start);
-  cudaEventDestroy(stop);
   state.counters["TFLOPS"] = benchmark::Counter(2.0 * n * n * n / 1e12, benchmark::Counter::kIsIterationInvariantRate);
 }
 BENCHMARK(BM_GemmF32)
@@ -112,6 +118,62 @@ BENCHMARK(BM_GemmF32)
     ->MinTime(0.5)  // ~20 timed GEMMs at 8192 f32 rather than ~5 with the check's 0.1 s
     ->UseManualTime()
     ->Unit(benchmark::kMillisecond);
+
+// Kernels whose time is mostly index arithmetic rather than memory traffic, on CNN2's batch-256
+// shapes, timed with events: a broadcast bias add, a permuted copy (dims 0,2,3,1 made contiguous),
+// max-pool forward, conv forward (im2col + GEMM + bias) and conv input gradient (GEMM + col2im).
+// `GBps` counts each kernel's compulsory bytes (inputs read once, outputs written once); against the
+// H200's ~4.8 TB/s it shows how far from memory-bound the index math leaves them.
+enum IndexedKernel : int64_t { kBiasAdd, kPermutedCopy, kMaxPool, kConvForward, kConvInputGrad };
+
+void BM_IndexedKernel(benchmark::State& state) {
+  const auto which = static_cast<IndexedKernel>(state.range(0));
+  Generator gen(11);
+  const Tensor x = randn({256, 16, 26, 26}, kGpu, &gen);   // conv1's output
+  const Tensor x2 = randn({256, 16, 13, 13}, kGpu, &gen);  // conv2's input
+  const Tensor w2 = randn({32, 16, 3, 3}, kGpu, &gen), b2 = randn({32}, kGpu, &gen);
+  const Tensor bias = randn({16, 1, 1}, kGpu, &gen).expand(x.sizes());
+  const Tensor go2 = randn({256, 32, 11, 11}, kGpu, &gen);
+  Tensor out = empty(x.sizes(), kGpu), permuted = empty({256, 26, 26, 16}, kGpu);
+  Tensor pooled = empty({256, 16, 13, 13}, kGpu);
+  Tensor indices = empty({256, 16, 13, 13}, TensorOptions(DType::i64).with_device(kGpu));
+  Tensor conv_out = empty({256, 32, 11, 11}, kGpu), grad_x2 = empty(x2.sizes(), kGpu);
+  const kernels::Pool2dParams pool;
+  const kernels::Conv2dParams conv;
+  double bytes = 0;
+  std::function<void()> run;
+  switch (which) {
+    case kBiasAdd:
+      run = [&] { kernels::binary(kGpu, kernels::BinaryOp::Add, x, bias, out); };
+      bytes = 2.0 * x.nbytes();
+      break;
+    case kPermutedCopy:
+      run = [&] { kernels::copy(kGpu, x.permute({0, 2, 3, 1}), permuted); };
+      bytes = 2.0 * x.nbytes();
+      break;
+    case kMaxPool:
+      run = [&] { kernels::max_pool2d_forward(kGpu, x, pool, pooled, indices); };
+      bytes = static_cast<double>(x.nbytes() + pooled.nbytes() + indices.nbytes());
+      break;
+    case kConvForward:
+      run = [&] { kernels::conv2d_forward(kGpu, x2, w2, b2, conv, conv_out); };
+      bytes = static_cast<double>(x2.nbytes() + w2.nbytes() + conv_out.nbytes());
+      break;
+    case kConvInputGrad:
+      run = [&] { kernels::conv2d_backward_input(kGpu, go2, w2, conv, grad_x2); };
+      bytes = static_cast<double>(go2.nbytes() + w2.nbytes() + grad_x2.nbytes());
+      break;
+  }
+  for (int i = 0; i < 5; ++i) run();
+  cuda::synchronize(0);
+  time_with_events(state, run, "kernel failed");
+  state.counters["GBps"] = benchmark::Counter(bytes / 1e9, benchmark::Counter::kIsIterationInvariantRate);
+}
+BENCHMARK(BM_IndexedKernel)
+    ->ArgName("kernel")
+    ->DenseRange(kBiasAdd, kConvInputGrad)
+    ->UseManualTime()
+    ->Unit(benchmark::kMicrosecond);
 
 // Host <-> device through Tensor::copy_ (pageable host memory from the CPU allocator).
 void BM_CopyHostToDevice(benchmark::State& state) {

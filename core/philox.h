@@ -19,11 +19,7 @@
 #include <cmath>
 #include <cstdint>
 
-#if defined(__CUDACC__)
-#define MN_HOST_DEVICE __host__ __device__
-#else
-#define MN_HOST_DEVICE
-#endif
+#include "core/host_device.h"
 
 #if defined(__USE_FAST_MATH__) || defined(__FAST_MATH__)
 #error "core/philox.h: fast-math changes logf/sinf/cosf, so CPU and CUDA random numbers would differ"

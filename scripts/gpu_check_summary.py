@@ -134,6 +134,17 @@ def main():
                      f"{s['targets']['allocator']}")
         lines.append("             " + "; ".join(parts))
 
+    # ---- index-heavy kernels (no target; what the index arithmetic leaves of the memory bandwidth) ----
+    kernels = {}
+    for k, label in enumerate(("bias_add", "permuted_copy", "max_pool", "conv_forward", "conv_input_grad")):
+        b = rt.get(f"BM_IndexedKernel/kernel:{k}")
+        if b:
+            kernels[label] = {"us": to_ns(b) / 1e3, "GBps": b.get("GBps")}
+    s["indexed_kernels"] = kernels
+    if kernels:
+        lines.append("kernels:     " + "; ".join(f"{k} {fmt(v['us'], '.1f')} us ({fmt(v['GBps'], '.0f')} GB/s)"
+                                               for k, v in kernels.items()))
+
     # ---- training steps ----
     st = benchmarks(os.path.join(out, "mn_bench_cuda_train_step.json"))
     torch = load_json(os.path.join(out, "torch_cuda_step.json")) or {}

@@ -64,10 +64,20 @@ __global__ void coefficients_kernel(int64_t channels, double count, const float*
   }
 }
 
-__global__ void normalize_kernel(const float* x, int64_t total, int64_t channels, int64_t inner, const float* scale,
+// The channel of element l of a contiguous [N, C, inner] tensor of `total` elements.
+struct ChannelOf {
+  cuda::Divider inner, channels;
+  __device__ int64_t operator()(int64_t l) const { return channels.mod(inner.div(l)); }
+};
+
+ChannelOf channel_of(const Layout& s, int64_t total) {
+  return {cuda::Divider(s.inner, total), cuda::Divider(s.channels, total)};
+}
+
+__global__ void normalize_kernel(const float* x, int64_t total, ChannelOf channel, const float* scale,
                                  const float* shift, float* out) {
   MN_CUDA_KERNEL_LOOP(l, total) {
-    const int64_t c = (l / inner) % channels;
+    const int64_t c = channel(l);
     out[l] = x[l] * scale[c] + shift[c];
   }
 }
@@ -116,16 +126,16 @@ void batch_norm_forward_cuda(const Tensor& x_in, const Tensor& weight, const Ten
   const int64_t total = x.numel();
   if (total == 0) return;
   normalize_kernel<<<cuda::blocks_for(total), kThreads, 0, stream>>>(static_cast<const float*>(x.raw_data()), total,
-                                                                    s.channels, s.inner, scale, shift,
+                                                                    channel_of(s, total), scale, shift,
                                                                     static_cast<float*>(out.raw_data()));
   MN_CUDA_CHECK_LAUNCH();
 }
 
 // centered[l] = g[l] * (x[l] - mean[c]), in float as the CPU twin forms it.
-__global__ void centered_product_kernel(const float* g, const float* x, int64_t total, int64_t channels,
-                                        int64_t inner, const float* means, float* centered) {
+__global__ void centered_product_kernel(const float* g, const float* x, int64_t total, ChannelOf channel,
+                                        const float* means, float* centered) {
   MN_CUDA_KERNEL_LOOP(l, total) {
-    const int64_t c = (l / inner) % channels;
+    const int64_t c = channel(l);
     centered[l] = g[l] * (x[l] - means[c]);
   }
 }
@@ -148,11 +158,11 @@ __global__ void backward_coefficients_kernel(int64_t channels, double count, con
   }
 }
 
-__global__ void backward_input_kernel(const float* g, const float* x, int64_t total, int64_t channels, int64_t inner,
+__global__ void backward_input_kernel(const float* g, const float* x, int64_t total, ChannelOf channel,
                                       const float* means, const float* k_scale, const float* k_mean_g,
                                       const float* k_centered, float* gx) {
   MN_CUDA_KERNEL_LOOP(l, total) {
-    const int64_t c = (l / inner) % channels;
+    const int64_t c = channel(l);
     gx[l] = k_scale[c] * (g[l] - k_mean_g[c] - (x[l] - means[c]) * k_centered[c]);
   }
 }
@@ -197,7 +207,7 @@ void batch_norm_backward_cuda(const Tensor& grad_out, const Tensor& x_in, const 
     const Tensor centered = reuse_gx ? grad_x : empty(x.sizes(), TensorOptions(DType::f32).with_device(device));
     if (total > 0) {
       centered_product_kernel<<<cuda::blocks_for(total), kThreads, 0, stream>>>(
-          gp, xp, total, s.channels, s.inner, means, static_cast<float*>(centered.raw_data()));
+          gp, xp, total, channel_of(s, total), means, static_cast<float*>(centered.raw_data()));
       MN_CUDA_CHECK_LAUNCH();
     }
     Tensor out = channel_slot(coeff, s.channels, 4);
@@ -209,7 +219,7 @@ void batch_norm_backward_cuda(const Tensor& grad_out, const Tensor& x_in, const 
       static_cast<const float*>(invstd_t.raw_data()), training, gw, gb, k_scale, k_mean_g, k_centered);
   MN_CUDA_CHECK_LAUNCH();
   if (gx == nullptr || total == 0) return;
-  backward_input_kernel<<<cuda::blocks_for(total), kThreads, 0, stream>>>(gp, xp, total, s.channels, s.inner, means,
+  backward_input_kernel<<<cuda::blocks_for(total), kThreads, 0, stream>>>(gp, xp, total, channel_of(s, total), means,
                                                                          k_scale, k_mean_g, k_centered, gx);
   MN_CUDA_CHECK_LAUNCH();
 }

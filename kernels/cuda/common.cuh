@@ -8,6 +8,7 @@
 
 #include "core/error.h"
 #include "core/tensor.h"
+#include "kernels/cuda/divider.h"
 
 namespace mn::cuda {
 
@@ -56,17 +57,28 @@ inline unsigned blocks_for(int64_t n) {
 
 // Sizes and strides (in elements) of a tensor, by value, so that a kernel can turn a linear
 // row-major index over the shape into an element offset of a strided (possibly expanded) view.
+// offset() divides by the sizes through `dims`: strided() and collapse() set them, and code that
+// fills sizes by hand calls prepare() before a launch.
 struct Strided {
   int ndim = 0;
   int64_t sizes[kMaxDims] = {};
   int64_t strides[kMaxDims] = {};
+  Divider dims[kMaxDims] = {};
+
+  // Dividers for dividends below the element count (every linear index a kernel passes is).
+  void prepare() {
+    int64_t numel = 1;
+    for (int d = 0; d < ndim; ++d) numel *= sizes[d];
+    for (int d = 0; d < ndim; ++d) dims[d] = Divider(sizes[d], numel);
+  }
 
   __host__ __device__ int64_t offset(int64_t linear) const {
     int64_t off = 0;
     for (int d = ndim - 1; d >= 0; --d) {
-      const int64_t s = sizes[d];
-      off += (linear % s) * strides[d];
-      linear /= s;
+      int64_t q, r;
+      dims[d].divmod(linear, &q, &r);
+      off += r * strides[d];
+      linear = q;
     }
     return off;
   }
@@ -79,6 +91,7 @@ inline Strided strided(const Tensor& t) {
     s.sizes[d] = t.size(d);
     s.strides[d] = t.stride(d);
   }
+  s.prepare();
   return s;
 }
 

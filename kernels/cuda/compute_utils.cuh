@@ -34,7 +34,7 @@ inline T* scratch_ptr(const Tensor& t) {
   return reinterpret_cast<T*>(t.raw_data());
 }
 
-// Drops size-1 dims and merges neighbours that are contiguous with each other.
+// Drops size-1 dims and merges neighbours that are contiguous with each other; the result is prepared.
 inline Strided collapse(const Strided& in) {
   Strided s;
   for (int d = 0; d < in.ndim; ++d) {
@@ -48,6 +48,7 @@ inline Strided collapse(const Strided& in) {
     s.strides[s.ndim] = in.strides[d];
     ++s.ndim;
   }
+  s.prepare();
   return s;
 }
 

@@ -73,21 +73,30 @@ void require_contiguous(const Tensor& t, const char* what) {
            " with strides ", t.strides());
 }
 
-// col[(nl, g, kr, p)] at nl*s_n + g*s_g + kr*s_k + p, for samples n0 .. n0+nb.
-__global__ void im2col_kernel(Geometry g, const float* x, int64_t n0, int64_t nb, float* col, int64_t s_n,
-                              int64_t s_g, int64_t s_k) {
+// The divisions of im2col's index l = ((nl * G + grp) * K + kr) * P + p, with kr = (c * KH + ki) * KW + kj
+// and p = oy * OW + ox, for `total` values of l.
+struct ColumnIndex {
+  cuda::Divider plane, k, groups, kernel_w, kernel_h, out_w;
+};
+
+ColumnIndex column_index(const Geometry& g, int64_t total) {
   const int64_t K = g.k(), P = g.plane();
-  const int64_t total = nb * g.groups * K * P;
+  return {cuda::Divider(P, total),      cuda::Divider(K, total),      cuda::Divider(g.groups, total),
+          cuda::Divider(g.kernel_w, K), cuda::Divider(g.kernel_h, K), cuda::Divider(g.out_w, P)};
+}
+
+// col[(nl, g, kr, p)] at nl*s_n + g*s_g + kr*s_k + p, for samples n0 .. n0+nb.
+__global__ void im2col_kernel(Geometry g, ColumnIndex index, const float* x, int64_t n0, int64_t nb, float* col,
+                              int64_t s_n, int64_t s_g, int64_t s_k) {
+  const int64_t total = nb * g.groups * g.k() * g.plane();
   MN_CUDA_KERNEL_LOOP(l, total) {
-    const int64_t p = l % P;
-    int64_t t = l / P;
-    const int64_t kr = t % K;
-    t /= K;
-    const int64_t grp = t % g.groups;
-    const int64_t nl = t / g.groups;
-    const int64_t c = kr / (g.kernel_h * g.kernel_w);
-    const int64_t ki = (kr / g.kernel_w) % g.kernel_h, kj = kr % g.kernel_w;
-    const int64_t oy = p / g.out_w, ox = p % g.out_w;
+    int64_t t, p, kr, grp, nl, r, kj, c, ki, oy, ox;
+    index.plane.divmod(l, &t, &p);
+    index.k.divmod(t, &t, &kr);
+    index.groups.divmod(t, &nl, &grp);
+    index.kernel_w.divmod(kr, &r, &kj);
+    index.kernel_h.divmod(r, &c, &ki);
+    index.out_w.divmod(p, &oy, &ox);
     const int64_t iy = oy * g.stride_h - g.pad_h + ki * g.dilation_h;
     const int64_t ix = ox * g.stride_w - g.pad_w + kj * g.dilation_w;
     float v = 0.0f;
@@ -102,25 +111,26 @@ void launch_im2col(const Geometry& g, const Tensor& x, int64_t n0, int64_t nb, T
   const int64_t total = nb * g.groups * g.k() * g.plane();
   if (total == 0) return;
   im2col_kernel<<<cuda::blocks_for(total), kThreads, 0, cuda::stream_of(col)>>>(
-      g, static_cast<const float*>(x.raw_data()), n0, nb, static_cast<float*>(col.raw_data()), s_n, s_g, s_k);
+      g, column_index(g, total), static_cast<const float*>(x.raw_data()), n0, nb, static_cast<float*>(col.raw_data()),
+      s_n, s_g, s_k);
   MN_CUDA_CHECK_LAUNCH();
 }
 
 // out[n0 + nl, grp*Og + o, p] = tmp[nl, o, p] (groups > 1: the GEMM result of one group).
-__global__ void place_group_kernel(const float* tmp, int64_t nb, int64_t group_out, int64_t plane,
+__global__ void place_group_kernel(const float* tmp, int64_t total, cuda::Divider group_out, cuda::Divider plane,
                                    int64_t out_channels, int64_t channel0, int64_t n0, float* out) {
-  const int64_t total = nb * group_out * plane;
   MN_CUDA_KERNEL_LOOP(l, total) {
-    const int64_t p = l % plane;
-    const int64_t o = (l / plane) % group_out;
-    const int64_t nl = l / (plane * group_out);
-    out[((n0 + nl) * out_channels + channel0 + o) * plane + p] = tmp[l];
+    int64_t t, p, nl, o;
+    plane.divmod(l, &t, &p);
+    group_out.divmod(t, &nl, &o);
+    out[((n0 + nl) * out_channels + channel0 + o) * plane.divisor() + p] = tmp[l];
   }
 }
 
-__global__ void add_bias_kernel(float* out, const float* bias, int64_t total, int64_t channels, int64_t plane) {
+__global__ void add_bias_kernel(float* out, const float* bias, int64_t total, cuda::Divider channels,
+                                cuda::Divider plane) {
   MN_CUDA_KERNEL_LOOP(l, total)
-    out[l] += bias[(l / plane) % channels];
+    out[l] += bias[channels.mod(plane.div(l))];
 }
 
 void conv2d_forward_cuda(const Tensor& x, const Tensor& weight, const Tensor& bias, const Conv2dParams& p,
@@ -148,7 +158,8 @@ void conv2d_forward_cuda(const Tensor& x, const Tensor& weight, const Tensor& bi
         gemm(device, a, b, dst, 1.0, 0.0);
         const int64_t total = nb * Og * P;
         place_group_kernel<<<cuda::blocks_for(total), kThreads, 0, cuda::stream_of(out)>>>(
-            static_cast<const float*>(tmp.raw_data()), nb, Og, P, O, grp * Og, n0, static_cast<float*>(out.raw_data()));
+            static_cast<const float*>(tmp.raw_data()), total, cuda::Divider(Og, total), cuda::Divider(P, total), O,
+            grp * Og, n0, static_cast<float*>(out.raw_data()));
         MN_CUDA_CHECK_LAUNCH();
       }
     }
@@ -157,34 +168,49 @@ void conv2d_forward_cuda(const Tensor& x, const Tensor& weight, const Tensor& bi
     const Tensor b = cuda::dense(bias);
     const int64_t total = out.numel();
     add_bias_kernel<<<cuda::blocks_for(total), kThreads, 0, cuda::stream_of(out)>>>(
-        static_cast<float*>(out.raw_data()), static_cast<const float*>(b.raw_data()), total, O, P);
+        static_cast<float*>(out.raw_data()), static_cast<const float*>(b.raw_data()), total, cuda::Divider(O, total),
+        cuda::Divider(P, total));
     MN_CUDA_CHECK_LAUNCH();
   }
 }
 
 // grad_x[n0 + nl, grp*Cg + c, iy, ix] = sum over taps (ki, kj) of col[nl, c*KH*KW + ki*KW + kj, oy*OW + ox]
 // (col: contiguous [nb, K, P] of group grp). Taps in (ki, kj) order, as the CPU accumulates them.
-__global__ void col2im_kernel(Geometry g, const float* col, int64_t n0, int64_t nb, int64_t grp, float* grad_x) {
+// The divisions of col2im's index l = ((nl * Cg + c) * H + iy) * W + ix (`total` values) and of the
+// tap offsets ty < H + pad_h, tx < W + pad_w by the strides.
+struct ImageIndex {
+  cuda::Divider width, height, group_in, stride_h, stride_w;
+};
+
+ImageIndex image_index(const Geometry& g, int64_t total) {
+  return {cuda::Divider(g.width, total), cuda::Divider(g.height, total), cuda::Divider(g.group_in, total),
+          cuda::Divider(g.stride_h, g.height + g.pad_h), cuda::Divider(g.stride_w, g.width + g.pad_w)};
+}
+
+__global__ void col2im_kernel(Geometry g, ImageIndex index, const float* col, int64_t n0, int64_t nb, int64_t grp,
+                              float* grad_x) {
   const int64_t K = g.k(), P = g.plane();
   const int64_t image = g.height * g.width;
   const int64_t total = nb * g.group_in * image;
   MN_CUDA_KERNEL_LOOP(l, total) {
-    const int64_t ix = l % g.width;
-    const int64_t iy = (l / g.width) % g.height;
-    const int64_t c = (l / image) % g.group_in;
-    const int64_t nl = l / (image * g.group_in);
+    int64_t t, ix, iy, nl, c;
+    index.width.divmod(l, &t, &ix);
+    index.height.divmod(t, &t, &iy);
+    index.group_in.divmod(t, &nl, &c);
     const float* src = col + nl * K * P + c * g.kernel_h * g.kernel_w * P;
     float sum = 0.0f;
     for (int64_t ki = 0; ki < g.kernel_h; ++ki) {
       const int64_t ty = iy + g.pad_h - ki * g.dilation_h;
-      if (ty < 0 || ty % g.stride_h != 0) continue;
-      const int64_t oy = ty / g.stride_h;
-      if (oy >= g.out_h) continue;
+      if (ty < 0) continue;
+      int64_t oy, ry;
+      index.stride_h.divmod(ty, &oy, &ry);
+      if (ry != 0 || oy >= g.out_h) continue;
       for (int64_t kj = 0; kj < g.kernel_w; ++kj) {
         const int64_t tx = ix + g.pad_w - kj * g.dilation_w;
-        if (tx < 0 || tx % g.stride_w != 0) continue;
-        const int64_t ox = tx / g.stride_w;
-        if (ox >= g.out_w) continue;
+        if (tx < 0) continue;
+        int64_t ox, rx;
+        index.stride_w.divmod(tx, &ox, &rx);
+        if (rx != 0 || ox >= g.out_w) continue;
         sum += src[(ki * g.kernel_w + kj) * P + oy * g.out_w + ox];
       }
     }
@@ -216,21 +242,21 @@ void conv2d_backward_input_cuda(const Tensor& grad_out, const Tensor& weight, co
       const int64_t total = nb * g.group_in * g.height * g.width;
       if (total == 0) continue;
       col2im_kernel<<<cuda::blocks_for(total), kThreads, 0, stream>>>(
-          g, static_cast<const float*>(col.raw_data()), n0, nb, grp, static_cast<float*>(grad_x.raw_data()));
+          g, image_index(g, total), static_cast<const float*>(col.raw_data()), n0, nb, grp,
+          static_cast<float*>(grad_x.raw_data()));
       MN_CUDA_CHECK_LAUNCH();
     }
   }
 }
 
 // go_t[o, nl, p] = go[n0 + nl, o, p]
-__global__ void transpose_batch_kernel(const float* go, int64_t n0, int64_t nb, int64_t channels, int64_t plane,
-                                       float* go_t) {
-  const int64_t total = channels * nb * plane;
+__global__ void transpose_batch_kernel(const float* go, int64_t n0, int64_t total, cuda::Divider nb,
+                                       cuda::Divider plane, int64_t channels, float* go_t) {
   MN_CUDA_KERNEL_LOOP(l, total) {
-    const int64_t p = l % plane;
-    const int64_t nl = (l / plane) % nb;
-    const int64_t o = l / (plane * nb);
-    go_t[l] = go[((n0 + nl) * channels + o) * plane + p];
+    int64_t t, p, o, nl;
+    plane.divmod(l, &t, &p);
+    nb.divmod(t, &o, &nl);
+    go_t[l] = go[((n0 + nl) * channels + o) * plane.divisor() + p];
   }
 }
 
@@ -268,7 +294,8 @@ void conv2d_backward_weight_cuda(const Tensor& grad_out, const Tensor& x, const 
     launch_im2col(g, x, n0, nb, col, P, K * cols, cols);
     const int64_t total = O * cols;
     transpose_batch_kernel<<<cuda::blocks_for(total), kThreads, 0, stream>>>(
-        static_cast<const float*>(go.raw_data()), n0, nb, O, P, static_cast<float*>(go_t.raw_data()));
+        static_cast<const float*>(go.raw_data()), n0, total, cuda::Divider(nb, total), cuda::Divider(P, total), O,
+        static_cast<float*>(go_t.raw_data()));
     MN_CUDA_CHECK_LAUNCH();
     for (int64_t grp = 0; grp < G; ++grp) {
       const Tensor a = view(go_t, {Og, cols}, {cols, 1}, grp * Og * cols);

@@ -18,15 +18,15 @@ template <int N>
 struct Loop {
   int ndim = 0;
   bool flat = false;  // all operands dense with unit inner stride: element i is at offset i
-  int64_t sizes[kMaxDims] = {};
+  cuda::Divider sizes[kMaxDims] = {};  // divides linear indices below the element count
   int64_t strides[N][kMaxDims] = {};
 
   __device__ void offsets(int64_t linear, int64_t* off) const {
     for (int k = 0; k < N; ++k) off[k] = 0;
     for (int d = ndim - 1; d >= 0; --d) {
-      const int64_t s = sizes[d];
-      const int64_t i = linear % s;
-      linear /= s;
+      int64_t q, i;
+      sizes[d].divmod(linear, &q, &i);
+      linear = q;
       for (int k = 0; k < N; ++k) off[k] += i * strides[k][d];
     }
   }
@@ -39,20 +39,23 @@ Loop<N> make_loop(const Shape& shape, const Tensor* const (&ops)[N]) {
   static constexpr const char* kArgs[] = {"out", "first input", "second input", "third input"};
   for (int k = 0; k < N; ++k) cuda::check_on_device("elementwise kernel", *ops[k], ops[0]->device().index, kArgs[k]);
   Loop<N> loop;
+  int64_t sizes[kMaxDims] = {};
   for (int d = 0; d < shape.size(); ++d) {
     if (shape[d] == 1) continue;
     const int n = loop.ndim;
     bool merge = n > 0;
     for (int k = 0; k < N && merge; ++k) merge = loop.strides[k][n - 1] == ops[k]->stride(d) * shape[d];
     if (merge) {
-      loop.sizes[n - 1] *= shape[d];
+      sizes[n - 1] *= shape[d];
       for (int k = 0; k < N; ++k) loop.strides[k][n - 1] = ops[k]->stride(d);
     } else {
-      loop.sizes[n] = shape[d];
+      sizes[n] = shape[d];
       for (int k = 0; k < N; ++k) loop.strides[k][n] = ops[k]->stride(d);
       loop.ndim = n + 1;
     }
   }
+  const int64_t numel = shape.numel();
+  for (int d = 0; d < loop.ndim; ++d) loop.sizes[d] = cuda::Divider(sizes[d], numel);
   loop.flat = loop.ndim == 0;
   if (loop.ndim == 1) {
     loop.flat = true;

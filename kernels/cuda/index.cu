@@ -88,15 +88,30 @@ void check_slices(const char* op, const Tensor& a, const Tensor& b, int dim, int
            b.dtype());
 }
 
+// The divisions of an index l = (o * count + j) * inner + i over `total` elements [outer, count, inner].
+struct SliceIndex {
+  cuda::Divider inner, count;
+  // o and i as the position o * inner + i of the other dims, and j.
+  __device__ void split(int64_t l, int64_t* position, int64_t* j) const {
+    int64_t t, i, o;
+    inner.divmod(l, &t, &i);
+    count.divmod(t, &o, j);
+    *position = o * inner.divisor() + i;
+  }
+};
+
+SliceIndex slice_index(int64_t count, int64_t inner, int64_t total) {
+  return {cuda::Divider(inner, total), cuda::Divider(count, total)};
+}
+
 // out (contiguous [outer, count, inner]) from in, whose other dims are mapped by `rest`.
 template <class T>
 __global__ void gather_kernel(const T* in, Strided rest, int64_t in_dim_stride, const int64_t* idx,
-                              int64_t idx_stride, int64_t count, int64_t inner, int64_t total, T* out) {
+                              int64_t idx_stride, SliceIndex slices, int64_t total, T* out) {
   MN_CUDA_KERNEL_LOOP(l, total) {
-    const int64_t i = l % inner;
-    const int64_t j = (l / inner) % count;
-    const int64_t o = l / (inner * count);
-    out[l] = in[rest.offset(o * inner + i) + idx[j * idx_stride] * in_dim_stride];
+    int64_t p, j;
+    slices.split(l, &p, &j);
+    out[l] = in[rest.offset(p) + idx[j * idx_stride] * in_dim_stride];
   }
 }
 
@@ -127,12 +142,12 @@ void index_select_cuda(const Tensor& in, int dim, const Tensor& index, Tensor& o
   cudaStream_t stream = cuda::stream_of(out);
   if (in.dtype() == DType::f32) {
     gather_kernel<float><<<cuda::blocks_for(total), kThreads, 0, stream>>>(
-        static_cast<const float*>(in.raw_data()), rest, dim_stride(in, dim), idx, idx_stride, count, inner, total,
-        static_cast<float*>(out.raw_data()));
+        static_cast<const float*>(in.raw_data()), rest, dim_stride(in, dim), idx, idx_stride,
+        slice_index(count, inner, total), total, static_cast<float*>(out.raw_data()));
   } else {
     gather_kernel<int64_t><<<cuda::blocks_for(total), kThreads, 0, stream>>>(
-        static_cast<const int64_t*>(in.raw_data()), rest, dim_stride(in, dim), idx, idx_stride, count, inner, total,
-        static_cast<int64_t*>(out.raw_data()));
+        static_cast<const int64_t*>(in.raw_data()), rest, dim_stride(in, dim), idx, idx_stride,
+        slice_index(count, inner, total), total, static_cast<int64_t*>(out.raw_data()));
   }
   MN_CUDA_CHECK_LAUNCH();
 }
@@ -158,12 +173,10 @@ __device__ inline void atomic_add(int64_t* p, int64_t v) {
 template <class T>
 __global__ void scatter_atomic_kernel(T* out, Strided out_rest, int64_t out_dim_stride, const T* src,
                                       Strided src_rest, int64_t src_dim_stride, const int64_t* idx,
-                                      int64_t idx_stride, int64_t count, int64_t inner, int64_t total) {
+                                      int64_t idx_stride, SliceIndex slices, int64_t total) {
   MN_CUDA_KERNEL_LOOP(l, total) {
-    const int64_t i = l % inner;
-    const int64_t j = (l / inner) % count;
-    const int64_t o = l / (inner * count);
-    const int64_t p = o * inner + i;
+    int64_t p, j;
+    slices.split(l, &p, &j);
     atomic_add(out + out_rest.offset(p) + idx[j * idx_stride] * out_dim_stride,
                src[src_rest.offset(p) + j * src_dim_stride]);
   }
@@ -185,7 +198,8 @@ void scatter_add(Tensor& out, int dim, const Tensor& index, const Tensor& src, i
   } else {
     const int64_t total = positions * count;
     scatter_atomic_kernel<T><<<cuda::blocks_for(total), kThreads, 0, stream>>>(
-        o, out_rest, dim_stride(out, dim), s, src_rest, dim_stride(src, dim), idx, idx_stride, count, inner, total);
+        o, out_rest, dim_stride(out, dim), s, src_rest, dim_stride(src, dim), idx, idx_stride,
+        slice_index(count, inner, total), total);
   }
   MN_CUDA_CHECK_LAUNCH();
 }

@@ -62,40 +62,61 @@ __device__ inline float avg_divisor(const PoolArgs& p, const Window& w) {
 // x read through its strides: plane = n*C + c.
 struct Input {
   const float* x;
-  int64_t channels, sn, sc, sh, sw;
-  __device__ float at(int64_t plane, int64_t y, int64_t xx) const {
-    return x[(plane / channels) * sn + (plane % channels) * sc + y * sh + xx * sw];
+  cuda::Divider channels;
+  int64_t sn, sc, sh, sw;
+  __device__ const float* plane_at(int64_t plane) const {
+    int64_t n, c;
+    channels.divmod(plane, &n, &c);
+    return x + n * sn + c * sc;
   }
+  __device__ float at(const float* plane, int64_t y, int64_t xx) const { return plane[y * sh + xx * sw]; }
 };
 
 Input input_of(const Tensor& x) {
-  return {static_cast<const float*>(x.raw_data()), x.size(1), x.stride(0), x.stride(1), x.stride(2), x.stride(3)};
+  return {static_cast<const float*>(x.raw_data()), cuda::Divider(x.size(1), x.size(0) * x.size(1)), x.stride(0),
+          x.stride(1), x.stride(2), x.stride(3)};
 }
 
-__global__ void max_pool_forward_kernel(Input in, PoolArgs p, Planes s, float* out, int64_t* indices) {
-  const int64_t out_plane = s.out_h * s.out_w;
-  const int64_t total = s.planes * out_plane;
+// The divisions of an index l = (plane * rows + row) * cols + col over `planes` planes.
+struct Grid {
+  cuda::Divider cols, rows;
+  __device__ void split(int64_t l, int64_t* plane, int64_t* row, int64_t* col) const {
+    int64_t t;
+    cols.divmod(l, &t, col);
+    rows.divmod(t, plane, row);
+  }
+};
+
+Grid grid_of(int64_t planes, int64_t rows, int64_t cols) {
+  const int64_t total = planes * rows * cols;
+  return {cuda::Divider(cols, total), cuda::Divider(rows, total)};
+}
+
+__global__ void max_pool_forward_kernel(Input in, PoolArgs p, Planes s, Grid grid, float* out, int64_t* indices) {
+  const int64_t total = s.planes * s.out_h * s.out_w;
   MN_CUDA_KERNEL_LOOP(l, total) {
-    const int64_t plane = l / out_plane, oy = (l % out_plane) / s.out_w, ox = l % s.out_w;
+    int64_t plane, oy, ox;
+    grid.split(l, &plane, &oy, &ox);
+    const float* xp = in.plane_at(plane);
     const Window w = window(p, oy, ox, s.height, s.width);
-    int64_t best_at = w.h0 * s.width + w.w0;
+    int64_t best_y = w.h0, best_x = w.w0;
     float best = -INFINITY;
     bool found_nan = false;
     for (int64_t y = w.h0; y < w.h1 && !found_nan; ++y)
       for (int64_t xx = w.w0; xx < w.w1; ++xx) {
-        const float v = in.at(plane, y, xx);
+        const float v = in.at(xp, y, xx);
         if (v != v) {
-          best_at = y * s.width + xx;
+          best_y = y, best_x = xx;
           found_nan = true;
           break;
         }
         if (v > best) {
           best = v;
-          best_at = y * s.width + xx;
+          best_y = y, best_x = xx;
         }
       }
-    out[l] = in.at(plane, best_at / s.width, best_at % s.width);
-    indices[l] = best_at;
+    out[l] = in.at(xp, best_y, best_x);
+    indices[l] = best_y * s.width + best_x;
   }
 }
 
@@ -106,7 +127,8 @@ void max_pool2d_forward_cuda(const Tensor& x, const Pool2dParams& p, Tensor& out
   const int64_t total = out.numel();
   if (total == 0) return;
   max_pool_forward_kernel<<<cuda::blocks_for(total), kThreads, 0, cuda::stream_of(out)>>>(
-      input_of(x), args_of(p), s, static_cast<float*>(out.raw_data()), static_cast<int64_t*>(indices.raw_data()));
+      input_of(x), args_of(p), s, grid_of(s.planes, s.out_h, s.out_w), static_cast<float*>(out.raw_data()),
+      static_cast<int64_t*>(indices.raw_data()));
   MN_CUDA_CHECK_LAUNCH();
 }
 
@@ -143,9 +165,9 @@ __global__ void max_pool_backward_warp_kernel(const float* g, const int64_t* idx
 }
 
 __global__ void max_pool_backward_atomic_kernel(const float* g, const int64_t* idx, int64_t total, int64_t in_plane,
-                                                int64_t out_plane, float* gx) {
+                                                cuda::Divider out_plane, float* gx) {
   MN_CUDA_KERNEL_LOOP(l, total)
-    atomicAdd(gx + (l / out_plane) * in_plane + idx[l], g[l]);
+    atomicAdd(gx + out_plane.div(l) * in_plane + idx[l], g[l]);
 }
 
 void max_pool2d_backward_cuda(const Tensor& grad_out, const Tensor& indices, Tensor& grad_x) {
@@ -166,21 +188,22 @@ void max_pool2d_backward_cuda(const Tensor& grad_out, const Tensor& indices, Ten
                                     0, stream>>>(gp, ip, s.planes, in_plane, out_plane, gx);
   } else {
     const int64_t total = s.planes * out_plane;
-    max_pool_backward_atomic_kernel<<<cuda::blocks_for(total), kThreads, 0, stream>>>(gp, ip, total, in_plane,
-                                                                                     out_plane, gx);
+    max_pool_backward_atomic_kernel<<<cuda::blocks_for(total), kThreads, 0, stream>>>(
+        gp, ip, total, in_plane, cuda::Divider(out_plane, total), gx);
   }
   MN_CUDA_CHECK_LAUNCH();
 }
 
-__global__ void avg_pool_forward_kernel(Input in, PoolArgs p, Planes s, float* out) {
-  const int64_t out_plane = s.out_h * s.out_w;
-  const int64_t total = s.planes * out_plane;
+__global__ void avg_pool_forward_kernel(Input in, PoolArgs p, Planes s, Grid grid, float* out) {
+  const int64_t total = s.planes * s.out_h * s.out_w;
   MN_CUDA_KERNEL_LOOP(l, total) {
-    const int64_t plane = l / out_plane, oy = (l % out_plane) / s.out_w, ox = l % s.out_w;
+    int64_t plane, oy, ox;
+    grid.split(l, &plane, &oy, &ox);
+    const float* xp = in.plane_at(plane);
     const Window w = window(p, oy, ox, s.height, s.width);
     float sum = 0.0f;
     for (int64_t y = w.h0; y < w.h1; ++y)
-      for (int64_t xx = w.w0; xx < w.w1; ++xx) sum += in.at(plane, y, xx);
+      for (int64_t xx = w.w0; xx < w.w1; ++xx) sum += in.at(xp, y, xx);
     out[l] = sum / avg_divisor(p, w);
   }
 }
@@ -191,28 +214,30 @@ void avg_pool2d_forward_cuda(const Tensor& x, const Pool2dParams& p, Tensor& out
   const int64_t total = out.numel();
   if (total == 0) return;
   avg_pool_forward_kernel<<<cuda::blocks_for(total), kThreads, 0, cuda::stream_of(out)>>>(
-      input_of(x), args_of(p), s, static_cast<float*>(out.raw_data()));
+      input_of(x), args_of(p), s, grid_of(s.planes, s.out_h, s.out_w), static_cast<float*>(out.raw_data()));
   MN_CUDA_CHECK_LAUNCH();
 }
 
 // Output rows (or columns) whose window covers input coordinate y: o * stride - pad <= y < o * stride
-// - pad + kernel, within [0, count).
-__device__ inline void covering(int64_t y, int64_t stride, int64_t pad, int64_t kernel, int64_t count, int64_t* first,
-                                int64_t* last) {
+// - pad + kernel, within [0, count). `stride` divides values below count_in + pad + stride.
+__device__ inline void covering(int64_t y, cuda::Divider stride, int64_t pad, int64_t kernel, int64_t count,
+                                int64_t* first, int64_t* last) {
   const int64_t hi = y + pad;                // o * stride <= hi
   const int64_t lo = y + pad - kernel + 1;   // o * stride >= lo
-  *first = lo <= 0 ? 0 : (lo + stride - 1) / stride;
-  *last = min64(hi / stride, count - 1);     // hi >= 0 for y >= 0
+  *first = lo <= 0 ? 0 : stride.div(lo + stride.divisor() - 1);
+  *last = min64(stride.div(hi), count - 1);  // hi >= 0 for y >= 0
 }
 
-__global__ void avg_pool_backward_kernel(const float* g, PoolArgs p, Planes s, float* gx) {
+__global__ void avg_pool_backward_kernel(const float* g, PoolArgs p, Planes s, Grid grid, cuda::Divider stride_h,
+                                         cuda::Divider stride_w, float* gx) {
   const int64_t in_plane = s.height * s.width, out_plane = s.out_h * s.out_w;
   const int64_t total = s.planes * in_plane;
   MN_CUDA_KERNEL_LOOP(l, total) {
-    const int64_t plane = l / in_plane, y = (l % in_plane) / s.width, x = l % s.width;
+    int64_t plane, y, x;
+    grid.split(l, &plane, &y, &x);
     int64_t oy0, oy1, ox0, ox1;
-    covering(y, p.stride_h, p.pad_h, p.kernel_h, s.out_h, &oy0, &oy1);
-    covering(x, p.stride_w, p.pad_w, p.kernel_w, s.out_w, &ox0, &ox1);
+    covering(y, stride_h, p.pad_h, p.kernel_h, s.out_h, &oy0, &oy1);
+    covering(x, stride_w, p.pad_w, p.kernel_w, s.out_w, &ox0, &ox1);
     const float* gp = g + plane * out_plane;
     float sum = 0.0f;
     for (int64_t oy = oy0; oy <= oy1; ++oy)
@@ -232,7 +257,9 @@ void avg_pool2d_backward_cuda(const Tensor& grad_out, const Pool2dParams& p, Ten
   if (total == 0) return;
   const Tensor go = cuda::dense(grad_out);
   avg_pool_backward_kernel<<<cuda::blocks_for(total), kThreads, 0, cuda::stream_of(grad_x)>>>(
-      static_cast<const float*>(go.raw_data()), args_of(p), s, static_cast<float*>(grad_x.raw_data()));
+      static_cast<const float*>(go.raw_data()), args_of(p), s, grid_of(s.planes, s.height, s.width),
+      cuda::Divider(p.stride_h, s.height + p.pad_h + p.stride_h), cuda::Divider(p.stride_w, s.width + p.pad_w + p.stride_w),
+      static_cast<float*>(grad_x.raw_data()));
   MN_CUDA_CHECK_LAUNCH();
 }
 
