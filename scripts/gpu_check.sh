@@ -11,8 +11,10 @@
 #   4. the CUDA benchmarks (short: --benchmark_min_time), PyTorch's same steps on the same GPU
 #      (bench/torch_cuda_step.py), and mn-train --device cuda for one epoch of CNN2 layerwise 4 x 672
 #      when the data set is there
-#   5. a summary: tests passed/failed/skipped, GEMM TFLOP/s, allocator hit vs cudaMalloc+cudaFree,
-#      mapped step ms ours vs PyTorch vs our CPU backend, mn-train accuracy and time
+#   5. with the time left before the deadline, compute-sanitizer memcheck over the op tests
+#   6. a summary: tests passed/failed/skipped, GEMM TFLOP/s, allocator hit vs cudaMalloc+cudaFree,
+#      index-heavy kernels' GB/s, mapped step ms ours vs PyTorch vs our CPU backend, mn-train accuracy
+#      and time, memcheck errors
 # Outputs go to $OUT when set (the device tool's folder; at most 8 files come back), else
 # out/gpu-check: gpu-check.log (everything), summary.txt, summary.json, gpu_tests.log,
 # mn_bench_cuda_runtime.json, mn_bench_cuda_train_step.json, torch_cuda_step.json, mn-train.log.
@@ -168,6 +170,19 @@ else
   log "mn-train on cuda skipped: $why"
 fi
 
+# ---- memcheck of the kernels, with whatever time is left ----
+# compute-sanitizer over the op tests (every kernel against its CPU twin), with the caching allocator
+# bypassed so that each tensor is its own cudaMalloc block and an out-of-bounds access is reported
+# rather than landing in a neighbour. Last, because it is the slowest and only an extra.
+sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+rm -f "$BUILD/memcheck.log"
+if ((have_gpu)) && built tests/mn_gpu_tests && [[ -x $sanitizer ]]; then
+  MN_NO_CACHING=1 phase memcheck 200 --tee "$BUILD/memcheck.log" "$sanitizer" --tool memcheck --error-exitcode 3 \
+    --print-limit 20 "$BUILD/tests/mn_gpu_tests" --source-file='*test_cuda_ops.cpp' --no-intro=true
+else
+  log "memcheck skipped: $([[ -x $sanitizer ]] && echo 'no CUDA device or no test program' || echo 'no compute-sanitizer')"
+fi
+
 # ---- summary ----
 TIMES[total]=$((SECONDS - T0))
 phase_json="{"
@@ -177,7 +192,8 @@ summary_py=(python3 "$ROOT/scripts/gpu_check_summary.py")
 command -v python3 >/dev/null 2>&1 || summary_py=()
 if ((${#summary_py[@]})); then
   "${summary_py[@]}" --out "$OUT_DIR" --phases "$phase_json" --build-ok "$build_ok" --have-gpu "$have_gpu" \
-    --nvidia-smi "$BUILD/nvidia-smi.txt" --jobs "$JOBS" || log "summary script failed"
+    --nvidia-smi "$BUILD/nvidia-smi.txt" --jobs "$JOBS" --memcheck-log "$BUILD/memcheck.log" ||
+    log "summary script failed"
 else
   log "no python3: no summary; phases $phase_json"
 fi
@@ -187,6 +203,10 @@ rc=0
 for k in tests bench_runtime bench_train_step torch_step train; do
   [[ -n ${RCS[$k]:-} && ${RCS[$k]} != 0 ]] && rc=1 && log "$k failed (exit ${RCS[$k]})"
 done
+# memcheck fails the check only when the sanitizer reports errors (its exit 3). A test that fails only
+# under it, a sanitizer that refuses the device (as on gVisor machines) or running out of time shows in
+# the summary instead.
+[[ ${RCS[memcheck]:-0} == 3 ]] && rc=1 && log "memcheck found errors (see $BUILD/memcheck.log in the log above)"
 log "gpu-check finished in $((SECONDS - T0)) s, exit $rc"
 # Let the log's tee drain before exiting, so the last lines reach the console too.
 exec >&- 2>&-

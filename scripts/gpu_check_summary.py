@@ -16,7 +16,8 @@ def verdict(ok):
     return "n/a" if ok is None else ("PASS" if ok else "FAIL")
 
 
-PHASE_ORDER = ["configure", "build", "tests", "bench_runtime", "bench_train_step", "torch_step", "train", "total"]
+PHASE_ORDER = ["configure", "build", "tests", "bench_runtime", "bench_train_step", "torch_step", "train", "memcheck",
+               "total"]
 
 
 def load_json(path):
@@ -50,6 +51,18 @@ def benchmarks(path):
     return out
 
 
+def doctest_counts(log):
+    """The last doctest summary in log: cases, passed, failed, skipped and the assertion counts."""
+    counts = {}
+    m = re.findall(r"\[doctest\] test cases:\s*(\d+)\s*\|\s*(\d+) passed\s*\|\s*(\d+) failed\s*\|\s*(\d+) skipped", log)
+    if m:
+        counts.update(zip(("cases", "passed", "failed", "skipped"), map(int, m[-1])))
+    m = re.findall(r"\[doctest\] assertions:\s*(\d+)\s*\|\s*(\d+) passed\s*\|\s*(\d+) failed", log)
+    if m:
+        counts.update(zip(("assertions", "assertions_passed", "assertions_failed"), map(int, m[-1])))
+    return counts
+
+
 def to_ns(b, key="real_time"):
     scale = {"ns": 1.0, "us": 1e3, "ms": 1e6, "s": 1e9}[b.get("time_unit", "ns")]
     return b[key] * scale
@@ -67,6 +80,7 @@ def main():
     ap.add_argument("--have-gpu", default="0")
     ap.add_argument("--nvidia-smi", default="")
     ap.add_argument("--jobs", default="")
+    ap.add_argument("--memcheck-log", default="")
     args = ap.parse_args()
     out = args.out
     phases = json.loads(args.phases)
@@ -76,14 +90,7 @@ def main():
 
     # ---- tests ----
     log = read(os.path.join(out, "gpu_tests.log"))
-    tests = {"ran": bool(log)}
-    m = re.findall(r"\[doctest\] test cases:\s*(\d+)\s*\|\s*(\d+) passed\s*\|\s*(\d+) failed\s*\|\s*(\d+) skipped", log)
-    if m:
-        total, passed, failed, skipped = map(int, m[-1])
-        tests.update(cases=total, passed=passed, failed=failed, skipped=skipped)
-    m = re.findall(r"\[doctest\] assertions:\s*(\d+)\s*\|\s*(\d+) passed\s*\|\s*(\d+) failed", log)
-    if m:
-        tests["assertions"], tests["assertions_passed"], tests["assertions_failed"] = map(int, m[-1])
+    tests = {"ran": bool(log), **doctest_counts(log)}
     tests["skipped_no_device"] = "***Skipped" in log or "(Skipped)" in log
     m = re.search(r"(\d+)% tests passed, (\d+) tests? failed out of (\d+)", log)
     if m:
@@ -202,6 +209,30 @@ def main():
                      f"{fmt(train.get('steps_per_second'), '.1f')} steps/s")
     elif train_log:
         lines.append("mn-train:    no JSON summary (failed? see mn-train.log)")
+
+    # ---- compute-sanitizer memcheck over the op tests ----
+    mc_log = read(args.memcheck_log) if args.memcheck_log else ""
+    mc_phase = phases.get("memcheck")
+    memcheck = {"ran": bool(mc_log), **doctest_counts(mc_log)}
+    m = re.findall(r"ERROR SUMMARY: (\d+) errors?", mc_log)
+    if m:
+        memcheck["errors"] = int(m[-1])
+    memcheck["reports"] = re.findall(r"=+ (Invalid .*|Program hit .*|.*out of bounds.*)", mc_log)[:5]
+    s["memcheck"] = memcheck
+    if "Device not supported" in mc_log or "Error 999" in mc_log or "error 999" in mc_log:
+        memcheck["unsupported"] = True
+        lines.append("memcheck:    compute-sanitizer does not support this device here (no memory check)")
+    elif mc_phase and mc_phase.get("rc") in (124, 137):
+        lines.append(f"memcheck:    ran out of time after {mc_phase['seconds']} s "
+                     f"({memcheck.get('passed', '?')} op test cases passed before that)")
+    elif "errors" in memcheck:
+        lines.append(f"memcheck:    op tests under compute-sanitizer: {memcheck['errors']} errors, "
+                     f"{memcheck.get('passed', '?')} of {memcheck.get('cases', '?')} cases passed: "
+                     f"{verdict(memcheck['errors'] == 0 and memcheck.get('failed', 1) == 0)}")
+        for r in memcheck["reports"]:
+            lines.append(f"             {r}")
+    elif mc_log:
+        lines.append("memcheck:    no sanitizer summary (see gpu-check.log)")
 
     s["benchmark_errors"] = ERRORS
     for e in ERRORS[:10]:
