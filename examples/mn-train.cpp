@@ -13,7 +13,7 @@
 // With --json the last line on stdout is one JSON object summarising the run: test_accuracy (after
 // the last epoch), train_accuracy (running accuracy over the last epoch's batches), trainable_params,
 // target_params, compression_ratio, epochs (completed in total), seconds and steps_per_second (of
-// this invocation's training, validation included).
+// this invocation's training, validation included), cpu_threads (see --threads).
 //
 // Data-parallel training (mapped strategies): start one process per rank with mn-run and add --backend,
 //
@@ -48,6 +48,7 @@
 #include <sstream>
 
 #include "autograd/node.h"
+#include "core/parallel.h"
 #include "core/random.h"
 #include "dist/ddp.h"
 #include "dist/env.h"
@@ -89,6 +90,7 @@ struct Options {
   bool keep_cuda_cache = false;
   bool stream_layers = false;
   int64_t limit = 0;
+  int threads = 0;  // 0: OpenMP's default (OMP_NUM_THREADS, else the CPUs the process may use)
   bool json = false;
   bool compile = false;
   std::string backend;  // empty: one process
@@ -599,6 +601,10 @@ int main(int argc, char** argv) {
                "and re-allocation, and --compile can capture; reserved memory then stays at the peak)");
   app.add_option("--limit", o.limit, "use only the first N training and test images (0 = all)")
       ->check(CLI::NonNegativeNumber);
+  app.add_option("--threads", o.threads,
+                 "threads of the CPU kernels (default: OMP_NUM_THREADS, else every CPU this process may use); "
+                 "on a shared machine, the free cores")
+      ->check(CLI::PositiveNumber);
   app.add_flag("--json", o.json, "print a JSON summary as the last line of stdout");
   app.add_flag("--compile", o.compile,
                "capture each training step (forward, loss, backward) once per batch shape and replay it "
@@ -609,6 +615,7 @@ int main(int argc, char** argv) {
 
   DistInfo dist;
   try {
+    if (o.threads > 0) set_num_threads(o.threads);
     Device device = Device::parse(o.device);
     if (!o.backend.empty()) {
       MN_CHECK(o.backend == "gloo" || o.backend == "nccl", ValueError, "--backend '", o.backend,
@@ -668,7 +675,8 @@ int main(int argc, char** argv) {
                  num(static_cast<double>(s.target_params) / static_cast<double>(s.trainable_params))},
                 {"epochs", s.epochs},
                 {"seconds", s.seconds},
-                {"steps_per_second", num(s.seconds > 0 ? static_cast<double>(s.steps) / s.seconds : 0.0)}};
+                {"steps_per_second", num(s.seconds > 0 ? static_cast<double>(s.steps) / s.seconds : 0.0)},
+                {"cpu_threads", get_num_threads()}};
       if (!s.compile_report.empty()) j["compiled"] = s.compile_report;
       if (dist.active) {
         j["world_size"] = dist.world_size;

@@ -16,6 +16,7 @@
 #include <filesystem>
 #include <fstream>
 
+#include "core/parallel.h"
 #include "core/random.h"
 #include "mapping/checkpoint.h"
 #include "mapping/targets.h"
@@ -68,6 +69,7 @@ class EpochLog : public mapping::Callback {
 int main(int argc, char** argv) {
   CLI::App app{"Train CNN2 on Fashion-MNIST as a mapping network (layerwise latents)"};
   int64_t epochs = 3, latent_dim = 672, batch_size = 256, limit = 0;
+  int threads = 0;
   double lr = 1e-2;
   uint64_t seed = 0;
   std::string out_dir = "out/demo", data_dir = data::default_fashion_mnist_root();
@@ -79,9 +81,12 @@ int main(int argc, char** argv) {
   app.add_option("--limit", limit, "use only the first N training and test images (0 = all)");
   app.add_option("--data", data_dir, "Fashion-MNIST directory");
   app.add_option("--out", out_dir, "directory for metrics.csv, checkpoint.safetensors and generated.safetensors");
+  app.add_option("--threads", threads, "threads of the CPU kernels (default: OMP_NUM_THREADS, else all CPUs)")
+      ->check(CLI::PositiveNumber);
   CLI11_PARSE(app, argc, argv);
 
   try {
+    if (threads > 0) set_num_threads(threads);
     manual_seed(seed);
     data::Dataset train = take(data::load_fashion_mnist("train", data_dir), limit);
     data::Dataset test = take(data::load_fashion_mnist("test", data_dir), limit);
@@ -100,9 +105,10 @@ int main(int argc, char** argv) {
                 static_cast<long long>(model.target_parameter_count()),
                 static_cast<long long>(model.trainable_parameter_count()), model.generator().groups().size(),
                 static_cast<long long>(latent_dim), model.compression_ratio());
-    std::printf("%lld training / %lld test images, batch %lld, Adam lr %g with cosine decay, %lld epochs\n",
+    std::printf("%lld training / %lld test images, batch %lld, Adam lr %g with cosine decay, %lld epochs, "
+                "%d CPU threads\n",
                 static_cast<long long>(train.size()), static_cast<long long>(test.size()),
-                static_cast<long long>(batch_size), lr, static_cast<long long>(epochs));
+                static_cast<long long>(batch_size), lr, static_cast<long long>(epochs), get_num_threads());
 
     data::DataLoader train_loader(train, {batch_size, true, seed, false});
     data::DataLoader test_loader(test, {1000, false, 0, false});

@@ -6,6 +6,7 @@
 // targets). dist/ headers are available when the library was built with Gloo.
 #include "core/allocator.h"
 #include "core/cuda.h"  // streams, record_stream, synchronize, set_allow_tf32 (throw DeviceError without CUDA)
+#include "core/parallel.h"  // get_num_threads, set_num_threads
 #include "core/random.h"
 #include "core/tensor.h"
 

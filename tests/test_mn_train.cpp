@@ -110,7 +110,9 @@ TEST_CASE("mn-train: direct and layerwise runs print a JSON summary and write me
   TempDir dir("mn_train_test");
   SUBCASE("direct") {
     const json j = summary(
-        run(exe, str("--target cnn2 --strategy direct --epochs 1 --json ", kSmall, " --out ", dir / "direct")));
+        run(exe, str("--target cnn2 --strategy direct --epochs 1 --threads 1 --json ", kSmall, " --out ",
+                     dir / "direct")));
+    CHECK(j["cpu_threads"] == 1);
     CHECK(j["target_params"] == 108618);
     CHECK(j["trainable_params"] == 108618);
     CHECK(j["compression_ratio"].get<double>() == doctest::Approx(1.0));
@@ -125,6 +127,7 @@ TEST_CASE("mn-train: direct and layerwise runs print a JSON summary and write me
                                         kSmall, " --out ", dir / "lwt")));
     CHECK(j["target_params"] == 108618);
     CHECK(j["trainable_params"] == 4 * 32);
+    CHECK(j["cpu_threads"].get<int>() >= 1);
     CHECK(j["compression_ratio"].get<double>() == doctest::Approx(108618.0 / 128.0));
     CHECK(j["epochs"] == 1);
     CHECK(j["test_accuracy"].get<double>() >= 0.0);
