@@ -3,7 +3,9 @@
 // stream, so what is checked here is the stream ordering (inputs made by kernels just queued on the
 // compute stream, results read by kernels queued after wait()), the allocator's record_stream for
 // tensors dropped while a collective is in flight, dtypes, sizes and errors. In builds without NCCL both
-// cases are reported as skipped.
+// cases are reported as skipped. Compiled only in CUDA builds (the stream gate needs the CUDA runtime
+// headers); without CUDA main.cpp reports the GPU tests skipped anyway.
+#ifdef MN_WITH_CUDA
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -140,3 +142,5 @@ TEST_CASE("gpu: DDP over NCCL with one rank gives the plain model's gradients on
     testing::check_close(mine[i].second.grad().to(kCPU), theirs[i].second.grad().to(kCPU).to_vector<float>(), 1e-6);
   }
 }
+
+#endif  // MN_WITH_CUDA
