@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
+#include <vector>
 
 #include "core/allocator.h"
 #include "core/caching_allocator.h"
@@ -94,6 +95,10 @@ struct DeviceRegistry {
   DeviceAllocatorFactory pool_factory = nullptr;
   std::atomic<bool> ever_registered{false};  // false: the backends have not had their turn yet
   std::array<std::atomic<DeviceAllocator*>, kMaxDevicesPerType> created{};
+  // Allocators made before a later registration replaced the factory. Like those in `created` they
+  // are never freed (storages they handed out return their blocks to them); kept here so that they
+  // stay reachable.
+  std::vector<DeviceAllocator*> replaced;
 };
 
 DeviceRegistry& registry_for(DeviceType type) {
@@ -137,7 +142,9 @@ void register_device_allocator_factory(DeviceType type, DeviceAllocatorFactory f
   registry.factory = factory;
   registry.pool_factory = pool_factory;
   registry.ever_registered.store(true, std::memory_order_release);
-  for (auto& slot : registry.created) slot.store(nullptr, std::memory_order_release);
+  for (auto& slot : registry.created) {
+    if (DeviceAllocator* old = slot.exchange(nullptr, std::memory_order_acq_rel)) registry.replaced.push_back(old);
+  }
 }
 
 DeviceAllocator& allocator_for(Device d) {

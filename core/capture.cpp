@@ -9,7 +9,7 @@
 namespace mn::capture {
 
 namespace detail {
-thread_local Recording* t_recording = nullptr;
+thread_local MN_CONSTINIT Recording* t_recording = nullptr;
 }  // namespace detail
 
 namespace {

@@ -31,6 +31,7 @@
 #include <utility>
 #include <vector>
 
+#include "core/host_device.h"
 #include "core/random.h"
 #include "core/tensor.h"
 
@@ -114,7 +115,7 @@ void host_step(std::function<void()> step);
 namespace detail {
 // The recording of this thread that is still recording (null otherwise). Null inside a step that is
 // being recorded, so kernels calling kernels are recorded once, as the outer call.
-extern thread_local Recording* t_recording;
+extern thread_local MN_CONSTINIT Recording* t_recording;
 
 // An argument as the graph keeps it: tensors rebound to the same memory without owning the graph's
 // own pool blocks (the pool keeps them), everything else by value.

@@ -13,6 +13,7 @@
 #include "core/device.h"
 #include "core/dtype.h"
 #include "core/error.h"
+#include "core/host_device.h"
 #include "core/shape.h"
 #include "core/storage.h"
 
@@ -23,7 +24,7 @@ class Generator;
 namespace capture {  // core/capture.h
 class Recording;
 namespace detail {
-extern thread_local Recording* t_recording;
+extern thread_local MN_CONSTINIT Recording* t_recording;
 }
 void host_access();  // host code touched a tensor's memory while recording: not replayable
 }  // namespace capture
