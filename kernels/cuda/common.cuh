@@ -57,8 +57,8 @@ inline unsigned blocks_for(int64_t n) {
 
 // Sizes and strides (in elements) of a tensor, by value, so that a kernel can turn a linear
 // row-major index over the shape into an element offset of a strided (possibly expanded) view.
-// offset() divides by the sizes through `dims`: strided() and collapse() set them, and code that
-// fills sizes by hand calls prepare() before a launch.
+// offset() divides by the sizes through `dims`, which prepare() sets: collapse() and the helpers built
+// on it (kernels/cuda/compute_utils.cuh) call it, as must any code that fills sizes by hand.
 struct Strided {
   int ndim = 0;
   int64_t sizes[kMaxDims] = {};
@@ -83,17 +83,6 @@ struct Strided {
     return off;
   }
 };
-
-inline Strided strided(const Tensor& t) {
-  Strided s;
-  s.ndim = t.dim();
-  for (int d = 0; d < s.ndim; ++d) {
-    s.sizes[d] = t.size(d);
-    s.strides[d] = t.stride(d);
-  }
-  s.prepare();
-  return s;
-}
 
 }  // namespace mn::cuda
 

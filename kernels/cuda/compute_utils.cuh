@@ -64,6 +64,9 @@ inline Strided strided_without(const Tensor& t, int skip) {
   return collapse(s);
 }
 
+// All of t's dims, collapsed: the index map of a strided copy or fill.
+inline Strided collapsed(const Tensor& t) { return strided_without(t, -1); }
+
 inline unsigned grid_for_blocks(int64_t units) {
   if (units < 1) return 1;
   if (units > 65535LL * 8) return 65535u * 8;

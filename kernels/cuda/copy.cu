@@ -85,8 +85,8 @@ void launch_convert(const Tensor& src, Tensor& dst, bool dense, cudaStream_t str
   if (dense) {
     convert_dense_kernel<S, D><<<blocks_for(n), kThreads, 0, stream>>>(s, d, n);
   } else {
-    copy_strided_kernel<S, D><<<blocks_for(n), kThreads, 0, stream>>>(s, cuda::collapse(cuda::strided(src)), d,
-                                                                      cuda::collapse(cuda::strided(dst)), n);
+    copy_strided_kernel<S, D><<<blocks_for(n), kThreads, 0, stream>>>(s, cuda::collapsed(src), d, cuda::collapsed(dst),
+                                                                      n);
   }
   MN_CUDA_CHECK_LAUNCH();
 }
@@ -183,7 +183,7 @@ void fill_cuda(Tensor& out, double value) {
     if (dense)
       fill_dense_kernel<float><<<blocks_for(n), kThreads, 0, stream>>>(p, v, n);
     else
-      fill_strided_kernel<float><<<blocks_for(n), kThreads, 0, stream>>>(p, cuda::collapse(cuda::strided(out)), v, n);
+      fill_strided_kernel<float><<<blocks_for(n), kThreads, 0, stream>>>(p, cuda::collapsed(out), v, n);
   } else {
     const int64_t v = saturating_i64(value);
     if (dense && v == 0) {
@@ -194,7 +194,7 @@ void fill_cuda(Tensor& out, double value) {
     if (dense)
       fill_dense_kernel<int64_t><<<blocks_for(n), kThreads, 0, stream>>>(p, v, n);
     else
-      fill_strided_kernel<int64_t><<<blocks_for(n), kThreads, 0, stream>>>(p, cuda::collapse(cuda::strided(out)), v, n);
+      fill_strided_kernel<int64_t><<<blocks_for(n), kThreads, 0, stream>>>(p, cuda::collapsed(out), v, n);
   }
   MN_CUDA_CHECK_LAUNCH();
 }
