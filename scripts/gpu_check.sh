@@ -11,10 +11,12 @@
 #   4. the CUDA benchmarks (short: --benchmark_min_time), PyTorch's same steps on the same GPU
 #      (bench/torch_cuda_step.py), and mn-train --device cuda for one epoch of CNN2 layerwise 4 x 672
 #      when the data set is there
-#   5. with the time left before the deadline, compute-sanitizer memcheck over the op tests
-#   6. a summary: tests passed/failed/skipped, GEMM TFLOP/s, allocator hit vs cudaMalloc+cudaFree,
+#   5. Nsight Compute's per-kernel times of a few eager training steps (when ncu is there)
+#   6. with the time left before the deadline, compute-sanitizer: memcheck over the GPU tests but
+#      NCCL's, then racecheck, synccheck and initcheck over the op tests
+#   7. a summary: tests passed/failed/skipped, GEMM TFLOP/s, allocator hit vs cudaMalloc+cudaFree,
 #      index-heavy kernels' GB/s, mapped step ms ours vs PyTorch vs our CPU backend, mn-train accuracy
-#      and time, memcheck errors
+#      and time, the slowest kernels, each sanitizer's errors
 # Outputs go to $OUT when set (the device tool's folder; at most 8 files come back), else
 # out/gpu-check: gpu-check.log (everything), summary.txt, summary.json, gpu_tests.log,
 # mn_bench_cuda_runtime.json, mn_bench_cuda_train_step.json, torch_cuda_step.json, mn-train.log.
@@ -170,17 +172,42 @@ else
   log "mn-train on cuda skipped: $why"
 fi
 
-# ---- memcheck of the kernels, with whatever time is left ----
-# compute-sanitizer over the op tests (every kernel against its CPU twin), with the caching allocator
-# bypassed so that each tensor is its own cudaMalloc block and an out-of-bounds access is reported
-# rather than landing in a neighbour. Last, because it is the slowest and only an extra.
-sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
-rm -f "$BUILD/memcheck.log"
-if ((have_gpu)) && built tests/mn_gpu_tests && [[ -x $sanitizer ]]; then
-  MN_NO_CACHING=1 phase memcheck 200 --tee "$BUILD/memcheck.log" "$sanitizer" --tool memcheck --error-exitcode 3 \
-    --print-limit 20 "$BUILD/tests/mn_gpu_tests" --source-file='*test_cuda_ops.cpp' --no-intro=true
+# ---- where a mapped step's GPU time goes ----
+# Nsight Compute times each kernel of three eager CNN2 layerwise steps (~133 launches each, after
+# ~4 steps of warm-up; under ncu a step takes ~26 ms, so 0.3 s runs ~12) and prints one group per
+# kernel name and launch shape; the summary ranks the names by total time. Clocks left alone.
+ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+if ((have_gpu)) && built bench/mn_bench_cuda_train_step && [[ -x $ncu ]]; then
+  phase profile 90 --tee "$BUILD/profile.log" "$ncu" --clock-control none --metrics gpu__time_duration.sum \
+    --launch-skip 600 --launch-count 400 --print-summary per-kernel "$BUILD/bench/mn_bench_cuda_train_step" \
+    --benchmark_filter='BM_CNN2_LayerwiseStep_CUDA/' --benchmark_min_time=0.3
 else
-  log "memcheck skipped: $([[ -x $sanitizer ]] && echo 'no CUDA device or no test program' || echo 'no compute-sanitizer')"
+  log "profile skipped: $([[ -x $ncu ]] && echo 'no CUDA device or no benchmark program' || echo 'no ncu')"
+fi
+
+# ---- compute-sanitizer over the tests, with whatever time is left ----
+# memcheck over every GPU test (each kernel against its CPU twin, the mapping code, the runtime), then
+# racecheck (shared-memory hazards), synccheck (barriers in divergent code) and initcheck (reads of
+# device memory never written) over the op tests. The caching allocator is bypassed so that each
+# tensor is its own cudaMalloc block and an out-of-bounds access is reported rather than landing in a
+# neighbour. Last, because they are the slowest and only an extra; each tool's log is
+# $BUILD/sanitizer-<tool>.log.
+sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+SANITIZERS=(memcheck racecheck synccheck initcheck)
+rm -f "$BUILD"/sanitizer-*.log
+if ((have_gpu)) && built tests/mn_gpu_tests && [[ -x $sanitizer ]]; then
+  for tool in "${SANITIZERS[@]}"; do
+    only=(--source-file='*test_cuda_ops.cpp')
+    limit=90
+    # Every test but NCCL's (its own library's kernels are not ours to check).
+    [[ $tool == memcheck ]] && only=(--source-file-exclude='*test_nccl.cpp') && limit=150
+    MN_NO_CACHING=1 phase "$tool" "$limit" --tee "$BUILD/sanitizer-$tool.log" "$sanitizer" --tool "$tool" \
+      --error-exitcode 3 --print-limit 20 "$BUILD/tests/mn_gpu_tests" "${only[@]}" --no-intro=true
+    # A sanitizer that refuses the device (KINDS.md: gVisor machines) refuses every tool.
+    grep -qi "device not supported" "$BUILD/sanitizer-$tool.log" 2>/dev/null && break
+  done
+else
+  log "sanitizers skipped: $([[ -x $sanitizer ]] && echo 'no CUDA device or no test program' || echo 'no compute-sanitizer')"
 fi
 
 # ---- summary ----
@@ -192,7 +219,7 @@ summary_py=(python3 "$ROOT/scripts/gpu_check_summary.py")
 command -v python3 >/dev/null 2>&1 || summary_py=()
 if ((${#summary_py[@]})); then
   "${summary_py[@]}" --out "$OUT_DIR" --phases "$phase_json" --build-ok "$build_ok" --have-gpu "$have_gpu" \
-    --nvidia-smi "$BUILD/nvidia-smi.txt" --jobs "$JOBS" --memcheck-log "$BUILD/memcheck.log" ||
+    --nvidia-smi "$BUILD/nvidia-smi.txt" --jobs "$JOBS" --sanitizer-logs "$BUILD" ||
     log "summary script failed"
 else
   log "no python3: no summary; phases $phase_json"
@@ -203,13 +230,15 @@ rc=0
 for k in tests bench_runtime bench_train_step torch_step train; do
   [[ -n ${RCS[$k]:-} && ${RCS[$k]} != 0 ]] && rc=1 && log "$k failed (exit ${RCS[$k]})"
 done
-# memcheck fails the check only when the sanitizer reports errors (its exit 3). A test that fails only
-# under it, a sanitizer that refuses the device (as on gVisor machines) or running out of time shows in
-# the summary instead.
-if [[ ${RCS[memcheck]:-0} == 3 ]] && ! grep -qi "device not supported" "$BUILD/memcheck.log" 2>/dev/null; then
-  rc=1
-  log "memcheck found errors (see the memcheck phase above)"
-fi
+# A sanitizer fails the check only when it reports errors (its exit 3). A test that fails only under
+# it, a sanitizer that refuses the device (as on gVisor machines) or running out of time shows in the
+# summary instead.
+for tool in "${SANITIZERS[@]}"; do
+  if [[ ${RCS[$tool]:-0} == 3 ]] && ! grep -qi "device not supported" "$BUILD/sanitizer-$tool.log" 2>/dev/null; then
+    rc=1
+    log "$tool found errors (see the $tool phase above)"
+  fi
+done
 log "gpu-check finished in $((SECONDS - T0)) s, exit $rc"
 # Let the log's tee drain before exiting, so the last lines reach the console too.
 exec >&- 2>&-

@@ -16,8 +16,8 @@ def verdict(ok):
     return "n/a" if ok is None else ("PASS" if ok else "FAIL")
 
 
-PHASE_ORDER = ["configure", "build", "tests", "bench_runtime", "bench_train_step", "torch_step", "train", "memcheck",
-               "total"]
+PHASE_ORDER = ["configure", "build", "tests", "bench_runtime", "bench_train_step", "torch_step", "train", "profile",
+               "memcheck", "racecheck", "synccheck", "initcheck", "total"]
 
 
 def load_json(path):
@@ -37,13 +37,14 @@ def read(path):
 
 
 def benchmarks(path):
-    """name without the /manual_time or /real_time suffix -> the benchmark's JSON entry (iterations only)."""
+    """name without /min_time:..., /manual_time or /real_time -> the benchmark's JSON entry (iterations only)."""
     data = load_json(path) or {}
     out = {}
     for b in data.get("benchmarks", []):
         if b.get("run_type", "iteration") != "iteration":
             continue
-        name = re.sub(r"/(manual_time|real_time)$", "", b.get("name", ""))
+        name = re.sub(r"/(min_time|repeats|iterations):[^/]*", "", b.get("name", ""))
+        name = re.sub(r"/(manual_time|real_time)$", "", name)
         if b.get("error_occurred"):
             ERRORS.append(f"{name}: {b.get('error_message', 'error')}")
             continue
@@ -63,6 +64,48 @@ def doctest_counts(log):
     return counts
 
 
+def failed_cases(log):
+    """Names of the doctest cases whose report holds an error. doctest prints every case's header
+    (--duration=true), so a header alone says nothing; ctest -V prefixes each line with 'N: '."""
+    names = set()
+    for block in re.split(r"^(?:\d+: )?={20,}\s*$", log, flags=re.M):
+        name = re.search(r"^(?:\d+: )?TEST CASE:\s+(.*?)\s*$", block, re.M)
+        if name and re.search(r"^(?:\d+: )?\S+:\d+: (?:FATAL )?ERROR:", block, re.M):
+            names.add(name.group(1))
+    return sorted(names)[:20]
+
+
+NCU_UNITS = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3, "s": 1e6,
+             "second": 1e6}
+
+
+def ncu_kernels(log):
+    """Nsight Compute's --print-summary per-kernel output -> [(kernel, launches, total us)], slowest first.
+    Groups of one kernel name (ncu splits them by launch shape) are added together."""
+    totals = {}
+    name = None
+    launches = 1
+    for line in log.splitlines():
+        head = re.match(r"^\s*(.*?) \(\d+, \d+, \d+\)x\(\d+, \d+, \d+\)", line)
+        if head:
+            name = re.sub(r"^void |\(anonymous namespace\)::|<unnamed>::", "", head.group(1))
+            name = re.sub(r"\(.*$", "", name)  # the parameter list
+            m = re.search(r"Invocations (\d+)\s*$", line)  # on the header line in ncu 2025
+            launches = int(m.group(1)) if m else 1
+            continue
+        m = re.match(r"^\s*Invocations\s+(\d+)", line)
+        if m:
+            launches = int(m.group(1))
+            continue
+        m = re.match(r"^\s*gpu__time_duration\.sum\s+(\S+)\s+(?:[\d.,]+\s+){2}([\d.,]+)\s*$", line)
+        if m and name and m.group(1) in NCU_UNITS:
+            avg_us = float(m.group(2).replace(",", "")) * NCU_UNITS[m.group(1)]
+            n, t = totals.get(name, (0, 0.0))
+            totals[name] = (n + launches, t + launches * avg_us)
+            name = None
+    return sorted(((k, n, t) for k, (n, t) in totals.items()), key=lambda x: -x[2])
+
+
 def to_ns(b, key="real_time"):
     scale = {"ns": 1.0, "us": 1e3, "ms": 1e6, "s": 1e9}[b.get("time_unit", "ns")]
     return b[key] * scale
@@ -80,7 +123,7 @@ def main():
     ap.add_argument("--have-gpu", default="0")
     ap.add_argument("--nvidia-smi", default="")
     ap.add_argument("--jobs", default="")
-    ap.add_argument("--memcheck-log", default="")
+    ap.add_argument("--sanitizer-logs", default="", help="folder of sanitizer-<tool>.log and profile.log")
     args = ap.parse_args()
     out = args.out
     phases = json.loads(args.phases)
@@ -95,7 +138,7 @@ def main():
     m = re.search(r"(\d+)% tests passed, (\d+) tests? failed out of (\d+)", log)
     if m:
         tests["ctest"] = m.group(0)
-    tests["failed_cases"] = sorted(set(re.findall(r"TEST CASE:\s+(.*)", log)))[:20]
+    tests["failed_cases"] = failed_cases(log)
     s["tests"] = tests
     if not tests["ran"]:
         lines.append("gpu tests:   not run")
@@ -143,7 +186,8 @@ def main():
 
     # ---- index-heavy kernels (no target; what the index arithmetic leaves of the memory bandwidth) ----
     kernels = {}
-    for k, label in enumerate(("bias_add", "permuted_copy", "max_pool", "conv_forward", "conv_input_grad")):
+    for k, label in enumerate(("bias_add", "permuted_copy", "max_pool", "conv_forward", "conv_input_grad",
+                               "conv_bias_grad", "linear_bias_grad")):
         b = rt.get(f"BM_IndexedKernel/kernel:{k}")
         if b:
             kernels[label] = {"us": to_ns(b) / 1e3, "GBps": b.get("GBps")}
@@ -210,29 +254,53 @@ def main():
     elif train_log:
         lines.append("mn-train:    no JSON summary (failed? see mn-train.log)")
 
-    # ---- compute-sanitizer memcheck over the op tests ----
-    mc_log = read(args.memcheck_log) if args.memcheck_log else ""
-    mc_phase = phases.get("memcheck")
-    memcheck = {"ran": bool(mc_log), **doctest_counts(mc_log)}
-    m = re.findall(r"ERROR SUMMARY: (\d+) errors?", mc_log)
-    if m:
-        memcheck["errors"] = int(m[-1])
-    memcheck["reports"] = re.findall(r"=+ (Invalid .*|Program hit .*|.*out of bounds.*)", mc_log)[:5]
-    s["memcheck"] = memcheck
-    if "device not supported" in mc_log.lower():
-        memcheck["unsupported"] = True
-        lines.append("memcheck:    compute-sanitizer does not support this device here (no memory check)")
-    elif mc_phase and mc_phase.get("rc") in (124, 137):
-        lines.append(f"memcheck:    ran out of time after {mc_phase['seconds']} s "
-                     f"({memcheck.get('passed', '?')} op test cases passed before that)")
-    elif "errors" in memcheck:
-        lines.append(f"memcheck:    op tests under compute-sanitizer: {memcheck['errors']} errors, "
-                     f"{memcheck.get('passed', '?')} of {memcheck.get('cases', '?')} cases passed: "
-                     f"{verdict(memcheck['errors'] == 0 and memcheck.get('failed', 1) == 0)}")
-        for r in memcheck["reports"]:
-            lines.append(f"             {r}")
-    elif mc_log:
-        lines.append("memcheck:    no sanitizer summary (see gpu-check.log)")
+    # ---- the slowest kernels of a few eager training steps (Nsight Compute) ----
+    logs = args.sanitizer_logs
+    prof_log = read(os.path.join(logs, "profile.log")) if logs else ""
+    kernels = ncu_kernels(prof_log)
+    s["profile"] = [{"kernel": k, "launches": n, "total_us": t} for k, n, t in kernels]
+    if kernels:
+        whole = sum(t for _, _, t in kernels)
+        lines.append(f"profile:     {sum(n for _, n, _ in kernels)} kernels of eager CNN2 layerwise steps, "
+                     f"{whole:.0f} us of GPU time; the slowest names:")
+        for k, n, t in kernels[:8]:
+            lines.append(f"             {t / whole:5.1%} {t:8.1f} us {n:4d}x {k[:100]}")
+    elif prof_log:
+        lines.append("profile:     no per-kernel table (see gpu-check.log)")
+
+    # ---- compute-sanitizer ----
+    for tool in ("memcheck", "racecheck", "synccheck", "initcheck"):
+        t_log = read(os.path.join(logs, f"sanitizer-{tool}.log")) if logs else ""
+        if not t_log:
+            continue
+        phase = phases.get(tool) or {}
+        res = {**doctest_counts(t_log)}
+        m = re.findall(r"ERROR SUMMARY: (\d+) errors?", t_log)
+        if m:
+            res["errors"] = int(m[-1])
+        m = re.findall(r"RACECHECK SUMMARY: (\d+) hazards? displayed \((\d+) errors?, (\d+) warnings?\)", t_log)
+        if m:
+            res["errors"] = int(m[-1][1])
+            res["warnings"] = int(m[-1][2])
+        res["reports"] = re.findall(r"^=+ ((?:Invalid|Program hit|Uninitialized|Barrier|Race|Error|Warning).*)$",
+                                    t_log, re.M)[:5]
+        s.setdefault("sanitizers", {})[tool] = res
+        label = f"{tool}:".ljust(13)
+        if "device not supported" in t_log.lower():
+            lines.append(f"{label}compute-sanitizer does not support this device here")
+        elif phase.get("rc") in (124, 137):
+            lines.append(f"{label}ran out of time after {phase['seconds']} s "
+                         f"({res.get('passed', '?')} test cases passed before that)")
+        elif "errors" in res:
+            warn = f", {res['warnings']} warnings" if "warnings" in res else ""
+            lines.append(f"{label}{res['errors']} errors{warn}, {res.get('passed', '?')} of "
+                         f"{res.get('cases', '?')} test cases "
+                         f"passed ({phase.get('seconds', '?')} s): "
+                         f"{verdict(res['errors'] == 0 and res.get('failed', 1) == 0)}")
+            for r in res["reports"]:
+                lines.append(f"             {r[:160]}")
+        else:
+            lines.append(f"{label}no sanitizer summary (see gpu-check.log)")
 
     s["benchmark_errors"] = ERRORS
     for e in ERRORS[:10]:

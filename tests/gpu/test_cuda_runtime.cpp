@@ -102,7 +102,13 @@ TEST_CASE("cuda runtime: dtype conversions on the device truncate like the CPU")
   const std::vector<int64_t> want = {0, INT64_MAX, INT64_MIN, INT64_MAX, INT64_MIN};
   CHECK(odd.to(DType::i64).to_vector<int64_t>() == want);
   CHECK(odd.to(kGpu).to(DType::i64).to_vector<int64_t>() == want);
-  CHECK(odd.to(kGpu).t().contiguous().to(DType::i64).to_vector<int64_t>() == want);
+  // The same values read through a transposed device view: converted strided, and after a copy.
+  const Tensor rows = odd.reshape({1, 5}).expand({3, 5}).contiguous();
+  std::vector<int64_t> want_t;
+  for (int64_t v : want) want_t.insert(want_t.end(), 3, v);
+  CHECK(rows.t().to(DType::i64).to_vector<int64_t>() == want_t);
+  CHECK(rows.to(kGpu).t().to(DType::i64).to_vector<int64_t>() == want_t);
+  CHECK(rows.to(kGpu).t().contiguous().to(DType::i64).to_vector<int64_t>() == want_t);
 }
 
 TEST_CASE("cuda runtime: strided and expanded copies in every direction") {
