@@ -121,10 +121,14 @@ BENCHMARK(BM_GemmF32)
 
 // Kernels whose time is mostly index arithmetic rather than memory traffic, on CNN2's batch-256
 // shapes, timed with events: a broadcast bias add, a permuted copy (dims 0,2,3,1 made contiguous),
-// max-pool forward, conv forward (im2col + GEMM + bias) and conv input gradient (GEMM + col2im).
+// max-pool forward, conv forward (im2col + GEMM + bias), conv input gradient (GEMM + col2im), and two
+// sums of the backward pass: a conv bias gradient (over dims 0, 2, 3) and a Linear bias gradient (a
+// [256, 128] gradient over its batch dim, a column reduction with few outputs).
 // `GBps` counts each kernel's compulsory bytes (inputs read once, outputs written once); against the
 // H200's ~4.8 TB/s it shows how far from memory-bound the index math leaves them.
-enum IndexedKernel : int64_t { kBiasAdd, kPermutedCopy, kMaxPool, kConvForward, kConvInputGrad };
+enum IndexedKernel : int64_t {
+  kBiasAdd, kPermutedCopy, kMaxPool, kConvForward, kConvInputGrad, kConvBiasGrad, kLinearBiasGrad
+};
 
 void BM_IndexedKernel(benchmark::State& state) {
   const auto which = static_cast<IndexedKernel>(state.range(0));
@@ -138,6 +142,8 @@ void BM_IndexedKernel(benchmark::State& state) {
   Tensor pooled = empty({256, 16, 13, 13}, kGpu);
   Tensor indices = empty({256, 16, 13, 13}, TensorOptions(DType::i64).with_device(kGpu));
   Tensor conv_out = empty({256, 32, 11, 11}, kGpu), grad_x2 = empty(x2.sizes(), kGpu);
+  const Tensor fc_grad = randn({256, 128}, kGpu, &gen);  // a Linear layer's output gradient
+  Tensor channel_sums = empty({1, 16, 1, 1}, kGpu), column_sums = empty({1, 128}, kGpu);
   const kernels::Pool2dParams pool;
   const kernels::Conv2dParams conv;
   double bytes = 0;
@@ -163,6 +169,14 @@ void BM_IndexedKernel(benchmark::State& state) {
       run = [&] { kernels::conv2d_backward_input(kGpu, go2, w2, conv, grad_x2); };
       bytes = static_cast<double>(go2.nbytes() + w2.nbytes() + grad_x2.nbytes());
       break;
+    case kConvBiasGrad:  // sum over batch, height and width: the kept dim is not the innermost
+      run = [&] { kernels::reduce(kGpu, kernels::ReduceOp::Sum, x, 0b1101u, channel_sums, 0.0); };
+      bytes = static_cast<double>(x.nbytes());
+      break;
+    case kLinearBiasGrad:  // sum over the batch of a [256, 128] gradient: a column reduction
+      run = [&] { kernels::reduce(kGpu, kernels::ReduceOp::Sum, fc_grad, 0b1u, column_sums, 0.0); };
+      bytes = static_cast<double>(fc_grad.nbytes());
+      break;
   }
   for (int i = 0; i < 5; ++i) run();
   cuda::synchronize(0);
@@ -171,7 +185,7 @@ void BM_IndexedKernel(benchmark::State& state) {
 }
 BENCHMARK(BM_IndexedKernel)
     ->ArgName("kernel")
-    ->DenseRange(kBiasAdd, kConvInputGrad)
+    ->DenseRange(kBiasAdd, kLinearBiasGrad)
     ->UseManualTime()
     ->Unit(benchmark::kMicrosecond);
 

@@ -187,11 +187,16 @@ __global__ void reduce_rows_kernel(Strided kept, Strided red, int64_t outputs, i
   }
 }
 
-// One thread per (piece, output) unit; neighbouring threads take neighbouring outputs.
+// One thread per (piece, output) unit; neighbouring threads take neighbouring outputs. A thread folds
+// its piece (64 elements or more, unless the column is shorter) alone, so it issues kUnroll loads
+// before folding them, in order: with few outputs there are few threads, and one load in flight per
+// thread left them waiting on memory. On an H200 a [256, 128] sum over dim 0 went from 30.0 to 22.5 us
+// (BM_IndexedKernel linear_bias_grad, medians of 3 interleaved rounds). Same fold order, same bits.
 template <class T, class Out, class Fold>
 __global__ void reduce_columns_kernel(Strided kept, Strided red, int64_t outputs, int64_t len, int64_t pieces,
                                       int64_t chunk, const T* x, Fold fold, Out* out, typename Fold::Acc* partial) {
   using Acc = typename Fold::Acc;
+  constexpr int kUnroll = 8;
   const int64_t units = outputs * pieces;
   MN_CUDA_KERNEL_LOOP(u, units) {
     const int64_t piece = u / outputs, o = u % outputs;
@@ -199,7 +204,15 @@ __global__ void reduce_columns_kernel(Strided kept, Strided red, int64_t outputs
     const int64_t r0 = piece * chunk;
     const int64_t r1 = r0 + chunk < len ? r0 + chunk : len;
     Acc acc = fold.identity();
-    for (int64_t r = r0; r < r1; ++r) acc = fold.step(acc, x[base + red.offset(r)], o);
+    int64_t r = r0;
+    for (; r + kUnroll <= r1; r += kUnroll) {
+      T v[kUnroll];
+#pragma unroll
+      for (int k = 0; k < kUnroll; ++k) v[k] = x[base + red.offset(r + k)];
+#pragma unroll
+      for (int k = 0; k < kUnroll; ++k) acc = fold.step(acc, v[k], o);
+    }
+    for (; r < r1; ++r) acc = fold.step(acc, x[base + red.offset(r)], o);
     if (partial != nullptr)
       partial[o * pieces + piece] = acc;
     else
