@@ -177,6 +177,7 @@ fi
 # ~4 steps of warm-up; under ncu a step takes ~26 ms, so 0.3 s runs ~12) and prints one group per
 # kernel name and launch shape; the summary ranks the names by total time. Clocks left alone.
 ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+rm -f "$BUILD/profile.log"
 if ((have_gpu)) && built bench/mn_bench_cuda_train_step && [[ -x $ncu ]]; then
   phase profile 90 --tee "$BUILD/profile.log" "$ncu" --clock-control none --metrics gpu__time_duration.sum \
     --launch-skip 600 --launch-count 400 --print-summary per-kernel "$BUILD/bench/mn_bench_cuda_train_step" \
@@ -219,7 +220,7 @@ summary_py=(python3 "$ROOT/scripts/gpu_check_summary.py")
 command -v python3 >/dev/null 2>&1 || summary_py=()
 if ((${#summary_py[@]})); then
   "${summary_py[@]}" --out "$OUT_DIR" --phases "$phase_json" --build-ok "$build_ok" --have-gpu "$have_gpu" \
-    --nvidia-smi "$BUILD/nvidia-smi.txt" --jobs "$JOBS" --sanitizer-logs "$BUILD" ||
+    --nvidia-smi "$BUILD/nvidia-smi.txt" --jobs "$JOBS" --phase-logs "$BUILD" ||
     log "summary script failed"
 else
   log "no python3: no summary; phases $phase_json"

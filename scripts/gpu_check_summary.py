@@ -83,19 +83,14 @@ def ncu_kernels(log):
     """Nsight Compute's --print-summary per-kernel output -> [(kernel, launches, total us)], slowest first.
     Groups of one kernel name (ncu splits them by launch shape) are added together."""
     totals = {}
-    name = None
-    launches = 1
+    name, launches = None, 1
     for line in log.splitlines():
         head = re.match(r"^\s*(.*?) \(\d+, \d+, \d+\)x\(\d+, \d+, \d+\)", line)
         if head:
             name = re.sub(r"^void |\(anonymous namespace\)::|<unnamed>::", "", head.group(1))
             name = re.sub(r"\(.*$", "", name)  # the parameter list
-            m = re.search(r"Invocations (\d+)\s*$", line)  # on the header line in ncu 2025
+            m = re.search(r"Invocations (\d+)\s*$", line)  # ncu 2025 ends the header line with it
             launches = int(m.group(1)) if m else 1
-            continue
-        m = re.match(r"^\s*Invocations\s+(\d+)", line)
-        if m:
-            launches = int(m.group(1))
             continue
         m = re.match(r"^\s*gpu__time_duration\.sum\s+(\S+)\s+(?:[\d.,]+\s+){2}([\d.,]+)\s*$", line)
         if m and name and m.group(1) in NCU_UNITS:
@@ -123,7 +118,7 @@ def main():
     ap.add_argument("--have-gpu", default="0")
     ap.add_argument("--nvidia-smi", default="")
     ap.add_argument("--jobs", default="")
-    ap.add_argument("--sanitizer-logs", default="", help="folder of sanitizer-<tool>.log and profile.log")
+    ap.add_argument("--phase-logs", default="", help="folder of profile.log and sanitizer-<tool>.log")
     args = ap.parse_args()
     out = args.out
     phases = json.loads(args.phases)
@@ -255,7 +250,7 @@ def main():
         lines.append("mn-train:    no JSON summary (failed? see mn-train.log)")
 
     # ---- the slowest kernels of a few eager training steps (Nsight Compute) ----
-    logs = args.sanitizer_logs
+    logs = args.phase_logs
     prof_log = read(os.path.join(logs, "profile.log")) if logs else ""
     kernels = ncu_kernels(prof_log)
     s["profile"] = [{"kernel": k, "launches": n, "total_us": t} for k, n, t in kernels]
