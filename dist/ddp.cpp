@@ -57,6 +57,32 @@ uint64_t hash_shape(const Shape& shape, uint64_t h) {
 
 }  // namespace
 
+mapping::MappingTrainer::MetricsReducer average_metrics(Device device, ProcessGroup* group) {
+  return [device, group](const mapping::Metrics& local, int64_t samples) {
+    ProcessGroup* pg = group;
+    std::shared_ptr<ProcessGroup> default_group;
+    if (pg == nullptr) {
+      default_group = default_process_group();  // refuses when setup_ddp was not called
+      pg = default_group.get();
+    }
+    MN_CHECK(samples >= 0, ValueError, "average_metrics: samples must be >= 0, got ", samples);
+    std::vector<float> values;
+    for (const auto& [key, value] : local) values.push_back(static_cast<float>(value * static_cast<double>(samples)));
+    values.push_back(static_cast<float>(samples));
+    Tensor sums = from_vector(values, Shape{static_cast<int64_t>(values.size())});
+    if (pg->backend() == "nccl") sums = sums.to(device);
+    pg->allreduce(sums, ReduceOp::Sum)->wait();
+    const std::vector<float> total = sums.to(kCPU).to_vector<float>();
+    MN_CHECK(total.size() == values.size(), RuntimeError, "average_metrics: the all-reduce returned ", total.size(),
+             " values for ", values.size());
+    const double all_samples = total.back();
+    mapping::Metrics out;
+    size_t i = 0;
+    for (const auto& [key, value] : local) out[key] = static_cast<double>(total[i++]) / all_samples;
+    return out;
+  };
+}
+
 uint64_t tensor_hash(const Tensor& tensor, uint64_t seed) {
   uint64_t h = kFnvOffset ^ mix64(seed);
   if (!tensor.defined()) return mix64(hash_string("undefined", h));

@@ -31,6 +31,7 @@
 
 #include "dist/process_group.h"
 #include "mapping/mapping_model.h"
+#include "mapping/trainer.h"
 
 namespace mn::dist {
 
@@ -118,6 +119,15 @@ class DistributedDataParallel {
 // Wraps `model` for the default group (setup_ddp first). device_ids: empty for a CPU model; for a CUDA
 // model at most the model's own device index.
 DistributedDataParallel wrap_ddp(mapping::MappingModel& model, const std::vector<int>& device_ids = {});
+
+// A MappingTrainer metrics reducer for data-parallel training (trainer.set_metrics_reducer): each
+// metric becomes the sum over the ranks of metric x samples, divided by the samples of all ranks, so
+// every rank records the means over all the samples of the pass, whatever each rank's share. Every rank
+// must report the same metric names. The sums travel as f32 (accuracies x samples are whole numbers,
+// exact up to 2^24 samples), on `device` (NCCL needs the model's GPU). group: nullptr = the default
+// group of setup_ddp, looked up at each call; else a group that outlives the reducer.
+//   trainer.set_metrics_reducer(mn::dist::average_metrics(model.device()));
+mapping::MappingTrainer::MetricsReducer average_metrics(Device device, ProcessGroup* group = nullptr);
 
 // 64-bit hash of a tensor's dtype, shape and bytes (copied to the CPU when needed); equal values on
 // every rank mean byte-identical tensors.

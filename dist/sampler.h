@@ -8,32 +8,36 @@
 // Rank r takes positions r, r + num_replicas, r + 2 num_replicas, ... Equal shard sizes keep the
 // all-reduced mean of per-rank means equal to the mean over all the samples.
 //
-//   DistributedSampler sampler(train.size(), world_size, rank, /*shuffle=*/true, /*seed=*/42);
-//   for (epoch ...) { sampler.set_epoch(epoch); Tensor mine = sampler.index_tensor(); ... }
+//   auto sampler = std::make_shared<DistributedSampler>(train.size(), world_size, rank, /*shuffle=*/true,
+//                                                       /*seed=*/42);
+//   data::DataLoader loader(train, {.batch_size = 32, .sampler = sampler});
+//   for (epoch ...) { sampler->set_epoch(epoch); trainer.fit_epoch(loader); }
 #include <cstdint>
 #include <vector>
 
 #include "core/tensor.h"
+#include "nn/data/dataloader.h"
 
 namespace mn::dist {
 
-class DistributedSampler {
+// A data::Sampler: give it to a DataLoader (DataLoaderOptions::sampler) to iterate this rank's shard.
+class DistributedSampler : public data::Sampler {
  public:
   DistributedSampler(int64_t num_samples, int64_t num_replicas, int64_t rank, bool shuffle = true,
                      uint64_t seed = 0, bool drop_last = false);
 
   // Selects the shuffle of the following epoch; call it before each epoch, or every epoch has one order.
-  void set_epoch(uint64_t epoch) { epoch_ = epoch; }
-  uint64_t epoch() const { return epoch_; }
+  void set_epoch(uint64_t epoch) override { epoch_ = epoch; }
+  uint64_t epoch() const override { return epoch_; }
 
   // This rank's sample indices for the current epoch, in visiting order.
-  std::vector<int64_t> indices() const;
-  // The same as an i64 tensor (for index_select / DataLoader inputs).
+  std::vector<int64_t> indices() const override;
+  // The same as an i64 tensor (for index_select).
   Tensor index_tensor() const;
 
-  int64_t size() const { return per_replica_; }  // samples per rank and epoch
+  int64_t size() const override { return per_replica_; }  // samples per rank and epoch
   int64_t total_size() const { return per_replica_ * num_replicas_; }
-  int64_t num_samples() const { return num_samples_; }
+  int64_t num_samples() const override { return num_samples_; }
   int64_t num_replicas() const { return num_replicas_; }
   int64_t rank() const { return rank_; }
 

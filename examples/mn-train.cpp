@@ -263,47 +263,6 @@ data::Dataset test_shard(const data::Dataset& test, const DistInfo& dist) {
   return select_rows(test, from_vector(mine, Shape{static_cast<int64_t>(mine.size())}));
 }
 
-// Before each epoch, replaces the train loader's contents with this rank's DistributedSampler shard of the
-// epoch (in visiting order, so the loader itself does not shuffle). Must run before callbacks that read
-// the loader's size.
-class ShardLoader : public mapping::Callback {
- public:
-  ShardLoader(const data::Dataset& train, dist::DistributedSampler& sampler, int64_t batch_size)
-      : train_(train), sampler_(sampler), batch_size_(batch_size) {}
-  std::string name() const override { return "ShardLoader"; }
-  data::DataLoader loader_for(int64_t epoch) const {
-    sampler_.set_epoch(static_cast<uint64_t>(epoch));
-    const data::Dataset shard = select_rows(train_, sampler_.index_tensor());
-    return data::DataLoader(shard, {batch_size_, false, 0, false});
-  }
-  void on_epoch_start(mapping::MappingTrainer& trainer, int64_t epoch) override {
-    trainer.train_loader() = loader_for(epoch);
-  }
-
- private:
-  const data::Dataset& train_;
-  dist::DistributedSampler& sampler_;
-  int64_t batch_size_;
-};
-
-// Sums metric x samples (and the samples) over the ranks: every rank gets the means over all samples.
-// Accuracies x samples are whole numbers, exact in f32 up to 2^24 samples.
-mapping::Metrics reduce_metrics(const mapping::Metrics& local, int64_t samples, Device device) {
-  std::vector<float> values;
-  for (const auto& [key, value] : local) values.push_back(static_cast<float>(value * static_cast<double>(samples)));
-  values.push_back(static_cast<float>(samples));
-  Tensor t = from_vector(values, Shape{static_cast<int64_t>(values.size())});
-  if (dist::default_process_group()->backend() == "nccl") t = t.to(device);
-  dist::default_process_group()->allreduce(t, dist::ReduceOp::Sum)->wait();
-  const std::vector<float> sums = t.to(kCPU).to_vector<float>();
-  MN_CHECK(sums.size() == values.size(), RuntimeError, "metric all-reduce returned ", sums.size(), " values");
-  const double total = sums.back();
-  mapping::Metrics out;
-  size_t i = 0;
-  for (const auto& [key, value] : local) out[key] = static_cast<double>(sums[i++]) / total;
-  return out;
-}
-
 Summary train_mapped(const Options& o, Device device, const data::Dataset& train, const data::Dataset& test,
                      const fs::path& out_dir, bool tty, const DistInfo& dist) {
   const std::string checkpoint = (out_dir / "checkpoint.safetensors").string();
@@ -327,14 +286,16 @@ Summary train_mapped(const Options& o, Device device, const data::Dataset& train
   mapping::MappingModel model(target, mo);
   if (!device.is_cpu()) model.to(device);
 
-  // One process: the loader shuffles the whole set itself. Data parallel: ShardLoader refills it with this
-  // rank's shard before every epoch (the same permutation, split over the ranks).
-  std::optional<dist::DistributedSampler> sampler;
-  if (dist.active) sampler.emplace(train.size(), dist.world_size, dist.rank, true, o.seed, false);
-  std::shared_ptr<ShardLoader> sharder;
-  if (sampler) sharder = std::make_shared<ShardLoader>(train, *sampler, o.batch_size);
-  data::DataLoader train_loader =
-      sharder ? sharder->loader_for(0) : data::DataLoader(train, {o.batch_size, true, o.seed, false});
+  // One process: the loader shuffles the whole set itself. Data parallel: a DistributedSampler gives it this
+  // rank's shard of every epoch (the same permutation, split over the ranks); the trainer's set_epoch
+  // reaches the sampler through the loader.
+  data::DataLoaderOptions train_options{o.batch_size, true, o.seed, false};
+  if (dist.active) {
+    train_options.shuffle = false;
+    train_options.sampler =
+        std::make_shared<dist::DistributedSampler>(train.size(), dist.world_size, dist.rank, true, o.seed, false);
+  }
+  data::DataLoader train_loader(train, train_options);
   const data::Dataset my_test = test_shard(test, dist);
   data::DataLoader test_loader(my_test, {1000, false, 0, false});
   std::shared_ptr<mapping::Loss> loss = std::make_shared<mapping::ClassificationLoss>();
@@ -352,7 +313,6 @@ Summary train_mapped(const Options& o, Device device, const data::Dataset& train
   if (dist.main())
     metrics.emplace(out_dir / "metrics.csv", saved && saved->trainer_state ? saved->trainer_state->epoch : 0);
   std::vector<std::shared_ptr<mapping::Callback>> callbacks;
-  if (sharder) callbacks.push_back(sharder);  // first: the others read the loader
   if (tty && dist.main()) callbacks.push_back(std::make_shared<mapping::ProgressCallback>());
   if (dist.main())
     callbacks.push_back(std::make_shared<EpochWriter>(o, *metrics, checkpoint,
@@ -370,8 +330,7 @@ Summary train_mapped(const Options& o, Device device, const data::Dataset& train
   std::optional<dist::DistributedDataParallel> ddp;
   if (dist.active) {
     ddp.emplace(dist::wrap_ddp(model));
-    trainer.set_metrics_reducer(
-        [device](const mapping::Metrics& m, int64_t samples) { return reduce_metrics(m, samples, device); });
+    trainer.set_metrics_reducer(dist::average_metrics(device));
   }
 
   if ((!o.json || tty) && dist.main()) {

@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <fstream>
 #include <numeric>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
@@ -563,6 +564,79 @@ TEST_CASE("data: DataLoader shuffling visits every sample once, reproducibly per
 
   DataLoader other_seed(d.inputs, d.targets, {.batch_size = 10, .shuffle = true, .seed = 4321});
   CHECK(visit(other_seed) != epoch0);
+}
+
+namespace {
+
+// Visits the odd samples, in reverse on odd epochs (or, for the error checks, whatever it is told).
+class OddSampler : public Sampler {
+ public:
+  explicit OddSampler(int64_t n) : n_(n) {}
+  int64_t num_samples() const override { return n_; }
+  int64_t size() const override { return n_ / 2; }
+  void set_epoch(uint64_t epoch) override { epoch_ = epoch; }
+  uint64_t epoch() const override { return epoch_; }
+  std::vector<int64_t> indices() const override {
+    if (override_) return *override_;
+    std::vector<int64_t> odd;
+    for (int64_t i = 1; i < n_; i += 2) odd.push_back(i);
+    if (epoch_ % 2 == 1) std::reverse(odd.begin(), odd.end());
+    return odd;
+  }
+  std::optional<std::vector<int64_t>> override_;
+
+ private:
+  int64_t n_;
+  uint64_t epoch_ = 0;
+};
+
+}  // namespace
+
+TEST_CASE("data: DataLoader with a sampler visits its indices and follows its epoch") {
+  const Numbered d = numbered(10);
+  auto sampler = std::make_shared<OddSampler>(10);
+  DataLoader loader(d.inputs, d.targets, {.batch_size = 2, .sampler = sampler});
+  CHECK(loader.size() == 3);  // 5 samples
+  std::vector<int64_t> sizes;
+  CHECK(visit(loader, &sizes) == std::vector<int64_t>{1, 3, 5, 7, 9});
+  CHECK(sizes == std::vector<int64_t>{2, 2, 1});
+  CHECK(loader.order().to_vector<int64_t>() == std::vector<int64_t>{1, 3, 5, 7, 9});
+  CHECK(loader.num_samples() == 10);
+
+  // An epoch set on the sampler itself is seen by the next iteration, as with PyTorch's
+  // sampler.set_epoch; the loader's set_epoch forwards to the sampler; copies share it.
+  sampler->set_epoch(1);
+  CHECK(loader.epoch() == 1);
+  CHECK(visit(loader) == std::vector<int64_t>{9, 7, 5, 3, 1});
+  CHECK(loader.batch(2).targets.to_vector<int64_t>() == std::vector<int64_t>{1});
+  loader.set_epoch(2);
+  CHECK(sampler->epoch() == 2);
+  const DataLoader copy = loader;
+  sampler->set_epoch(3);
+  CHECK(visit(copy) == std::vector<int64_t>{9, 7, 5, 3, 1});
+  CHECK(visit(loader) == std::vector<int64_t>{9, 7, 5, 3, 1});
+
+  DataLoader dropping(d.inputs, d.targets, {.batch_size = 2, .drop_last = true, .sampler = sampler});
+  CHECK(dropping.size() == 2);
+  CHECK(visit(dropping) == std::vector<int64_t>{9, 7, 5, 3});
+
+  // Refusals: shuffling as well, a sampler of another data set, indices it should not give.
+  std::string msg = message_of<ValueError>(
+      [&] { DataLoader(d.inputs, d.targets, {.batch_size = 2, .shuffle = true, .sampler = sampler}); });
+  CHECK(contains(msg, "shuffle must be false"));
+  msg = message_of<ValueError>(
+      [&] { DataLoader(d.inputs, d.targets, {.batch_size = 2, .sampler = std::make_shared<OddSampler>(12)}); });
+  CHECK(contains(msg, "the sampler indexes 12 samples but the data set holds 10"));
+  auto bad = std::make_shared<OddSampler>(10);
+  DataLoader checked(d.inputs, d.targets, {.batch_size = 2, .sampler = bad});
+  bad->override_ = std::vector<int64_t>{1, 3, 5, 7, 10};
+  bad->set_epoch(1);
+  msg = message_of<IndexError>([&] { (void)checked.begin(); });
+  CHECK(contains(msg, "the sampler gave index 10, outside the data set's 10 samples"));
+  bad->override_ = std::vector<int64_t>{1, 3};
+  bad->set_epoch(2);
+  msg = message_of<ValueError>([&] { (void)checked.order(); });
+  CHECK(contains(msg, "the sampler gave 2 indices for an epoch of size() 5"));
 }
 
 TEST_CASE("data: DataLoader argument checks and the Dataset overload") {

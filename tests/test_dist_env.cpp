@@ -214,6 +214,42 @@ TEST_CASE("dist sampler: one permutation, disjoint equal shards, PyTorch padding
   CHECK_THROWS_AS(DistributedSampler(-1, 2, 0), ValueError);
 }
 
+TEST_CASE("dist sampler: a DataLoader over each rank's sampler visits that rank's shard, epoch by epoch") {
+  // The scaling guide's loop: DataLoader(dataset, sampler=...), sampler.set_epoch(epoch) before each epoch.
+  const int64_t n = 11, replicas = 2;
+  std::vector<float> values(static_cast<size_t>(n));
+  std::iota(values.begin(), values.end(), 0.0f);
+  const Tensor inputs = from_vector(values, {n, 1});
+  const Tensor targets = arange(n);
+  std::vector<std::shared_ptr<DistributedSampler>> samplers;
+  std::vector<data::DataLoader> loaders;
+  for (int64_t r = 0; r < replicas; ++r) {
+    samplers.push_back(std::make_shared<DistributedSampler>(n, replicas, r, true, 9));
+    loaders.emplace_back(inputs, targets, data::DataLoaderOptions{.batch_size = 4, .sampler = samplers.back()});
+  }
+  for (uint64_t epoch : {0u, 1u, 5u}) {
+    std::multiset<int64_t> seen;
+    for (int64_t r = 0; r < replicas; ++r) {
+      samplers[static_cast<size_t>(r)]->set_epoch(epoch);
+      const data::DataLoader& loader = loaders[static_cast<size_t>(r)];
+      CHECK(loader.size() == 2);  // 6 samples per rank: batches of 4 and 2
+      std::vector<int64_t> visited;
+      for (const data::Batch& b : loader) {
+        const std::vector<int64_t> t = b.targets.to_vector<int64_t>();
+        const std::vector<float> x = b.inputs.to_vector<float>();
+        for (size_t k = 0; k < t.size(); ++k) CHECK(x[k] == static_cast<float>(t[k]));
+        visited.insert(visited.end(), t.begin(), t.end());
+      }
+      CHECK(visited == samplers[static_cast<size_t>(r)]->indices());
+      seen.insert(visited.begin(), visited.end());
+    }
+    // Together the ranks cover the data set; one sample is repeated to pad 11 to 12.
+    CHECK(seen.size() == 12);
+    CHECK(std::set<int64_t>(seen.begin(), seen.end()).size() == static_cast<size_t>(n));
+  }
+  CHECK(loaders[0].order().to_vector<int64_t>() != (std::vector<int64_t>{0, 2, 4, 6, 8, 10}));
+}
+
 TEST_CASE("dist store: HashStore and PrefixStore semantics") {
   auto hash = std::make_shared<HashStore>(200ms);
   hash->set("a", std::string("1"));
@@ -391,6 +427,29 @@ TEST_CASE("dist gloo: collectives with threads as ranks") {
       }
       pg.barrier()->wait();
     });
+}
+
+TEST_CASE("dist ddp: average_metrics gives every rank the means over all ranks' samples") {
+  for (int world : {2, 3})
+    with_gloo_threads(world, [](ProcessGroup& pg) {
+      const int rank = pg.rank(), world = pg.size();
+      // Rank r averaged r + 1 samples with accuracy r / 4 and loss 2r; with unequal shares the answer
+      // is the sample-weighted mean, not the mean of the ranks' means.
+      const int64_t samples = rank + 1;
+      const mapping::Metrics local{{"train_accuracy", rank / 4.0}, {"train_loss", 2.0 * rank}};
+      const mapping::Metrics all = average_metrics(kCPU, &pg)(local, samples);
+      double total = 0, acc = 0, loss = 0;
+      for (int r = 0; r < world; ++r) {
+        total += r + 1;
+        acc += (r + 1) * (r / 4.0);
+        loss += (r + 1) * (2.0 * r);
+      }
+      REQUIRE(all.size() == 2);
+      CHECK(all.at("train_accuracy") == doctest::Approx(acc / total));
+      CHECK(all.at("train_loss") == doctest::Approx(loss / total));
+    });
+  // Without a group argument it needs setup_ddp.
+  CHECK_THROWS_AS(average_metrics(kCPU)(mapping::Metrics{{"x", 1.0}}, 1), RuntimeError);
 }
 
 TEST_CASE("dist backends: unavailable and unknown names") {

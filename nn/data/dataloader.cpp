@@ -43,42 +43,70 @@ DataLoader::DataLoader(Tensor inputs, Tensor targets, DataLoaderOptions options)
            " samples (shape ", inputs_.sizes(), ") but targets hold ", targets_.size(0), " (shape ",
            targets_.sizes(), ")");
   num_samples_ = inputs_.size(0);
-  build_order();
+  if (const Sampler* sampler = options_.sampler.get()) {
+    MN_CHECK(!options_.shuffle, ValueError,
+             "DataLoader: shuffle must be false when a sampler is given (the sampler decides the order)");
+    MN_CHECK(sampler->num_samples() == num_samples_, ValueError, "DataLoader: the sampler indexes ",
+             sampler->num_samples(), " samples but the data set holds ", num_samples_);
+  }
+  refresh_order();
 }
 
 DataLoader::DataLoader(const Dataset& dataset, DataLoaderOptions options)
     : DataLoader(dataset.images, dataset.labels, options) {}
 
 void DataLoader::set_epoch(uint64_t epoch) {
-  if (epoch == epoch_) return;
-  epoch_ = epoch;
-  if (options_.shuffle) build_order();  // the identity order does not depend on the epoch
+  if (options_.sampler)
+    options_.sampler->set_epoch(epoch);
+  else
+    epoch_ = epoch;
 }
 
-void DataLoader::build_order() {
+uint64_t DataLoader::epoch() const { return options_.sampler ? options_.sampler->epoch() : epoch_; }
+
+void DataLoader::refresh_order() const {
+  const uint64_t epoch = this->epoch();
+  // Only a shuffled or sampled order depends on the epoch.
+  if (built_ && (epoch == built_epoch_ || (!options_.shuffle && !options_.sampler))) return;
   std::vector<int64_t> order;
-  if (options_.shuffle) {
-    order = shuffled_indices(num_samples_, options_.seed, epoch_);
+  if (const Sampler* sampler = options_.sampler.get()) {
+    order = sampler->indices();
+    MN_CHECK(static_cast<int64_t>(order.size()) == sampler->size(), ValueError, "DataLoader: the sampler gave ",
+             order.size(), " indices for an epoch of size() ", sampler->size());
+    for (const int64_t i : order)
+      MN_CHECK(i >= 0 && i < num_samples_, IndexError, "DataLoader: the sampler gave index ", i,
+               ", outside the data set's ", num_samples_, " samples");
+  } else if (options_.shuffle) {
+    order = shuffled_indices(num_samples_, options_.seed, epoch);
   } else {
     order.resize(static_cast<size_t>(num_samples_));
     std::iota(order.begin(), order.end(), int64_t{0});
   }
-  order_ = from_vector(order, {num_samples_});
+  order_ = from_vector(order, {static_cast<int64_t>(order.size())});
   // index_select wants its index beside the data; move it once per epoch, not once per batch.
   order_inputs_ = inputs_.device() == order_.device() ? order_ : order_.to(inputs_.device());
   order_targets_ = targets_.device() == order_.device() ? order_ : order_.to(targets_.device());
+  built_epoch_ = epoch;
+  built_ = true;
+}
+
+const Tensor& DataLoader::order() const {
+  refresh_order();
+  return order_;
 }
 
 int64_t DataLoader::size() const {
+  const int64_t visited = options_.sampler ? options_.sampler->size() : num_samples_;
   const int64_t batch_size = options_.batch_size;
-  return options_.drop_last ? num_samples_ / batch_size : (num_samples_ + batch_size - 1) / batch_size;
+  return options_.drop_last ? visited / batch_size : (visited + batch_size - 1) / batch_size;
 }
 
 Batch DataLoader::batch(int64_t i) const {
   MN_CHECK(i >= 0 && i < size(), IndexError, "DataLoader::batch: index ", i, " out of range for ", size(),
            " batches");
+  refresh_order();
   const int64_t start = i * options_.batch_size;
-  const int64_t length = std::min(options_.batch_size, num_samples_ - start);
+  const int64_t length = std::min(options_.batch_size, order_.size(0) - start);
   Batch b;
   b.inputs = inputs_.index_select(0, order_inputs_.narrow(0, start, length));
   b.targets = targets_.index_select(0, order_targets_.narrow(0, start, length));

@@ -12,9 +12,23 @@
 // three numbers, the same in every run, on every machine and for every thread count. Iterating does not
 // advance the epoch; call set_epoch before each one (as with PyTorch's DistributedSampler), or every
 // epoch sees the same order.
+//
+// A Sampler gives the order instead (PyTorch's `DataLoader(dataset, sampler=...)`), e.g. this rank's
+// shard of a data-parallel run:
+//
+//   auto sampler = std::make_shared<dist::DistributedSampler>(train.size(), world_size, rank, true, 42);
+//   DataLoader loader(train, {.batch_size = 32, .sampler = sampler});
+//   for (int64_t epoch = 0; epoch < epochs; ++epoch) {
+//     sampler->set_epoch(epoch);  // or loader.set_epoch(epoch), which forwards it
+//     trainer.fit_epoch(loader);
+//   }
+//
+// The loader reads the sampler's indices when an iteration starts (begin(), batch(), size(), order()),
+// so an epoch set on the sampler takes effect there; copies of a loader share its sampler.
 #include <cstddef>
 #include <cstdint>
 #include <iterator>
+#include <memory>
 #include <vector>
 
 #include "core/tensor.h"
@@ -29,11 +43,24 @@ struct Batch {
   int64_t index = 0;  // position of this batch within its epoch
 };
 
+// Which samples an epoch visits, in which order. indices() depends only on the epoch (and the
+// sampler's own settings), so every call for one epoch gives the same list.
+class Sampler {
+ public:
+  virtual ~Sampler() = default;
+  virtual int64_t num_samples() const = 0;  // the size of the data set it indexes
+  virtual int64_t size() const = 0;         // indices per epoch
+  virtual void set_epoch(uint64_t epoch) = 0;
+  virtual uint64_t epoch() const = 0;
+  virtual std::vector<int64_t> indices() const = 0;  // size() values in [0, num_samples())
+};
+
 struct DataLoaderOptions {
   int64_t batch_size = 1;  // > 0
-  bool shuffle = false;
+  bool shuffle = false;    // must stay false with a sampler (it decides the order)
   uint64_t seed = 0;
   bool drop_last = false;  // drop a final batch smaller than batch_size
+  std::shared_ptr<Sampler> sampler;  // when set, the order of each epoch (num_samples() = the data set's)
 };
 
 // A permutation of 0..n-1 that depends only on (n, seed, epoch): a Fisher-Yates shuffle driven by
@@ -48,16 +75,18 @@ class DataLoader {
   // Images as inputs, labels as targets.
   explicit DataLoader(const Dataset& dataset, DataLoaderOptions options = {});
 
-  // Selects the order of the following iterations (only matters with shuffle on).
+  // Selects the order of the following iterations (with shuffle on, or through the sampler's set_epoch).
   void set_epoch(uint64_t epoch);
-  uint64_t epoch() const { return epoch_; }
+  uint64_t epoch() const;
 
-  // Batches per epoch: ceil(n / batch_size), or floor with drop_last.
+  // Batches per epoch: ceil(m / batch_size), or floor with drop_last, where m is the samples an epoch
+  // visits (the data set's, or the sampler's size()).
   int64_t size() const;
+  // Samples in the data set (not the ones an epoch visits with a sampler: see order()).
   int64_t num_samples() const { return num_samples_; }
   const DataLoaderOptions& options() const { return options_; }
-  // The sample indices of the current epoch, in visiting order (i64 [n], CPU).
-  const Tensor& order() const { return order_; }
+  // The sample indices of the current epoch, in visiting order (i64 [m], CPU).
+  const Tensor& order() const;
 
   // Batch i (0 <= i < size()) of the current epoch.
   Batch batch(int64_t i) const;
@@ -90,16 +119,20 @@ class DataLoader {
   iterator end() const { return iterator(this, size()); }
 
  private:
-  void build_order();
+  // Rebuilds the order when it is not the current epoch's (the sampler's epoch may have been set
+  // directly). Const: the order is a cache of (options, epoch).
+  void refresh_order() const;
 
   Tensor inputs_;
   Tensor targets_;
   DataLoaderOptions options_;
   int64_t num_samples_ = 0;
-  uint64_t epoch_ = 0;
-  Tensor order_;          // CPU
-  Tensor order_inputs_;   // order_ on the inputs' device
-  Tensor order_targets_;  // order_ on the targets' device
+  uint64_t epoch_ = 0;               // without a sampler; with one, the sampler keeps the epoch
+  mutable bool built_ = false;
+  mutable uint64_t built_epoch_ = 0;  // the epoch order_ was built for
+  mutable Tensor order_;              // CPU
+  mutable Tensor order_inputs_;       // order_ on the inputs' device
+  mutable Tensor order_targets_;      // order_ on the targets' device
 };
 
 }  // namespace mn::data
