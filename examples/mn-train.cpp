@@ -13,7 +13,13 @@
 // With --json the last line on stdout is one JSON object summarising the run: test_accuracy (after
 // the last epoch), train_accuracy (running accuracy over the last epoch's batches), trainable_params,
 // target_params, compression_ratio, epochs (completed in total), seconds and steps_per_second (of
-// this invocation's training, validation included), cpu_threads (see --threads).
+// this invocation's training, validation included), cpu_threads (see --threads), interrupted.
+//
+// Ctrl-C (SIGINT) in a single-process run stops training before the next batch: the epoch in progress
+// is dropped, the completed ones stay in metrics.csv and the checkpoint, the summary is printed (with
+// "interrupted": true), and the exit status is 130; --resume continues from there. A second Ctrl-C
+// kills at once. Data-parallel ranks keep the default (the launcher stops them all), as does a process
+// started with SIGINT ignored (e.g. a background job of a non-interactive shell).
 //
 // Data-parallel training (mapped strategies): start one process per rank with mn-run and add --backend,
 //
@@ -39,8 +45,10 @@
 #include <CLI/CLI.hpp>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <cmath>
+#include <csignal>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -94,6 +102,48 @@ struct Options {
   bool json = false;
   bool compile = false;
   std::string backend;  // empty: one process
+};
+
+// ---- Ctrl-C ----
+
+// Set by the SIGINT handler (a lock-free atomic store is all it does); read at batch boundaries.
+std::atomic<bool> g_sigint{false};
+static_assert(std::atomic<bool>::is_always_lock_free);
+
+extern "C" void on_sigint(int) { g_sigint.store(true); }
+
+// Installs on_sigint for one SIGINT (SA_RESETHAND: a second one has the default effect) unless SIGINT
+// is ignored; restores the previous action when it goes out of scope.
+class SigintGuard {
+ public:
+  SigintGuard() {
+    struct sigaction current {};
+    if (sigaction(SIGINT, nullptr, &current) != 0 || current.sa_handler == SIG_IGN) return;
+    struct sigaction action {};
+    action.sa_handler = on_sigint;
+    sigemptyset(&action.sa_mask);
+    action.sa_flags = SA_RESETHAND;
+    installed_ = sigaction(SIGINT, &action, &previous_) == 0;
+  }
+  ~SigintGuard() {
+    if (installed_) sigaction(SIGINT, &previous_, nullptr);
+  }
+  SigintGuard(const SigintGuard&) = delete;
+  SigintGuard& operator=(const SigintGuard&) = delete;
+
+ private:
+  struct sigaction previous_ {};
+  bool installed_ = false;
+};
+
+// Ends MappingTrainer::fit before the next batch once Ctrl-C was pressed (the trainer keeps the
+// completed epochs and runs on_fit_end).
+class StopOnSigint : public mapping::Callback {
+ public:
+  std::string name() const override { return "StopOnSigint"; }
+  void on_batch_start(mapping::MappingTrainer&, int64_t) override {
+    if (g_sigint.load()) throw mapping::TrainingInterrupted("interrupted by SIGINT");
+  }
 };
 
 // The data-parallel job this process belongs to (a job of one when --backend is not given).
@@ -193,6 +243,7 @@ struct Summary {
   double seconds = 0;
   int64_t bytes_per_step = 0;  // data parallel: bytes all-reduced per step
   std::string compile_report;  // --compile: CompiledFunction::explain()
+  bool interrupted = false;    // Ctrl-C stopped it
 };
 
 // ---- mapping-network training ----
@@ -313,6 +364,7 @@ Summary train_mapped(const Options& o, Device device, const data::Dataset& train
   if (dist.main())
     metrics.emplace(out_dir / "metrics.csv", saved && saved->trainer_state ? saved->trainer_state->epoch : 0);
   std::vector<std::shared_ptr<mapping::Callback>> callbacks;
+  if (!dist.active) callbacks.push_back(std::make_shared<StopOnSigint>());
   if (tty && dist.main()) callbacks.push_back(std::make_shared<mapping::ProgressCallback>());
   if (dist.main())
     callbacks.push_back(std::make_shared<EpochWriter>(o, *metrics, checkpoint,
@@ -360,6 +412,7 @@ Summary train_mapped(const Options& o, Device device, const data::Dataset& train
   s.target_params = model.target_parameter_count();
   if (ddp) s.bytes_per_step = static_cast<int64_t>(ddp->bytes_per_step());
   s.compile_report = trainer.compile_report();
+  s.interrupted = !dist.active && g_sigint.load() && trainer.epoch() < config.max_epochs;
   return s;
 }
 
@@ -465,7 +518,7 @@ Summary train_direct(const Options& o, Device device, const data::Dataset& train
   if (o.compile) compiled.emplace(backward_step, nn::module_guard(*net));
   Summary s;
   const auto start = std::chrono::steady_clock::now();
-  for (int64_t epoch = first_epoch; epoch < o.epochs; ++epoch) {
+  for (int64_t epoch = first_epoch; epoch < o.epochs && !s.interrupted; ++epoch) {
     loader.set_epoch(static_cast<uint64_t>(epoch));
     const double epoch_lr = optimizer->lr();
     Progress progress(str("epoch ", epoch + 1, "/", o.epochs), loader.size());
@@ -473,6 +526,10 @@ Summary train_direct(const Options& o, Device device, const data::Dataset& train
     double loss_sum = 0;
     int64_t correct = 0, seen = 0, step = 0;
     for (const data::Batch& b : loader) {
+      if (g_sigint.load()) {  // as the mapped path: the epoch in progress is dropped
+        s.interrupted = true;
+        break;
+      }
       optimizer->zero_grad();
       const std::vector<Tensor> out = compiled ? (*compiled)({b.inputs, b.targets}) : backward_step({b.inputs, b.targets});
       optimizer->step();
@@ -482,6 +539,10 @@ Summary train_direct(const Options& o, Device device, const data::Dataset& train
       seen += b.targets.size(0);
       ++s.steps;
       if (tty) progress.update(++step, str("loss ", loss_sum / static_cast<double>(seen)));
+    }
+    if (s.interrupted) {
+      if (tty) progress.finish("interrupted");
+      break;
     }
     const auto [test_acc, test_loss] = evaluate(*net, test);
     const double seconds =
@@ -502,7 +563,7 @@ Summary train_direct(const Options& o, Device device, const data::Dataset& train
     std::fflush(stdout);
   }
   s.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  s.epochs = std::max(first_epoch, o.epochs);
+  s.epochs = static_cast<int64_t>(history.at("test_accuracy").size());
   auto back = [&](const char* key) {
     const json& v = history.at(key);
     return v.empty() || v.back().is_null() ? std::nan("") : v.back().get<double>();
@@ -618,8 +679,11 @@ int main(int argc, char** argv) {
     const data::Dataset train = prepare(data::load_fashion_mnist("train", o.data), o.limit, device);
     const data::Dataset test = prepare(data::load_fashion_mnist("test", o.data), o.limit, device);
 
+    std::optional<SigintGuard> sigint;
+    if (!dist.active) sigint.emplace();
     const Summary s = o.strategy == "direct" ? train_direct(o, device, train, test, out_dir, tty)
                                              : train_mapped(o, device, train, test, out_dir, tty, dist);
+    sigint.reset();
     if (dist.active) dist::cleanup_ddp();
     if (!dist.main()) return 0;  // rank 0 reports for the job
     plot(out_dir / "metrics.csv", out_dir / "curves.png", o.json);
@@ -635,7 +699,8 @@ int main(int argc, char** argv) {
                 {"epochs", s.epochs},
                 {"seconds", s.seconds},
                 {"steps_per_second", num(s.seconds > 0 ? static_cast<double>(s.steps) / s.seconds : 0.0)},
-                {"cpu_threads", get_num_threads()}};
+                {"cpu_threads", get_num_threads()},
+                {"interrupted", s.interrupted}};
       if (!s.compile_report.empty()) j["compiled"] = s.compile_report;
       if (dist.active) {
         j["world_size"] = dist.world_size;
@@ -649,6 +714,11 @@ int main(int argc, char** argv) {
                   100.0 * s.test_accuracy, 100.0 * s.train_accuracy, static_cast<long long>(s.epochs),
                   s.seconds, (out_dir / "metrics.csv").c_str());
       if (!s.compile_report.empty()) std::printf("%s", s.compile_report.c_str());
+    }
+    if (s.interrupted) {
+      std::fprintf(stderr, "mn-train: interrupted (SIGINT) after %lld epochs; --resume continues from %s\n",
+                   static_cast<long long>(s.epochs), (out_dir / "checkpoint.safetensors").c_str());
+      return 130;
     }
   } catch (const std::exception& e) {
     // Under a launcher, name the rank (also for errors before the group exists).

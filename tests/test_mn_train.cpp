@@ -209,6 +209,48 @@ TEST_CASE("mn-train: --stream-layers trains the same run (the same checkpoint by
   CHECK(bytes_a == read_bytes(dir / "streamed/checkpoint.safetensors"));
 }
 
+TEST_CASE("mn-train: Ctrl-C keeps the completed epochs, prints the summary, exits 130, and --resume goes on") {
+  std::string exe;
+  if (!ready(exe)) return;
+  TempDir dir("mn_train_sigint");
+  for (const char* strategy : {"layerwise", "direct"}) {
+    INFO("strategy " << strategy);
+    const fs::path out = dir / strategy;
+    const std::string args = str("--target cnn2 --strategy ", strategy,
+                                 std::string(strategy) == "direct" ? "" : " --latent-dim 32", " --threads 1 --json ",
+                                 kSmall, " --out ", out.string());
+    // Job control (set -m), so that the background run does not start with SIGINT ignored; the signal
+    // goes once two epochs are in metrics.csv (header + 2 rows), long before the 10,000th.
+    const std::string script = str(
+        "set -m; ", exe, " ", args, " --epochs 10000 >", (out / "stdout").string(), " 2>", (out / "stderr").string(),
+        " & pid=$!; for i in $(seq 1200); do [ \"$(cat ", (out / "metrics.csv").string(),
+        " 2>/dev/null | wc -l)\" -ge 3 ] && break; sleep 0.05; done; kill -INT $pid; wait $pid; echo status=$?");
+    fs::create_directories(out);
+    const CommandResult r = mn::testing::run_command("bash -c '" + script + "'");
+    const std::string stdout_text = read_bytes((out / "stdout").string());
+    const std::string stderr_text = read_bytes((out / "stderr").string());
+    INFO("script output: " << r.all() << "\nmn-train stdout:\n" << stdout_text << "\nstderr:\n" << stderr_text);
+    CHECK(r.out.find("status=130") != std::string::npos);
+    // The graceful path, not death by the signal (which also gives 130): the summary and the message.
+    CHECK(stderr_text.find("interrupted (SIGINT)") != std::string::npos);
+    const std::vector<std::string> lines = mn::testing::nonempty_lines(stdout_text);
+    REQUIRE(!lines.empty());
+    json j;
+    REQUIRE_NOTHROW(j = json::parse(lines.back()));
+    CHECK(j["interrupted"] == true);
+    const int64_t epochs = j["epochs"].get<int64_t>();
+    CHECK(epochs >= 2);
+    CHECK(epochs < 10000);
+    CHECK(csv_rows(out / "metrics.csv") == static_cast<size_t>(epochs) + 1);
+
+    // The checkpoint holds those epochs: one more with --resume completes normally.
+    const json resumed = summary(run(exe, str(args, " --epochs ", epochs + 1, " --resume")));
+    CHECK(resumed["epochs"] == epochs + 1);
+    CHECK(resumed["interrupted"] == false);
+    CHECK(csv_rows(out / "metrics.csv") == static_cast<size_t>(epochs) + 2);
+  }
+}
+
 TEST_CASE("mn-train: unavailable CUDA and a missing checkpoint are clear errors") {
   std::string exe;
   if (!ready(exe)) return;
