@@ -847,7 +847,11 @@ LRFinderResult MappingTrainer::lr_find(double min_lr, double max_lr, int64_t num
       const double lr = min_lr * std::pow(max_lr / min_lr, exponent);
       optimizer_->set_lr(lr);
       const LossOutput out = train_step(batch, 1);
-      const double loss = out.total.detach().item();
+      double loss = out.total.detach().item();
+      // Data parallel: every rank must take the same stop decision (a rank that stops early leaves the
+      // others waiting in their next gradient all-reduce), so the sweep follows the mean over the ranks.
+      if (metrics_reducer_)
+        loss = metrics_reducer_({{"lr_find_loss", loss}}, batch.targets.size(0)).at("lr_find_loss");
       smoothed = k == 0 ? loss : beta * smoothed + (1.0 - beta) * loss;
       best = std::min(best, smoothed);
       result.lrs.push_back(lr);

@@ -329,7 +329,9 @@ class MappingTrainer {
   // Data-parallel training: combines one pass's metrics (an epoch's train_* metrics, or the val_* ones)
   // with those of the other ranks. `samples` is the number of samples this rank's pass averaged over.
   // fit() calls it on every rank after each pass, before callbacks, history and scheduler see the
-  // metrics, so all ranks record the same values. Unset (the default): metrics stay local.
+  // metrics, so all ranks record the same values; lr_find calls it on each step's loss (key
+  // "lr_find_loss", the batch's samples), so all ranks sweep alike and stop at the same step.
+  // Unset (the default): metrics stay local. dist::average_metrics is the one for DDP.
   using MetricsReducer = std::function<Metrics(const Metrics& metrics, int64_t samples)>;
   void set_metrics_reducer(MetricsReducer reducer) { metrics_reducer_ = std::move(reducer); }
   // The optimizer's tensors: latents, then the loss's rho's.

@@ -766,6 +766,29 @@ TEST_CASE("lr finder: the sweep stops once the smoothed loss diverges") {
   CHECK(result.lrs.size() == 4);
 }
 
+TEST_CASE("lr finder: with a metrics reducer the sweep follows the reduced loss (the same on every rank)") {
+  // A stand-in for the other ranks: the reduced loss is this rank's until the 4th step, then it explodes.
+  // The sweep must record and stop on the reduced values, as every rank of a DDP job then does.
+  auto model = linear_model();
+  auto loader = regression_loader(16, 4);
+  MappingTrainer trainer(*model, loader);
+  std::vector<int64_t> samples_seen;
+  trainer.set_metrics_reducer([&](const Metrics& m, int64_t samples) {
+    samples_seen.push_back(samples);
+    REQUIRE(m.size() == 1);
+    const double local = m.at("lr_find_loss");
+    return Metrics{{"lr_find_loss", samples_seen.size() >= 4 ? local + 1000.0 : local}};
+  });
+  // No smoothing and a threshold of 100x the best loss: the local losses of this tiny lr range stay
+  // well inside it, the reduced jump of +1000 does not.
+  LRFinderResult result = trainer.lr_find(1e-5, 1e-4, 20, 100.0, /*beta=*/0.0);
+  CHECK(result.lrs.size() == 4);
+  CHECK(result.losses.back() > 1000.0);
+  CHECK(samples_seen == std::vector<int64_t>(4, 4));
+  trainer.set_metrics_reducer(nullptr);
+  CHECK(trainer.lr_find(1e-5, 1e-4, 20, 100.0, 0.0).lrs.size() == 20);
+}
+
 TEST_CASE("lr finder: fit(auto_lr_find) trains with the suggested learning rate") {
   auto model = linear_model();
   auto loader = regression_loader(16, 4);
