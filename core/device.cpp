@@ -6,19 +6,20 @@ namespace mn {
 
 Device Device::parse(const std::string& text) {
   if (text == "cpu") return kCPU;
+  if (text == "auto") return cuda_available() ? cuda_device(0) : kCPU;
   if (text.rfind("cuda", 0) == 0) {
     if (text.size() == 4) return cuda_device(0);
     if (text[4] == ':' && text.size() > 5) {
       int index = 0;
       for (size_t i = 5; i < text.size(); ++i) {
         MN_CHECK(text[i] >= '0' && text[i] <= '9', ValueError, "bad device '", text,
-                 "': expected 'cpu', 'cuda' or 'cuda:N'");
+                 "': expected 'cpu', 'cuda', 'cuda:N' or 'auto'");
         index = index * 10 + (text[i] - '0');
       }
       return cuda_device(index);
     }
   }
-  throw ValueError(mn::str("bad device '", text, "': expected 'cpu', 'cuda' or 'cuda:N'"));
+  throw ValueError(mn::str("bad device '", text, "': expected 'cpu', 'cuda', 'cuda:N' or 'auto'"));
 }
 
 std::string Device::str() const { return is_cpu() ? std::string("cpu") : "cuda:" + std::to_string(index); }

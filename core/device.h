@@ -14,7 +14,8 @@ struct Device {
   int index = 0;
   constexpr Device() = default;
   constexpr Device(DeviceType t, int i = 0) : type(t), index(i) {}
-  // Parses "cpu", "cuda", "cuda:1"; throws ValueError on anything else.
+  // Parses "cpu", "cuda", "cuda:1", and "auto" (cuda:0 when a CUDA device is usable, else the CPU,
+  // like the reference trainer's device="auto"); throws ValueError on anything else.
   static Device parse(const std::string& text);
   bool is_cpu() const { return type == DeviceType::CPU; }
   bool is_cuda() const { return type == DeviceType::CUDA; }

@@ -40,7 +40,7 @@ int main(int argc, char** argv) {
   app.add_option("--repeat", n_repeat, "measured calls per strategy")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
-  app.add_option("--device", device_name, "cpu or cuda[:N]")->capture_default_str();
+  app.add_option("--device", device_name, "cpu, cuda[:N] or auto")->capture_default_str();
   app.add_flag("--details", details, "also print the layout, the groups and each generator's fixed bytes");
   CLI11_PARSE(app, argc, argv);
 

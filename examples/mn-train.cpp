@@ -606,7 +606,7 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"", "cosine", "step", "exponential", "plateau"}));
   app.add_option("--seed", o.seed, "seed of the target init, mappers, latents and shuffling")
       ->capture_default_str();
-  app.add_option("--device", o.device, "cpu or cuda[:N]")->capture_default_str();
+  app.add_option("--device", o.device, "cpu, cuda[:N] or auto (cuda when a GPU is usable)")->capture_default_str();
   app.add_option("--out", o.out, "directory for metrics.csv, checkpoint.safetensors and curves.png")
       ->capture_default_str();
   app.add_option("--data", o.data, "Fashion-MNIST directory")->capture_default_str();
@@ -636,7 +636,8 @@ int main(int argc, char** argv) {
   DistInfo dist;
   try {
     if (o.threads > 0) set_num_threads(o.threads);
-    Device device = Device::parse(o.device);
+    // --device auto: the GPU when there is one, except for gloo ranks, which train on the CPU.
+    Device device = o.device == "auto" && o.backend == "gloo" ? kCPU : Device::parse(o.device);
     if (!o.backend.empty()) {
       MN_CHECK(o.backend == "gloo" || o.backend == "nccl", ValueError, "--backend '", o.backend,
                "' is not supported; use gloo (CPU) or nccl (CUDA), or leave --backend out for one process");
@@ -663,7 +664,7 @@ int main(int argc, char** argv) {
                              "--nproc-per-node N mn-train --backend ", o.backend, " ...): ", e.what()));
       }
       // One GPU per rank: plain "cuda" means this rank's local device.
-      if (o.backend == "nccl" && o.device == "cuda") device = cuda_device(env.local_rank);
+      if (o.backend == "nccl" && (o.device == "cuda" || o.device == "auto")) device = cuda_device(env.local_rank);
       dist.active = true;
       dist.rank = env.rank;
       dist.world_size = env.world_size;

@@ -164,6 +164,8 @@ TEST_CASE("tensor: bad input errors name shapes and dims") {
   CHECK_THROWS_AS(zeros({2}).to(cuda_device(63)), DeviceError);  // no such device anywhere
   CHECK_THROWS_AS(Device::parse("tpu"), ValueError);
   CHECK(Device::parse("cuda:1") == cuda_device(1));
+  CHECK(Device::parse("auto") == (cuda_available() ? cuda_device(0) : kCPU));
+  CHECK_THROWS_WITH_AS(Device::parse("cuda:x"), doctest::Contains("'cpu', 'cuda', 'cuda:N' or 'auto'"), ValueError);
   CHECK_THROWS_AS(empty({-1}), ValueError);
   CHECK_THROWS_AS(zeros({2}).requires_grad_(true).fill_(1.0), RuntimeError);
   CHECK_THROWS_AS(zeros({2}, DType::i64).requires_grad_(true), TypeError);
