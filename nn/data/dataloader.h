@@ -23,7 +23,7 @@
 //     trainer.fit_epoch(loader);
 //   }
 //
-// The loader reads the sampler's indices when an iteration starts (begin(), batch(), size(), order()),
+// The loader reads the sampler's indices when an iteration starts (begin(), batch(), order()),
 // so an epoch set on the sampler takes effect there; copies of a loader share its sampler.
 #include <cstddef>
 #include <cstdint>
