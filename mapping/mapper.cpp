@@ -98,10 +98,20 @@ Tensor Mapper::modulated_column_mean(const Tensor&) const {
   throw NotImplementedError(describe() + " has no alignment summary (only single-layer MLP mappers do)");
 }
 
+namespace {
+// The mappers' default hidden activation: exact-erf GELU.
+Activation or_gelu(Activation activation) {
+  return activation ? std::move(activation) : Activation([](const Tensor& x) { return gelu(x); });
+}
+}  // namespace
+
 MLPMapper::MLPMapper(int64_t latent_dim, int64_t output_dim, uint64_t seed, const std::string& key,
-                     std::vector<int64_t> hidden_dims, Modulation modulation,
-                     std::function<Tensor(const Tensor&)> output_activation)
-    : Mapper(latent_dim, output_dim), modulation_(modulation), output_activation_(std::move(output_activation)) {
+                     std::vector<int64_t> hidden_dims, Modulation modulation, Activation output_activation,
+                     Activation activation)
+    : Mapper(latent_dim, output_dim),
+      modulation_(modulation),
+      output_activation_(std::move(output_activation)),
+      activation_(or_gelu(std::move(activation))) {
   // Rejected here rather than at the first forward (the reference fails late).
   MN_CHECK(modulation.kind != Modulation::Kind::LowRank, ValueError,
            "Low-rank modulation cannot be used inside MLPMapper: each layer's input has 'in' values but low-rank "
@@ -122,7 +132,7 @@ Tensor MLPMapper::compute(const Tensor& z) const {
   Tensor v = z;
   for (size_t i = 0; i < layers_.size(); ++i) {
     v = modulation_.apply(layers_[i], v);
-    if (i + 1 < layers_.size()) v = gelu(v);
+    if (i + 1 < layers_.size()) v = activation_(v);
   }
   return output_activation_ ? output_activation_(v) : v;
 }
@@ -171,8 +181,10 @@ std::string MLPMapper::describe() const {
 }
 
 ResidualMLPMapper::ResidualMLPMapper(int64_t latent_dim, int64_t output_dim, uint64_t seed, const std::string& key,
-                                     int64_t hidden_dim, int64_t depth, Modulation modulation)
-    : Mapper(latent_dim, output_dim), modulation_(modulation) {
+                                     int64_t hidden_dim, int64_t depth, Modulation modulation, Activation activation)
+    : Mapper(latent_dim, output_dim),
+      modulation_(modulation),
+      activation_(or_gelu(std::move(activation))) {
   MN_CHECK(hidden_dim > 0 && depth > 0, ValueError, "hidden_dim and depth must be positive, got ", hidden_dim, " and ",
            depth);
   MN_CHECK(modulation.kind != Modulation::Kind::LowRank, ValueError,
@@ -185,8 +197,8 @@ ResidualMLPMapper::ResidualMLPMapper(int64_t latent_dim, int64_t output_dim, uin
 }
 
 Tensor ResidualMLPMapper::compute(const Tensor& z) const {
-  Tensor h = gelu(modulation_.apply(input_, z));
-  for (const auto& block : blocks_) h = add(h, gelu(modulation_.apply(block, h)));
+  Tensor h = activation_(modulation_.apply(input_, z));
+  for (const auto& block : blocks_) h = add(h, activation_(modulation_.apply(block, h)));
   return modulation_.apply(output_, h);
 }
 

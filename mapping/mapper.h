@@ -58,13 +58,18 @@ class Mapper {
   int64_t latent_dim_, output_dim_;
 };
 
+// An elementwise function of the autograd ops (gelu, relu, tanh, ...); null means the default.
+using Activation = std::function<Tensor(const Tensor&)>;
+
 // dims = (L, hidden..., out); layer i has W_i [dims[i+1], dims[i]], zero bias, modulated by its own
-// input; exact-erf GELU between layers; only the last layer is variance-expanded.
+// input; `activation` between layers (null: exact-erf GELU), `output_activation` after the last (null:
+// none); only the last layer is variance-expanded. (`activation` comes last to keep the positions of
+// the earlier arguments.)
 class MLPMapper : public Mapper {
  public:
   MLPMapper(int64_t latent_dim, int64_t output_dim, uint64_t seed, const std::string& key,
             std::vector<int64_t> hidden_dims = {}, Modulation modulation = Modulation::additive(),
-            std::function<Tensor(const Tensor&)> output_activation = nullptr);
+            Activation output_activation = nullptr, Activation activation = nullptr);
   int64_t layer_count() const { return static_cast<int64_t>(layers_.size()); }
   const OrthogonalMatrix& layer(size_t i) const { return layers_.at(i); }
   Tensor modulated_column_mean(const Tensor& z) const override;
@@ -80,15 +85,16 @@ class MLPMapper : public Mapper {
  private:
   std::vector<OrthogonalMatrix> layers_;
   Modulation modulation_;
-  std::function<Tensor(const Tensor&)> output_activation_;
+  Activation output_activation_, activation_;
   Tensor last_column_mean_;  // colmean of the last W, fixed
 };
 
-// h0 = gelu(W_in' z); h_{k+1} = h_k + gelu(W_k' h_k) for k < depth; y = W_out' h_depth.
+// h0 = act(W_in' z); h_{k+1} = h_k + act(W_k' h_k) for k < depth; y = W_out' h_depth (act: `activation`,
+// null = exact-erf GELU).
 class ResidualMLPMapper : public Mapper {
  public:
   ResidualMLPMapper(int64_t latent_dim, int64_t output_dim, uint64_t seed, const std::string& key, int64_t hidden_dim,
-                    int64_t depth = 2, Modulation modulation = Modulation::additive());
+                    int64_t depth = 2, Modulation modulation = Modulation::additive(), Activation activation = nullptr);
   size_t fixed_bytes() const override;
   size_t dense_bytes() const override;
   std::vector<Tensor> buffers() const override;
@@ -102,6 +108,7 @@ class ResidualMLPMapper : public Mapper {
   OrthogonalMatrix input_, output_;
   std::vector<OrthogonalMatrix> blocks_;
   Modulation modulation_;
+  Activation activation_;
 };
 
 // Builds the mapper of one group: (latent_dim, output_dim, seed, group key) -> mapper.

@@ -36,6 +36,14 @@ std::map<std::string, Tensor> ParameterTree::to_map() const {
   return std::map<std::string, Tensor>(items_.begin(), items_.end());
 }
 
+ParameterTree ParameterTree::map(const std::function<Tensor(const Tensor&)>& fn) const {
+  MN_CHECK(static_cast<bool>(fn), ValueError, "ParameterTree::map needs a function");
+  std::vector<std::pair<std::string, Tensor>> out;
+  out.reserve(items_.size());
+  for (const auto& [name, t] : items_) out.emplace_back(name, fn(t));
+  return ParameterTree(std::move(out));  // an undefined result is refused there, naming the parameter
+}
+
 ParameterSpec::ParameterSpec(std::vector<ParameterEntry> entries) : entries_(std::move(entries)) {
   int64_t expected_start = 0;
   for (size_t i = 0; i < entries_.size(); ++i) {

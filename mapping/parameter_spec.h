@@ -2,6 +2,7 @@
 // The flat layout of a target's parameters: entry k occupies [start, stop) of one flat vector, in
 // registration order. unflatten() gives zero-copy row-major views (gradients flow back into the flat
 // vector); flatten() concatenates a tree in spec order whatever the tree's own order.
+#include <functional>
 #include <map>
 #include <string>
 #include <unordered_map>
@@ -35,6 +36,8 @@ class ParameterTree {
   std::vector<std::string> names() const;
   // For functional_call.
   std::map<std::string, Tensor> to_map() const;
+  // A new tree with fn applied to every tensor, same names and order (e.g. detach, or move to a device).
+  ParameterTree map(const std::function<Tensor(const Tensor&)>& fn) const;
 
  private:
   std::vector<std::pair<std::string, Tensor>> items_;

@@ -26,6 +26,18 @@ std::shared_ptr<nn::Sequential> two_linear() {
 bool bitwise_equal(const Tensor& a, const Tensor& b) { return a.to_vector<float>() == b.to_vector<float>(); }
 }  // namespace
 
+TEST_CASE("mapping: ParameterTree::map keeps names and order, refuses what a tree refuses") {
+  const ParameterTree tree({{"b", tensor({1, 2})}, {"a", tensor({3})}});
+  const ParameterTree doubled = tree.map([](const Tensor& t) { return mul(t, 2.0); });
+  CHECK(doubled.names() == std::vector<std::string>{"b", "a"});
+  check_close(doubled.at("b"), {2, 4});
+  check_close(doubled.at("a"), {6});
+  check_close(tree.at("b"), {1, 2});  // the source is unchanged
+  CHECK_THROWS_WITH_AS(tree.map([](const Tensor&) { return Tensor(); }), doctest::Contains("Parameter 'b'"),
+                       TypeError);
+  CHECK_THROWS_AS(tree.map(nullptr), ValueError);
+}
+
 TEST_CASE("mapping: ParameterSpec layout, unflatten views and flatten order") {
   auto net = two_linear();
   ParameterSpec spec = ParameterSpec::from_module(*net);
@@ -109,6 +121,18 @@ TEST_CASE("mapping: mappers, modulation examples and errors") {
   CHECK(bitwise_equal(hidden.forward(zz), hidden.forward(zz)));
   ResidualMLPMapper res(3, 7, 0, "r", 5, 3);
   CHECK(res.forward(randn({3})).sizes() == Shape{7});
+  // The hidden activation (the reference's activation=gelu): GELU unless another is given.
+  const Modulation additive = Modulation::additive();
+  auto relu_fn = [](const Tensor& x) { return relu(x); };
+  auto gelu_fn = [](const Tensor& x) { return gelu(x); };
+  MLPMapper with_relu(3, 13, 0, "h", {7}, additive, nullptr, relu_fn);
+  CHECK(bitwise_equal(with_relu.forward(zz),
+                      additive.apply(with_relu.layer(1), relu(additive.apply(with_relu.layer(0), zz)))));
+  CHECK(!bitwise_equal(with_relu.forward(zz), hidden.forward(zz)));
+  CHECK(bitwise_equal(MLPMapper(3, 13, 0, "h", {7}, additive, nullptr, gelu_fn).forward(zz), hidden.forward(zz)));
+  const Tensor z3 = randn({3});
+  CHECK(bitwise_equal(ResidualMLPMapper(3, 7, 0, "r", 5, 3, additive, gelu_fn).forward(z3), res.forward(z3)));
+  CHECK(!bitwise_equal(ResidualMLPMapper(3, 7, 0, "r", 5, 3, additive, relu_fn).forward(z3), res.forward(z3)));
   CHECK_THROWS_WITH_AS(m.forward(randn({3})), doctest::Contains("4 values"), ValueError);
   CHECK_THROWS_AS(MLPMapper(0, 3, 0, "x"), ValueError);
   CHECK_THROWS_WITH_AS(MLPMapper(3, 4, 0, "x", {}, Modulation::low_rank(1)), doctest::Contains("Low-rank"), ValueError);
