@@ -160,6 +160,7 @@ void setup_ddp(int rank, int world_size, const std::string& backend, const std::
   store_options.is_server = rank == 0;
   store_options.timeout = timeout;
   auto store = std::make_shared<TcpStore>(store_options);
+  check_world_size(*store, rank, world_size, timeout);
 
   ProcessGroupOptions group_options;
   group_options.timeout = timeout;

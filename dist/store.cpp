@@ -476,4 +476,41 @@ void PrefixStore::wait(const std::vector<std::string>& keys, Milliseconds timeou
 bool PrefixStore::check(const std::vector<std::string>& keys) { return store_->check(full_keys(keys)); }
 bool PrefixStore::delete_key(const std::string& key) { return store_->delete_key(full_key(key)); }
 
+// ---------------------------------------------------------------------------------------------------
+// World-size agreement
+
+namespace {
+constexpr const char* kWorldSizeKey = "mn/world_size/rank0";
+std::string world_size_ack_key(int rank) { return str("mn/world_size/rank", rank); }
+}  // namespace
+
+void check_world_size(Store& store, int rank, int world_size, Milliseconds timeout) {
+  MN_CHECK(world_size >= 1 && rank >= 0 && rank < world_size, ValueError, "check_world_size: rank ", rank,
+           " is not in [0, ", world_size, ")");
+  if (rank == 0) {
+    store.set(kWorldSizeKey, std::to_string(world_size));
+    // In rank order; a disagreeing rank ends the wait early, and the ranks already heard from are listed.
+    for (int r = 1; r < world_size; ++r) {
+      store.wait({world_size_ack_key(r)}, timeout);
+      if (store.get_string(world_size_ack_key(r)) == std::to_string(world_size)) continue;
+      std::vector<std::string> disagree;
+      for (int q = r; q < world_size; ++q)
+        if (store.check({world_size_ack_key(q)})) {
+          const std::string theirs = store.get_string(world_size_ack_key(q));
+          if (theirs != std::to_string(world_size)) disagree.push_back(str("rank ", q, " has ", theirs));
+        }
+      throw ValueError(str("the ranks disagree on WORLD_SIZE: rank 0 has ", world_size, ", ", joined(disagree),
+                           "; start every rank with the same WORLD_SIZE (mn-run sets it for each rank it starts)"));
+    }
+    return;
+  }
+  // Read rank 0's size before publishing ours: rank 0 may fail (and close its store) as soon as it sees ours.
+  store.wait({kWorldSizeKey}, timeout);
+  const std::string theirs = store.get_string(kWorldSizeKey);
+  store.set(world_size_ack_key(rank), std::to_string(world_size));
+  MN_CHECK(theirs == std::to_string(world_size), ValueError, "the ranks disagree on WORLD_SIZE: rank ", rank,
+           " has ", world_size, " but rank 0 has ", theirs,
+           "; start every rank with the same WORLD_SIZE (mn-run sets it for each rank it starts)");
+}
+
 }  // namespace mn::dist

@@ -65,6 +65,14 @@ class Store {
 [[noreturn]] void throw_store_timeout(const std::vector<std::string>& missing, Milliseconds timeout,
                                       const std::string& where);
 
+// The first step of a rendezvous: every rank checks that it was started with the WORLD_SIZE rank 0 was
+// started with, so a launch mistake is one clear error instead of a backend failure deep inside its own
+// rendezvous (Gloo: "enforce fail at address.cc") or a wait until the timeout. Rank 0 publishes its size;
+// every other rank reads it, then publishes its own. A rank whose size differs throws naming both sizes;
+// rank 0 throws once it has seen a disagreeing rank, naming every rank it has heard from that disagrees.
+// Call it once per store (its keys live under "mn/world_size/").
+void check_world_size(Store& store, int rank, int world_size, Milliseconds timeout);
+
 class HashStore final : public Store {
  public:
   explicit HashStore(Milliseconds timeout = kDefaultStoreTimeout) : Store(timeout) {}

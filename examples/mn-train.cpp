@@ -46,10 +46,14 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cerrno>
+#include <charconv>
+#include <limits>
 #include <chrono>
 #include <cmath>
 #include <csignal>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -103,6 +107,53 @@ struct Options {
   bool compile = false;
   std::string backend;  // empty: one process
 };
+
+// ---- flag values ----
+// CLI11's numeric checks let NaN through (every comparison with it is false), read "-1" into an unsigned
+// seed as 2^64 - 1, and report a bound as a 309-digit number; these say what a flag takes and what came.
+
+CLI::Validator whole_number_at_least(int64_t min) {
+  return CLI::Validator(
+      [min](std::string& text) -> std::string {
+        int64_t value = 0;
+        const char* end = text.data() + text.size();
+        const auto [stop, error] = std::from_chars(text.data(), end, value);
+        if (error == std::errc::result_out_of_range)
+          return str("expected a whole number from ", min, " to ", std::numeric_limits<int64_t>::max(), ", got ",
+                     text);
+        if (error != std::errc() || stop != end || value < min)
+          return str("expected a whole number of at least ", min, ", got '", text, "'");
+        return "";
+      },
+      str("INT>=", min));
+}
+
+CLI::Validator unsigned_whole_number() {
+  return CLI::Validator(
+      [](std::string& text) -> std::string {
+        uint64_t value = 0;
+        const char* end = text.data() + text.size();
+        const auto [stop, error] = std::from_chars(text.data(), end, value);
+        if (error != std::errc() || stop != end)
+          return str("expected a whole number from 0 to ", std::numeric_limits<uint64_t>::max(), ", got '", text,
+                     "'");
+        return "";
+      },
+      "UINT");
+}
+
+CLI::Validator positive_finite_number() {
+  return CLI::Validator(
+      [](std::string& text) -> std::string {
+        char* end = nullptr;
+        errno = 0;
+        const double value = std::strtod(text.c_str(), &end);
+        if (text.empty() || end != text.c_str() + text.size() || !std::isfinite(value) || value <= 0 || errno == ERANGE)
+          return str("expected a finite number above 0, got '", text, "'");
+        return "";
+      },
+      "NUMBER>0");
+}
 
 // ---- Ctrl-C ----
 
@@ -184,6 +235,23 @@ void check_same_run(const json& saved, const Options& o, int world_size, const s
   }
 }
 
+// --out must take files before any training: otherwise the first epoch's work is lost when its
+// checkpoint cannot be written. Creates the directory and writes (then removes) a probe file.
+void check_writable_directory(const fs::path& dir) {
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  MN_CHECK(!ec, IOError, "--out ", dir.string(), ": cannot create the directory: ", ec.message());
+  MN_CHECK(fs::is_directory(dir, ec), IOError, "--out ", dir.string(), " exists and is not a directory");
+  const fs::path probe = dir / str(".mn-train-probe.", ::getpid());
+  {
+    std::ofstream out(probe);
+    out << "probe\n";
+    out.flush();
+    MN_CHECK(out.good(), IOError, "--out ", dir.string(), ": cannot write files there: ", std::strerror(errno));
+  }
+  fs::remove(probe, ec);
+}
+
 data::Dataset prepare(const data::Dataset& ds, int64_t limit, Device device) {
   data::Dataset out = ds;
   if (limit > 0 && limit < ds.size())
@@ -196,17 +264,16 @@ data::Dataset prepare(const data::Dataset& ds, int64_t limit, Device device) {
 // metrics.csv: rows of earlier epochs are kept on resume, later ones dropped (they are redone).
 class MetricsFile {
  public:
+  // Rewritten whole and atomically (a kill while it is rewritten keeps the old file); rows are then appended.
   MetricsFile(const fs::path& path, int64_t keep_epochs) : path_(path) {
-    std::vector<std::string> kept;
+    std::string text = std::string(kHeader) + '\n';
     if (keep_epochs > 0) {
       std::ifstream in(path);
       std::string line;
       std::getline(in, line);  // header
-      while (kept.size() < static_cast<size_t>(keep_epochs) && std::getline(in, line)) kept.push_back(line);
+      for (int64_t kept = 0; kept < keep_epochs && std::getline(in, line); ++kept) text += line + '\n';
     }
-    std::ofstream out(path, std::ios::trunc);
-    out << kHeader << '\n';
-    for (const auto& l : kept) out << l << '\n';
+    safetensors::write_file_atomically(path.string(), text.data(), text.size());
   }
   void append(int64_t epoch, double seconds, double train_loss, double train_acc, double test_loss,
               double test_acc, double lr) {
@@ -320,8 +387,18 @@ Summary train_mapped(const Options& o, Device device, const data::Dataset& train
   std::optional<mapping::CheckpointInfo> saved;
   if (o.resume) {
     saved = mapping::read_checkpoint(checkpoint);
-    check_same_run(saved->config.empty() ? json::object() : json::parse(saved->config), o, dist.world_size,
-                   checkpoint);
+    // Without the trainer's state there is no epoch to continue from: resuming would silently start over
+    // at epoch 0 and rewrite metrics.csv.
+    MN_CHECK(saved->trainer_state.has_value(), ValueError, "--resume: ", checkpoint,
+             " holds latents but no trainer state (epoch, optimizer, history), so there is no run to continue; "
+             "it was not written by mn-train. Start a new run without --resume, or use another --out");
+    json config;
+    try {
+      config = saved->config.empty() ? json::object() : json::parse(saved->config);
+    } catch (const json::exception& e) {
+      throw IOError(str("--resume: ", checkpoint, ": metadata 'config' is not JSON: ", e.what()));
+    }
+    check_same_run(config, o, dist.world_size, checkpoint);
   }
 
   manual_seed(o.seed);
@@ -477,9 +554,29 @@ Summary train_direct(const Options& o, Device device, const data::Dataset& train
   if (o.resume) {
     MN_CHECK(fs::exists(checkpoint), IOError, "checkpoint not found: ", checkpoint);
     safetensors::File file = safetensors::load(checkpoint);
-    MN_CHECK(file.metadata.count("format") && json::parse(file.metadata.at("format")) == "mn-train.direct",
-             ValueError, "--resume: ", checkpoint, " is not a direct-training checkpoint of mn-train");
-    check_same_run(json::parse(file.metadata.at("config")), o, 1, checkpoint);
+    // One metadata value as JSON; a missing key or a value that is not JSON names the file and the key.
+    auto metadata = [&](const char* key) {
+      auto it = file.metadata.find(key);
+      MN_CHECK(it != file.metadata.end(), IOError, "--resume: ", checkpoint, " lacks the metadata key '", key,
+               "' of a direct-training checkpoint of mn-train");
+      try {
+        return json::parse(it->second);
+      } catch (const json::exception& e) {
+        throw IOError(str("--resume: ", checkpoint, ": metadata '", key, "' is not JSON: ", e.what()));
+      }
+    };
+    MN_CHECK(file.metadata.count("format") && metadata("format") == "mn-train.direct", ValueError, "--resume: ",
+             checkpoint, " is not a direct-training checkpoint of mn-train");
+    check_same_run(metadata("config"), o, 1, checkpoint);
+    const json saved_lr = metadata("optimizer_lr"), saved_epoch = metadata("epoch");
+    history = metadata("history");
+    MN_CHECK(saved_lr.is_number() && saved_epoch.is_number_integer() && saved_epoch.get<int64_t>() >= 0 &&
+                 history.is_object(),
+             IOError, "--resume: ", checkpoint, ": malformed metadata (optimizer_lr ", saved_lr.dump(), ", epoch ",
+             saved_epoch.dump(), ", history of type ", history.type_name(), ")");
+    for (const char* key : {"train_loss", "train_accuracy", "test_accuracy"})
+      MN_CHECK(history.contains(key) && history.at(key).is_array(), IOError, "--resume: ", checkpoint,
+               ": metadata 'history' lacks the list '", key, "'");
     nn::StateDict state;
     nn::optim::OptimizerState opt_state;
     for (const auto& e : file.tensors) {
@@ -493,9 +590,8 @@ Summary train_direct(const Options& o, Device device, const data::Dataset& train
       net->load_state_dict(state);
     }
     optimizer->load_state_dict(opt_state);
-    optimizer->set_lr(json::parse(file.metadata.at("optimizer_lr")).get<double>());
-    first_epoch = json::parse(file.metadata.at("epoch")).get<int64_t>();
-    history = json::parse(file.metadata.at("history"));
+    optimizer->set_lr(saved_lr.get<double>());
+    first_epoch = saved_epoch.get<int64_t>();
     if (!o.json)
       std::printf("resumed %s at epoch %lld\n", checkpoint.c_str(), static_cast<long long>(first_epoch));
   }
@@ -584,27 +680,29 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember(mapping::target_names()))
       ->capture_default_str();
   app.add_option("--mlp-hidden", o.mlp_hidden, "hidden widths of --target mlp")
+      ->check(whole_number_at_least(1))
       ->delimiter(',')
       ->capture_default_str();
   app.add_option("--strategy", o.strategy, "direct, or how the latents generate the parameters")
       ->check(CLI::IsMember({"direct", "slvt", "layerwise", "lazy_layerwise", "grouped"}))
       ->capture_default_str();
   app.add_option("--latent-dim", o.latent_dim, "latent length per group (grouped: weights and biases)")
-      ->check(CLI::PositiveNumber)
+      ->check(whole_number_at_least(1))
       ->capture_default_str();
   app.add_option("--epochs", o.epochs, "train up to this many epochs in total")
-      ->check(CLI::NonNegativeNumber)
+      ->check(whole_number_at_least(1))
       ->capture_default_str();
   app.add_option("--batch-size", o.batch_size, "batch size; with --backend per rank (global = this x WORLD_SIZE)")
-      ->check(CLI::PositiveNumber)
+      ->check(whole_number_at_least(1))
       ->capture_default_str();
-  app.add_option("--lr", o.lr, "learning rate (default 1e-3 direct, 1e-2 mapped)")->check(CLI::PositiveNumber);
+  app.add_option("--lr", o.lr, "learning rate (default 1e-3 direct, 1e-2 mapped)")->check(positive_finite_number());
   app.add_option("--optimizer", o.optimizer, "optimizer")
       ->check(CLI::IsMember({"adam", "adamw", "sgd"}))
       ->capture_default_str();
   app.add_option("--scheduler", o.scheduler, "learning-rate schedule of mapped runs (default none)")
       ->check(CLI::IsMember({"", "cosine", "step", "exponential", "plateau"}));
   app.add_option("--seed", o.seed, "seed of the target init, mappers, latents and shuffling")
+      ->check(unsigned_whole_number())
       ->capture_default_str();
   app.add_option("--device", o.device, "cpu, cuda[:N] or auto (cuda when a GPU is usable)")->capture_default_str();
   app.add_option("--out", o.out, "directory for metrics.csv, checkpoint.safetensors and curves.png")
@@ -620,11 +718,11 @@ int main(int argc, char** argv) {
                "lazy_layerwise on cuda: keep the allocator's cache between groups (no per-group device sync "
                "and re-allocation, and --compile can capture; reserved memory then stays at the peak)");
   app.add_option("--limit", o.limit, "use only the first N training and test images (0 = all)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(whole_number_at_least(0));
   app.add_option("--threads", o.threads,
                  "threads of the CPU kernels (default: OMP_NUM_THREADS, else every CPU this process may use); "
                  "on a shared machine, the free cores")
-      ->check(CLI::PositiveNumber);
+      ->check(whole_number_at_least(1));
   app.add_flag("--json", o.json, "print a JSON summary as the last line of stdout");
   app.add_flag("--compile", o.compile,
                "capture each training step (forward, loss, backward) once per batch shape and replay it "
@@ -675,7 +773,7 @@ int main(int argc, char** argv) {
                ": CUDA is not available here (built without CUDA, or no usable GPU); use --device cpu");
     const bool tty = dist.main() && isatty(STDOUT_FILENO) != 0;
     const fs::path out_dir(o.out);
-    fs::create_directories(out_dir);
+    check_writable_directory(out_dir);
     if (dist.active) dist::setup_ddp(dist.rank, dist.world_size, dist.backend);
     const data::Dataset train = prepare(data::load_fashion_mnist("train", o.data), o.limit, device);
     const data::Dataset test = prepare(data::load_fashion_mnist("test", o.data), o.limit, device);

@@ -10,6 +10,8 @@
 #include <algorithm>
 #include <atomic>
 #include <bit>
+#include <charconv>
+#include <csignal>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -816,37 +818,61 @@ std::vector<uint8_t> serialize(const NamedTensors& tensors, const StringMap& met
   return bytes;
 }
 
-void save(const std::string& path, const NamedTensors& tensors, const StringMap& metadata, const StringMap& dtypes) {
-  if (path.empty()) throw ValueError("safetensors: save() needs a non-empty path");
-  // Everything that can reject the arguments happens before the disk is touched.
-  const std::vector<uint8_t> bytes = serialize(tensors, metadata, dtypes);
+namespace {
 
+// Temporary files "<name>.tmp.<pid>.<n>" next to `target` whose writer is gone (killed during a write:
+// a crash leaves them behind) are removed; those of a live process are left alone.
+void remove_stale_temporaries(const std::filesystem::path& target) {
+  namespace fs = std::filesystem;
+  const fs::path directory = target.has_parent_path() ? target.parent_path() : fs::path(".");
+  const std::string prefix = target.filename().string() + ".tmp.";
+  std::error_code ec;
+  for (fs::directory_iterator it(directory, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    if (name.rfind(prefix, 0) != 0) continue;
+    const std::string rest = name.substr(prefix.size());  // "<pid>.<n>"
+    const size_t dot = rest.find('.');
+    long pid = 0;
+    const auto [end_of_pid, parse] = std::from_chars(rest.data(), rest.data() + rest.size(), pid);
+    if (parse != std::errc() || dot == std::string::npos || end_of_pid != rest.data() + dot || pid <= 0) continue;
+    if (::kill(static_cast<pid_t>(pid), 0) == 0 || errno != ESRCH) continue;  // alive, or not ours to judge
+    std::error_code ignored;
+    fs::remove(it->path(), ignored);
+  }
+}
+
+}  // namespace
+
+void write_file_atomically(const std::string& path, const void* data, size_t size) {
+  if (path.empty()) throw ValueError("write_file_atomically: needs a non-empty path");
   namespace fs = std::filesystem;
   const fs::path target(path);
   if (target.has_parent_path()) {
     std::error_code ec;
     fs::create_directories(target.parent_path(), ec);
     if (ec)
-      throw IOError(str("safetensors: cannot save ", path, ": cannot create directory ", target.parent_path().string(),
-                        ": ", ec.message()));
+      throw IOError(str("cannot save ", path, ": cannot create directory ", target.parent_path().string(), ": ",
+                        ec.message()));
   }
+  remove_stale_temporaries(target);
 
   // pid + counter: concurrent saves from several processes or threads never share a temp file.
   static std::atomic<uint64_t> save_counter{0};
   const std::string temp = str(path, ".tmp.", ::getpid(), ".", save_counter.fetch_add(1));
   auto fail_and_clean = [&](const std::string& step, int err) {
     ::unlink(temp.c_str());
-    throw IOError(str("safetensors: cannot save ", path, ": ", step, " ", temp, ": ", errno_text(err)));
+    throw IOError(str("cannot save ", path, ": ", step, " ", temp, ": ", errno_text(err)));
   };
 
   FileDescriptor fd(::open(temp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0666));
   if (fd.get() < 0) {
     const int err = errno;
-    throw IOError(str("safetensors: cannot save ", path, ": cannot create ", temp, ": ", errno_text(err)));
+    throw IOError(str("cannot save ", path, ": cannot create ", temp, ": ", errno_text(err)));
   }
+  const auto* bytes = static_cast<const uint8_t*>(data);
   size_t written = 0;
-  while (written < bytes.size()) {
-    const ssize_t n = ::write(fd.get(), bytes.data() + written, bytes.size() - written);
+  while (written < size) {
+    const ssize_t n = ::write(fd.get(), bytes + written, size - written);
     if (n < 0) {
       if (errno == EINTR) continue;
       const int err = errno;
@@ -867,6 +893,17 @@ void save(const std::string& path, const NamedTensors& tensors, const StringMap&
   const std::string directory = target.has_parent_path() ? target.parent_path().string() : std::string(".");
   FileDescriptor dir_fd(::open(directory.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
   if (dir_fd.get() >= 0) ::fsync(dir_fd.get());
+}
+
+void save(const std::string& path, const NamedTensors& tensors, const StringMap& metadata, const StringMap& dtypes) {
+  if (path.empty()) throw ValueError("safetensors: save() needs a non-empty path");
+  // Everything that can reject the arguments happens before the disk is touched.
+  const std::vector<uint8_t> bytes = serialize(tensors, metadata, dtypes);
+  try {
+    write_file_atomically(path, bytes.data(), bytes.size());
+  } catch (const IOError& e) {
+    throw IOError(str("safetensors: ", e.what()));
+  }
 }
 
 }  // namespace mn::safetensors

@@ -57,10 +57,14 @@ using StringMap = std::map<std::string, std::string>;
 std::vector<uint8_t> serialize(const NamedTensors& tensors, const StringMap& metadata = {},
                                const StringMap& dtypes = {});
 
-// serialize() written atomically: into "<path>.tmp.<pid>.<n>" next to path, fsync'd, then renamed
-// over path, so a crash or error never leaves a half-written checkpoint in place of the old one.
-// Creates missing parent directories. On failure the temporary file is removed and IOError thrown
-// (ValueError for bad arguments, before anything touches the disk).
+// Writes `size` bytes to path atomically: into "<path>.tmp.<pid>.<n>" next to path, fsync'd, then renamed
+// over path, so a crash or error never leaves a half-written file in place of the old one. Creates
+// missing parent directories, and first removes the temporaries of earlier writes to path whose process
+// is gone (killed mid-write). On failure the temporary file is removed and IOError thrown.
+void write_file_atomically(const std::string& path, const void* data, size_t size);
+
+// serialize() written with write_file_atomically (ValueError for bad arguments, before anything touches
+// the disk).
 void save(const std::string& path, const NamedTensors& tensors, const StringMap& metadata = {},
           const StringMap& dtypes = {});
 

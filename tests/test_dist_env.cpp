@@ -284,6 +284,34 @@ TEST_CASE("dist store: HashStore and PrefixStore semantics") {
   CHECK_THROWS_AS(PrefixStore("p", nullptr), ValueError);
 }
 
+TEST_CASE("dist rendezvous: ranks started with different WORLD_SIZEs get one clear error naming them") {
+  // Agreeing ranks pass.
+  {
+    HashStore store(2000ms);
+    std::vector<std::thread> ranks;
+    std::atomic<int> failures{0};
+    for (int r = 0; r < 3; ++r)
+      ranks.emplace_back([&, r] {
+        try {
+          check_world_size(store, r, 3, 2000ms);
+        } catch (const Error&) {
+          ++failures;
+        }
+      });
+    for (auto& t : ranks) t.join();
+    CHECK(failures == 0);
+  }
+  // Rank 0 was told 2, rank 1 was told 4 (the ranks 2 and 3 it expects never come): both fail at once,
+  // each naming both sizes, instead of Gloo's "enforce fail at address.cc" or a timeout.
+  HashStore store(2000ms);
+  std::string rank0, rank1;
+  std::thread other([&] { rank1 = error_message([&] { check_world_size(store, 1, 4, 2000ms); }); });
+  rank0 = error_message([&] { check_world_size(store, 0, 2, 2000ms); });
+  other.join();
+  CHECK(contains(rank0, "disagree on WORLD_SIZE: rank 0 has 2, rank 1 has 4"));
+  CHECK(contains(rank1, "rank 1 has 4 but rank 0 has 2"));
+}
+
 TEST_CASE("dist store: TcpStore server and clients in one process") {
   auto server = server_store(3000ms);
   REQUIRE(server->is_server());

@@ -3,6 +3,7 @@
 // next to this test executable (<build>/examples/mn-train) or in $MN_TRAIN_EXE; the cases are skipped
 // with a message when it or the data set is missing.
 #include <doctest/doctest.h>
+#include <sys/stat.h>
 
 #include <filesystem>
 #include <fstream>
@@ -71,6 +72,11 @@ json summary(const CommandResult& r) {
     CHECK(j.contains(key));
   }
   return j;
+}
+
+std::string read_text(const fs::path& path) {
+  std::ifstream in(path);
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
 }
 
 size_t csv_rows(const std::string& path) {
@@ -148,8 +154,16 @@ TEST_CASE("mn-train: 1 epoch + --resume 1 epoch gives the latents of 2 straight 
     const json straight = summary(run(exe, str(common, " --epochs 2 --out ", dir / "straight")));
     // The first process stops after epoch 1 (as if killed right after its checkpoint was written).
     summary(run(exe, str(common, " --epochs 1 --out ", dir / "split")));
+    const auto inode = [&] {
+      struct stat info {};
+      return ::stat((dir / "split/metrics.csv").c_str(), &info) == 0 ? static_cast<uint64_t>(info.st_ino) : 0;
+    };
+    const uint64_t metrics_inode = inode();
     const json resumed = summary(run(exe, str(common, " --epochs 2 --resume --out ", dir / "split")));
     CHECK(resumed["epochs"] == 2);
+    // The resumed run rewrote metrics.csv into a new file renamed over the old one: a kill during the
+    // rewrite cannot leave it truncated (it used to be truncated and rewritten in place).
+    CHECK(inode() != metrics_inode);
     check_same_tensors(dir / "straight/checkpoint.safetensors", dir / "split/checkpoint.safetensors",
                        "latent/");
     check_same_tensors(dir / "straight/checkpoint.safetensors", dir / "split/checkpoint.safetensors",
@@ -263,4 +277,85 @@ TEST_CASE("mn-train: unavailable CUDA and a missing checkpoint are clear errors"
   const CommandResult r = run(exe, str("--epochs 1 --resume ", kSmall, " --out ", dir / "empty"));
   CHECK(r.status != 0);
   CHECK(r.all().find("checkpoint not found") != std::string::npos);
+}
+
+TEST_CASE("mn-train: flag values it cannot use are errors that name the flag and the value") {
+  std::string exe;
+  if (!ready(exe)) return;
+  TempDir dir("mn_train_test");
+  struct Case {
+    const char* flags;
+    const char* message;
+  };
+  // Before: --lr nan trained at the default lr, --seed -1 at seed 2^64 - 1, --epochs 0 printed
+  // "test accuracy nan%", and --batch-size 0 was "not in range" of a 309-digit bound.
+  for (const Case& c : {Case{"--lr nan", "--lr: expected a finite number above 0, got 'nan'"},
+                        Case{"--lr -0.5", "--lr: expected a finite number above 0, got '-0.5'"},
+                        Case{"--seed -1", "--seed: expected a whole number from 0 to 18446744073709551615, got '-1'"},
+                        Case{"--epochs 0", "--epochs: expected a whole number of at least 1, got '0'"},
+                        Case{"--batch-size 0", "--batch-size: expected a whole number of at least 1, got '0'"},
+                        Case{"--batch-size 1.5", "--batch-size: expected a whole number of at least 1, got '1.5'"},
+                        Case{"--limit -3", "--limit: expected a whole number of at least 0, got '-3'"}}) {
+    INFO("flags " << c.flags);
+    const CommandResult r = run(exe, str(c.flags, " --out ", dir / "never"));
+    CHECK(r.status != 0);
+    CHECK(r.all().find(c.message) != std::string::npos);
+    INFO(r.all());
+    CHECK_FALSE(fs::exists(dir / "never"));
+  }
+  // An --out that cannot hold files is found before any training (it is a regular file here).
+  std::ofstream(dir / "a_file") << "x";
+  const CommandResult r = run(exe, str("--epochs 1 ", kSmall, " --out ", dir / "a_file"));
+  CHECK(r.status != 0);
+  CHECK(r.all().find(str("--out ", dir / "a_file", ": cannot create the directory")) != std::string::npos);
+  CHECK(r.all().find("epoch 1/1") == std::string::npos);
+}
+
+TEST_CASE("mn-train: --resume refuses a checkpoint with no trainer state or damaged metadata") {
+  std::string exe;
+  if (!ready(exe)) return;
+  TempDir dir("mn_train_test");
+  // A mapped run's checkpoint with its trainer state removed (as save_checkpoint writes it without a
+  // trainer): before, --resume restarted at epoch 0 and rewrote metrics.csv.
+  const fs::path mapped = dir / "mapped";
+  REQUIRE(run(exe, str("--strategy layerwise --epochs 1 --json ", kSmall, " --out ", mapped)).status == 0);
+  const fs::path ckpt = mapped / "checkpoint.safetensors";
+  {
+    safetensors::File f = safetensors::load(ckpt.string());
+    safetensors::NamedTensors kept;
+    for (const auto& e : f.tensors)
+      if (e.name.rfind("optimizer/", 0) != 0) kept.emplace_back(e.name, e.tensor);
+    f.metadata.erase("trainer_state");
+    safetensors::save(ckpt.string(), kept, f.metadata);
+  }
+  const std::string metrics_before = read_text(mapped / "metrics.csv");
+  CommandResult r = run(exe, str("--strategy layerwise --epochs 2 --resume ", kSmall, " --out ", mapped));
+  CHECK(r.status != 0);
+  CHECK(r.all().find("no trainer state") != std::string::npos);
+  CHECK(read_text(mapped / "metrics.csv") == metrics_before);
+
+  // A direct run's checkpoint whose metadata lost a key, or holds text that is not JSON: the file and the
+  // key are named (before: "map::at" or a raw JSON parser message).
+  const fs::path direct = dir / "direct";
+  REQUIRE(run(exe, str("--strategy direct --epochs 1 --json ", kSmall, " --out ", direct)).status == 0);
+  const fs::path dckpt = direct / "checkpoint.safetensors";
+  const safetensors::File original = safetensors::load(dckpt.string());
+  safetensors::NamedTensors tensors;
+  for (const auto& e : original.tensors) tensors.emplace_back(e.name, e.tensor);
+  for (const char* key : {"epoch", "history", "optimizer_lr", "config"}) {
+    for (bool remove : {true, false}) {
+      INFO("key " << key << (remove ? " removed" : " not JSON"));
+      safetensors::StringMap meta = original.metadata;
+      if (remove)
+        meta.erase(key);
+      else
+        meta[key] = "{not json";
+      safetensors::save(dckpt.string(), tensors, meta);
+      r = run(exe, str("--strategy direct --epochs 2 --resume ", kSmall, " --out ", direct));
+      CHECK(r.status != 0);
+      INFO(r.all());
+      CHECK(r.all().find(dckpt.string()) != std::string::npos);
+      CHECK(r.all().find(str("'", key, "'")) != std::string::npos);
+    }
+  }
 }

@@ -3,6 +3,7 @@
 // argument errors, and atomic save.
 #include <doctest/doctest.h>
 
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -532,6 +533,26 @@ TEST_CASE("safetensors: a failed save throws IOError, keeps the old file and lea
 
   CHECK(read_bytes(good) == before);
   CHECK(scratch.listing(scratch.path) == std::vector<std::string>{"model.safetensors", "occupied"});
+}
+
+TEST_CASE("safetensors: a save removes the temporaries a killed writer left, and no live writer's") {
+  ScratchDir scratch;
+  const fs::path path = scratch.path / "checkpoint.safetensors";
+  // A process that has exited: its pid names no live process (until the system reuses it).
+  const pid_t child = ::fork();
+  REQUIRE(child >= 0);
+  if (child == 0) ::_exit(0);
+  REQUIRE(::waitpid(child, nullptr, 0) == child);
+  const std::string dead = "checkpoint.safetensors.tmp." + std::to_string(child) + ".0";
+  const std::string live = "checkpoint.safetensors.tmp." + std::to_string(::getpid()) + ".999";
+  for (const std::string& name : {dead, live, std::string("checkpoint.safetensors.tmp.notapid"),
+                                  std::string("other.safetensors.tmp.1.0")})
+    std::ofstream(scratch.path / name) << "partial";
+  st::save(path.string(), {{"w", mn::from_vector(std::vector<float>{1}, {1})}});
+  std::vector<std::string> kept{"checkpoint.safetensors", "checkpoint.safetensors.tmp.notapid", live,
+                                "other.safetensors.tmp.1.0"};
+  std::sort(kept.begin(), kept.end());
+  CHECK(scratch.listing(scratch.path) == kept);
 }
 
 TEST_CASE("safetensors: load errors name the path") {

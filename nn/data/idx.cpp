@@ -1,4 +1,4 @@
-// IDX reading through zlib's gz* API. Offsets in messages count bytes of the decompressed stream (for a
+// IDX reading through zlib's inflate(). Offsets in messages count bytes of the decompressed stream (for a
 // plain file the two are the same), except for a corrupt gzip stream, which is located by the compressed
 // offset where zlib found the damage.
 #include "nn/data/idx.h"
@@ -12,6 +12,7 @@
 #include <filesystem>
 #include <string_view>
 #include <system_error>
+#include <vector>
 
 namespace mn::data {
 namespace {
@@ -49,8 +50,13 @@ std::string dims_str(const std::vector<int64_t>& dims) {
   return s + "]";
 }
 
-// A gz stream that knows its path and position, and turns every short read or zlib error into an
-// IOError that says where it happened.
+// A plain or gzip'd file read through zlib's inflate() directly, that knows its path and position and
+// turns every short read or zlib error into an IOError saying where it happened. Not zlib's gz* layer:
+// once a large read had consumed the file's last input bytes, gzread reported a clean end without
+// running inflate() on what was left, so a file whose gzip trailer (CRC-32, length) was cut off was
+// accepted. Here the end of the data is the end of a gzip member that inflate() itself reported
+// (Z_STREAM_END: trailer present and matching). Concatenated members are read as one stream, and bytes
+// after the last member that do not start another one are ignored, as gzip and zlib do.
 class IdxStream {
  public:
   explicit IdxStream(const std::string& path) : path_(path) {
@@ -60,17 +66,23 @@ class IdxStream {
     if (ec) throw IOError(str("cannot access IDX file ", path, ": ", ec.message()));
     if (std::filesystem::is_directory(status))
       throw IOError(str("IDX file expected, but ", path, " is a directory"));
-    errno = 0;  // gzopen leaves errno alone when it fails for lack of memory
-    file_ = gzopen(path.c_str(), "rb");
-    if (file_ == nullptr)
-      throw IOError(str("cannot open IDX file ", path, ": ", errno ? std::strerror(errno) : "zlib could not allocate"));
-    // zlib inflates straight into the caller's buffer when a read asks for at least twice this, as the
-    // data pieces do; smaller reads (the header) go through zlib's own buffer.
-    gzbuffer(file_, kChunkBytes / 4);
+    file_ = std::fopen(path.c_str(), "rb");
+    if (file_ == nullptr) throw IOError(str("cannot open IDX file ", path, ": ", std::strerror(errno)));
     file_size_ = std::filesystem::file_size(path, ec);
     if (ec) file_size_ = UINT64_MAX;  // unknown: assume the file can hold anything
+    input_.resize(kChunkBytes / 4);
+    fill_input();
+    gzip_ = available_ >= 2 && input_[0] == 0x1f && input_[1] == 0x8b;
+    if (gzip_) {
+      if (inflateInit2(&z_, 16 + MAX_WBITS) != Z_OK)  // 16: a gzip wrapper only
+        throw IOError(str("cannot read IDX file ", path, ": zlib could not allocate its state"));
+      inflating_ = true;
+    }
   }
-  ~IdxStream() { gzclose(file_); }
+  ~IdxStream() {
+    if (inflating_) inflateEnd(&z_);
+    std::fclose(file_);
+  }
   IdxStream(const IdxStream&) = delete;
   IdxStream& operator=(const IdxStream&) = delete;
 
@@ -82,11 +94,10 @@ class IdxStream {
   uint64_t file_size() const { return file_size_; }
 
   // Whether the file could hold `bytes` more decompressed bytes: exactly for a plain file, and by
-  // deflate's best compression ratio (1032:1) with room to spare for gzip. Only meaningful after the
-  // first read, when zlib has decided which of the two the file is.
+  // deflate's best compression ratio (1032:1) with room to spare for gzip.
   bool could_hold(uint64_t bytes) const {
     if (file_size_ == UINT64_MAX) return true;
-    if (gzdirect(file_) == 1) return offset_ + bytes <= file_size_;
+    if (!gzip_) return offset_ + bytes <= file_size_;
     return offset_ + bytes <= (file_size_ + 1024) * 1100;
   }
 
@@ -100,77 +111,128 @@ class IdxStream {
   // Reads up to n bytes; returns fewer only at the end of the data. Corrupt streams throw.
   size_t read_some(void* dst, size_t n, const std::string& what) {
     auto* out = static_cast<uint8_t*>(dst);
-    size_t got = 0;
-    while (got < n) {
-      // gzread takes an unsigned and returns an int, so go in chunks well below INT_MAX.
-      const unsigned chunk = static_cast<unsigned>(std::min<size_t>(n - got, size_t{1} << 26));
-      const int r = gzread(file_, out + got, chunk);
-      if (r < 0) throw_zlib_error(what);
-      got += static_cast<size_t>(r);
-      offset_ += static_cast<uint64_t>(r);
-      if (static_cast<unsigned>(r) < chunk) break;
-    }
+    const size_t got = gzip_ ? inflate_some(out, n, what) : copy_some(out, n);
+    offset_ += got;
     return got;
   }
 
   // The data ended before `expected` bytes starting at `start` could be read.
   [[noreturn]] void throw_truncated(uint64_t start, uint64_t expected, const std::string& what) {
-    int errnum = Z_OK;
-    const char* message = gzerror(file_, &errnum);
-    const std::string cause =
-        errnum == Z_BUF_ERROR ? str(" (the gzip stream is cut off; zlib: ", zlib_message(message), ")") : "";
+    const std::string cause = cut_off_ ? " (the gzip stream is cut off: the file ends inside it)" : "";
     throw IOError(str("IDX file ", path_, ": truncated: data ends at byte offset ", offset_, " while reading ", what,
                       ": expected ", expected, " bytes from offset ", start, ", got ", offset_ - start, cause));
   }
 
-  // After the last expected byte: the stream must end here (this also makes zlib verify the gzip
-  // trailer's CRC, which catches corruption that still inflates).
+  // After the last expected byte: the stream must end here, and a gzip stream with its trailer, whose
+  // CRC-32 and length inflate() checks against the data.
   void expect_end(const std::string& layout) {
     uint8_t extra;
     const size_t got = read_some(&extra, 1, "the end of the file");
     if (got != 0)
       throw IOError(str("IDX file ", path_, ": unexpected data at byte offset ", offset_ - 1,
                         ": expected the file to end there (", layout, "), but it continues"));
-    int errnum = Z_OK;
-    const char* message = gzerror(file_, &errnum);
-    if (errnum == Z_BUF_ERROR)
+    if (cut_off_)
       throw IOError(str("IDX file ", path_, ": gzip stream truncated after byte offset ", offset_,
-                        ": all data was read but the gzip trailer (CRC-32, length) is missing (zlib: ",
-                        zlib_message(message), ")"));
+                        ": all data was read but the gzip trailer (CRC-32, length) is missing or incomplete"));
   }
 
  private:
-  // zlib prefixes its messages with the path, which ours already names.
-  std::string zlib_message(const char* message) const {
-    std::string_view m(message);
-    const std::string prefix = path_ + ": ";
-    if (m.substr(0, prefix.size()) == prefix) m.remove_prefix(prefix.size());
-    return std::string(m);
+  // Reads more of the file after the unconsumed input; false at the end of the file.
+  bool fill_input() {
+    if (eof_) return false;
+    if (available_ > 0 && consumed_ > 0) std::memmove(input_.data(), input_.data() + consumed_, available_);
+    consumed_ = 0;
+    const size_t r = std::fread(input_.data() + available_, 1, input_.size() - available_, file_);
+    if (r == 0 && std::ferror(file_))
+      throw IOError(str("IDX file ", path_, ": read error at compressed byte offset ", file_offset_ + available_,
+                        ": ", std::strerror(errno)));
+    if (r < input_.size() - available_) eof_ = true;
+    available_ += r;
+    return r > 0;
   }
 
-  [[noreturn]] void throw_zlib_error(const std::string& what) {
-    int errnum = Z_OK;
-    const char* message = gzerror(file_, &errnum);
-    if (errnum == Z_ERRNO)
-      throw IOError(str("IDX file ", path_, ": read error at byte offset ", offset_, " while reading ", what, ": ",
-                        std::strerror(errno)));
-    const std::string detail = zlib_message(message);
-    // zlib inflates ahead of what it has handed out, so where the error was found is best given in
-    // the compressed file (gzoffset: input consumed by inflate); gztell is what had been delivered.
-    const long compressed = gzoffset(file_);
-    const long delivered = gztell(file_);
+  size_t copy_some(uint8_t* out, size_t n) {
+    size_t got = 0;
+    while (got < n) {
+      if (available_ == 0 && !fill_input()) break;
+      const size_t k = std::min(n - got, available_);
+      std::memcpy(out + got, input_.data() + consumed_, k);
+      consume(k);
+      got += k;
+    }
+    return got;
+  }
+
+  void consume(size_t k) {
+    consumed_ += k;
+    available_ -= k;
+    file_offset_ += k;
+  }
+
+  size_t inflate_some(uint8_t* out, size_t n, const std::string& what) {
+    size_t got = 0;
+    while (got < n && !finished_) {
+      if (member_done_) {
+        // Another member follows only if the next bytes are a gzip header.
+        if (available_ < 2) fill_input();
+        if (available_ < 2 || input_[consumed_] != 0x1f || input_[consumed_ + 1] != 0x8b) {
+          finished_ = true;
+          break;
+        }
+        inflateReset(&z_);
+        member_done_ = false;
+      }
+      if (available_ == 0 && !fill_input()) {
+        cut_off_ = true;  // the member has not ended, and the file has
+        finished_ = true;
+        break;
+      }
+      z_.next_in = input_.data() + consumed_;
+      z_.avail_in = static_cast<uInt>(available_);
+      const size_t want = std::min<size_t>(n - got, size_t{1} << 30);
+      z_.next_out = out + got;
+      z_.avail_out = static_cast<uInt>(want);
+      const int ret = inflate(&z_, Z_NO_FLUSH);
+      got += want - z_.avail_out;
+      consume(available_ - z_.avail_in);
+      if (ret == Z_STREAM_END) {
+        member_done_ = true;
+      } else if (ret == Z_BUF_ERROR) {
+        // No progress with input left is impossible; without input, read more (or find the file's end).
+        if (available_ == 0 && !fill_input()) {
+          cut_off_ = true;
+          finished_ = true;
+        }
+      } else if (ret != Z_OK) {
+        throw_zlib_error(ret, what);
+      }
+    }
+    return got;
+  }
+
+  [[noreturn]] void throw_zlib_error(int ret, const std::string& what) {
+    const std::string detail = z_.msg != nullptr ? z_.msg : zError(ret);
     const bool checksum = detail == "incorrect data check" || detail == "incorrect length check";
-    throw IOError(str("IDX file ", path_, ": corrupt gzip stream at compressed byte offset ", compressed,
-                      " (zlib error ", errnum, ": ", detail, ")",
+    // Located in the compressed file: inflate() has consumed everything up to where it found the damage.
+    throw IOError(str("IDX file ", path_, ": corrupt gzip stream at compressed byte offset ", file_offset_,
+                      " (zlib error ", ret, ": ", detail, ")",
                       checksum ? ": the gzip trailer's CRC-32/length does not match the decompressed data" : "",
-                      "; found while reading ", what, " with ", delivered >= 0 ? delivered : 0,
-                      " decompressed bytes read"));
+                      "; found while reading ", what, " with ", offset_, " decompressed bytes read"));
   }
 
   std::string path_;
-  gzFile file_ = nullptr;
-  uint64_t offset_ = 0;  // decompressed bytes consumed so far
+  std::FILE* file_ = nullptr;
   uint64_t file_size_ = UINT64_MAX;
+  std::vector<uint8_t> input_;  // read-ahead of the file: input_[consumed_, consumed_ + available_)
+  size_t consumed_ = 0, available_ = 0;
+  uint64_t file_offset_ = 0;    // file bytes consumed (by inflate, or copied out of a plain file)
+  bool eof_ = false;
+  bool gzip_ = false, inflating_ = false;
+  z_stream z_{};
+  bool member_done_ = false;  // inflate() reported Z_STREAM_END for the current member
+  bool finished_ = false;     // no more data: the last member ended, or the file did (cut_off_)
+  bool cut_off_ = false;      // the file ended inside a gzip member
+  uint64_t offset_ = 0;       // decompressed bytes delivered so far
 };
 
 uint32_t big_endian_u32(const uint8_t b[4]) {
