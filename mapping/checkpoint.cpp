@@ -169,47 +169,61 @@ Loaded read(const std::string& path) {
     if (!file.metadata.count(key))
       throw KeyError(str("checkpoint ", path, " lacks the required metadata section '", key, "'"));
 
-  try {
+  // Each metadata section is decoded on its own, so a malformed one is named in the message.
+  auto section = [&](const char* key, auto&& decode) {
+    try {
+      decode();
+    } catch (const json::exception& e) {
+      invalid(path, str("malformed metadata '", key, "': ", e.what()));
+    } catch (const ValueError& e) {  // e.g. a shape with too many dimensions
+      invalid(path, str("malformed metadata '", key, "': ", e.what()));
+    }
+  };
+  section("package_version", [&] {
     info.package_version = file.metadata.count("package_version")
                                ? metadata_json(path, file, "package_version").get<std::string>()
                                : "";
-    info.strategy = metadata_json(path, file, "strategy").get<std::string>();
-    info.seed = metadata_json(path, file, "seed").get<uint64_t>();
-    info.parameter_scaling = metadata_json(path, file, "parameter_scaling").get<bool>();
+  });
+  section("strategy", [&] { info.strategy = metadata_json(path, file, "strategy").get<std::string>(); });
+  section("seed", [&] { info.seed = metadata_json(path, file, "seed").get<uint64_t>(); });
+  section("parameter_scaling",
+          [&] { info.parameter_scaling = metadata_json(path, file, "parameter_scaling").get<bool>(); });
+  section("spec", [&] {
     for (const json& item : metadata_json(path, file, "spec")) {
       Shape shape;
       for (const json& d : item.at(1)) shape.push_back(d.get<int64_t>());
       info.spec.emplace_back(item.at(0).get<std::string>(), shape);
     }
+  });
+  section("groups", [&] {
     const json dims = metadata_json(path, file, "latent_dims");
     for (const json& item : metadata_json(path, file, "groups")) {
       const std::string name = item.at(0).get<std::string>();
       out.groups.emplace_back(name, item.at(1).get<std::vector<std::string>>());
+      MN_CHECK(dims.contains(name), ValueError, "group '", name, "' has no entry in 'latent_dims'");
       info.latent_dims.emplace_back(name, dims.at(name).get<int64_t>());
     }
-    out.mapper = metadata_json(path, file, "mapper");
+  });
+  section("mapper", [&] { out.mapper = metadata_json(path, file, "mapper"); });
+  section("metadata", [&] {
     if (file.metadata.count("metadata"))
       info.metadata = metadata_json(path, file, "metadata").get<std::map<std::string, std::string>>();
-    if (file.metadata.count("config")) info.config = file.metadata.at("config");
-    if (file.metadata.count("trainer_state")) {
-      const json state = metadata_json(path, file, "trainer_state");
-      if (!state.is_null()) {
-        info.trainer_state_json = file.metadata.at("trainer_state");
-        TrainerState s = parse_trainer_state(state);
-        for (const auto& entry : file.tensors)
-          if (starts_with(entry.name, kOptimizerPrefix))
-            s.optimizer[entry.name.substr(std::string(kOptimizerPrefix).size())] = entry.tensor;
-        // The optimizer's state holds its lr as an f32 tensor; load_state() puts the exact value in after
-        // it, before the scheduler resumes (whose pending step may scale it).
-        if (state.contains("optimizer_lr")) s.learning_rate = state.at("optimizer_lr").get<double>();
-        info.trainer_state = std::move(s);
-      }
-    }
-  } catch (const json::exception& e) {
-    invalid(path, str("malformed metadata: ", e.what()));
-  } catch (const ValueError& e) {  // e.g. a shape with too many dimensions
-    invalid(path, str("malformed metadata: ", e.what()));
-  }
+  });
+  if (file.metadata.count("config")) info.config = file.metadata.at("config");
+  section("trainer_state", [&] {
+    if (!file.metadata.count("trainer_state")) return;
+    const json state = metadata_json(path, file, "trainer_state");
+    if (state.is_null()) return;
+    info.trainer_state_json = file.metadata.at("trainer_state");
+    TrainerState s = parse_trainer_state(state);
+    for (const auto& entry : file.tensors)
+      if (starts_with(entry.name, kOptimizerPrefix))
+        s.optimizer[entry.name.substr(std::string(kOptimizerPrefix).size())] = entry.tensor;
+    // The optimizer's state holds its lr as an f32 tensor; load_state() puts the exact value in after
+    // it, before the scheduler resumes (whose pending step may scale it).
+    if (state.contains("optimizer_lr")) s.learning_rate = state.at("optimizer_lr").get<double>();
+    info.trainer_state = std::move(s);
+  });
   for (const auto& [group, dim] : info.latent_dims) {
     const safetensors::Entry* z = file.find(kLatentPrefix + group);
     if (z == nullptr)

@@ -25,6 +25,8 @@ namespace fs = std::filesystem;
 
 namespace {
 
+using mn::testing::contains;
+using mn::testing::error_message;
 using mn::testing::read_bytes;
 using mn::testing::TempDir;
 
@@ -338,6 +340,23 @@ TEST_CASE("checkpoint: versions, missing and damaged files") {
     rewrite_metadata(path, "spec", "[[\"weight\", [2, 3]]");
     CHECK_THROWS_WITH_AS(load_checkpoint(path, model),
                          doctest::Contains("not a valid mapping_networks checkpoint"), IOError);
+  }
+  SUBCASE("metadata of the wrong JSON type names its key and the file") {
+    // Before, the JSON library's own message ("type must be number, but is string") named neither.
+    for (const auto& [key, value] : std::vector<std::pair<std::string, std::string>>{
+             {"seed", "\"abc\""},
+             {"strategy", "7"},
+             {"parameter_scaling", "\"yes\""},
+             {"spec", "[[\"weight\"]]"},
+             {"groups", "[[\"no_such_group\", []]]"},
+             {"trainer_state", "{\"epoch\": \"one\"}"}}) {
+      INFO("key " << key);
+      save_checkpoint(path, model);
+      rewrite_metadata(path, key, value);
+      const std::string message = error_message([&] { load_checkpoint(path, model); });
+      CHECK(contains(message, "malformed metadata '" + key + "'"));
+      CHECK(contains(message, path));
+    }
   }
   SUBCASE("a latent tensor missing") {
     safetensors::File file = safetensors::load(path);
