@@ -311,6 +311,7 @@ struct Summary {
   int64_t bytes_per_step = 0;  // data parallel: bytes all-reduced per step
   std::string compile_report;  // --compile: CompiledFunction::explain()
   bool interrupted = false;    // Ctrl-C stopped it
+  bool evaluated_only = false; // no epoch trained in this invocation: test_accuracy measured at the end
 };
 
 // ---- mapping-network training ----
@@ -490,6 +491,14 @@ Summary train_mapped(const Options& o, Device device, const data::Dataset& train
   if (ddp) s.bytes_per_step = static_cast<int64_t>(ddp->bytes_per_step());
   s.compile_report = trainer.compile_report();
   s.interrupted = !dist.active && g_sigint.load() && trainer.epoch() < config.max_epochs;
+  if (trainer.epoch() == first_epoch && !s.interrupted) {
+    // Nothing trained in this invocation (--epochs 0, or the run already has them all): the test
+    // accuracy is measured now instead of read from a history that may be empty.
+    mapping::Metrics m = trainer.validate(test_loader);
+    if (ddp) m = dist::average_metrics(device)(m, my_test.size());
+    s.test_accuracy = m.at(mapping::history_keys::kValAccuracy);
+    s.evaluated_only = true;
+  }
   return s;
 }
 
@@ -668,6 +677,10 @@ Summary train_direct(const Options& o, Device device, const data::Dataset& train
   s.train_accuracy = back("train_accuracy");
   s.trainable_params = s.target_params = net->parameter_count();
   if (compiled) s.compile_report = compiled->explain();
+  if (s.steps == 0 && !s.interrupted) {  // as in train_mapped: nothing trained now, so evaluate
+    s.test_accuracy = evaluate(*net, test).first;
+    s.evaluated_only = true;
+  }
   return s;
 }
 
@@ -689,8 +702,8 @@ int main(int argc, char** argv) {
   app.add_option("--latent-dim", o.latent_dim, "latent length per group (grouped: weights and biases)")
       ->check(whole_number_at_least(1))
       ->capture_default_str();
-  app.add_option("--epochs", o.epochs, "train up to this many epochs in total")
-      ->check(whole_number_at_least(1))
+  app.add_option("--epochs", o.epochs, "train up to this many epochs in total (0: only evaluate)")
+      ->check(whole_number_at_least(0))
       ->capture_default_str();
   app.add_option("--batch-size", o.batch_size, "batch size; with --backend per rank (global = this x WORLD_SIZE)")
       ->check(whole_number_at_least(1))
@@ -808,6 +821,8 @@ int main(int argc, char** argv) {
         j["bytes_per_step"] = s.bytes_per_step;
       }
       std::printf("%s\n", j.dump().c_str());
+    } else if (s.evaluated_only && std::isnan(s.train_accuracy)) {
+      std::printf("test accuracy %.2f%% without training (0 epochs)\n", 100.0 * s.test_accuracy);
     } else {
       std::printf("test accuracy %.2f%%, train accuracy %.2f%% after %lld epochs (%.1f s); %s\n",
                   100.0 * s.test_accuracy, 100.0 * s.train_accuracy, static_cast<long long>(s.epochs),

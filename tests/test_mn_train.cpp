@@ -287,12 +287,12 @@ TEST_CASE("mn-train: flag values it cannot use are errors that name the flag and
     const char* flags;
     const char* message;
   };
-  // Before: --lr nan trained at the default lr, --seed -1 at seed 2^64 - 1, --epochs 0 printed
-  // "test accuracy nan%", and --batch-size 0 was "not in range" of a 309-digit bound.
+  // Before: --lr nan trained at the default lr, --seed -1 at seed 2^64 - 1, and --batch-size 0 was
+  // "not in range" of a 309-digit bound.
   for (const Case& c : {Case{"--lr nan", "--lr: expected a finite number above 0, got 'nan'"},
                         Case{"--lr -0.5", "--lr: expected a finite number above 0, got '-0.5'"},
                         Case{"--seed -1", "--seed: expected a whole number from 0 to 18446744073709551615, got '-1'"},
-                        Case{"--epochs 0", "--epochs: expected a whole number of at least 1, got '0'"},
+                        Case{"--epochs -1", "--epochs: expected a whole number of at least 0, got '-1'"},
                         Case{"--batch-size 0", "--batch-size: expected a whole number of at least 1, got '0'"},
                         Case{"--batch-size 1.5", "--batch-size: expected a whole number of at least 1, got '1.5'"},
                         Case{"--limit -3", "--limit: expected a whole number of at least 0, got '-3'"}}) {
@@ -357,5 +357,24 @@ TEST_CASE("mn-train: --resume refuses a checkpoint with no trainer state or dama
       CHECK(r.all().find(dckpt.string()) != std::string::npos);
       CHECK(r.all().find(str("'", key, "'")) != std::string::npos);
     }
+  }
+}
+
+TEST_CASE("mn-train: --epochs 0 evaluates without training (it printed 'test accuracy nan%')") {
+  std::string exe;
+  if (!ready(exe)) return;
+  TempDir dir("mn_train_test");
+  for (const char* strategy : {"layerwise --latent-dim 16", "direct"}) {
+    INFO("strategy " << strategy);
+    const CommandResult plain = run(exe, str("--strategy ", strategy, " --epochs 0 ", kSmall, " --out ", dir / "plain"));
+    INFO(plain.all());
+    CHECK(plain.status == 0);
+    CHECK(plain.all().find("nan") == std::string::npos);
+    CHECK(plain.all().find("without training (0 epochs)") != std::string::npos);
+    const json j = summary(run(exe, str("--strategy ", strategy, " --epochs 0 --json ", kSmall, " --out ", dir / "json")));
+    CHECK(j["epochs"] == 0);
+    REQUIRE(j["test_accuracy"].is_number());
+    CHECK(j["test_accuracy"].get<double>() > 0.0);
+    CHECK(j["test_accuracy"].get<double>() < 0.5);  // untrained: about one class in ten
   }
 }
