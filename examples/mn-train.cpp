@@ -106,6 +106,7 @@ struct Options {
   bool json = false;
   bool compile = false;
   std::string backend;  // empty: one process
+  std::string on_nonfinite = "error";  // a NaN/inf loss or gradient: stop (error) or warn and train on
 };
 
 // ---- flag values ----
@@ -436,6 +437,7 @@ Summary train_mapped(const Options& o, Device device, const data::Dataset& train
   config.scheduler = o.scheduler;
   config.seed = o.seed;
   config.compile = o.compile;
+  config.on_nonfinite = o.on_nonfinite;
 
   // Only rank 0 writes files and stdout (MetricsFile rewrites metrics.csv as it opens).
   std::optional<MetricsFile> metrics;
@@ -549,6 +551,18 @@ void save_direct(const std::string& path, nn::Module& net, const nn::optim::Opti
   safetensors::save(path, tensors, meta);
 }
 
+// --on-nonfinite for direct training (the mapped path hands it to the MappingTrainer): a step whose loss
+// or gradients hold a NaN or an infinity stops the run, or is reported once per epoch.
+void report_nonfinite(const Options& o, float loss, int64_t epoch, int64_t batch, int64_t global_step,
+                      int64_t& reported) {
+  const std::string what =
+      str("non-finite ", std::isfinite(loss) ? "gradients" : str("loss (", std::isnan(loss) ? std::string("nan") : str(loss), ")"), " at epoch ", epoch + 1, "/",
+          o.epochs, ", batch ", batch + 1, " (global step ", global_step, ", counted from 0)");
+  if (o.on_nonfinite == "error")
+    throw RuntimeError(str(what, "; lower --lr or check the data, or pass --on-nonfinite warn to train on"));
+  if (reported++ == 0) std::fprintf(stderr, "warning: %s (training on; reported once per epoch)\n", what.c_str());
+}
+
 Summary train_direct(const Options& o, Device device, const data::Dataset& train, const data::Dataset& test,
                      const fs::path& out_dir, bool tty) {
   const std::string checkpoint = (out_dir / "checkpoint.safetensors").string();
@@ -629,16 +643,20 @@ Summary train_direct(const Options& o, Device device, const data::Dataset& train
     Progress progress(str("epoch ", epoch + 1, "/", o.epochs), loader.size());
     const auto epoch_start = std::chrono::steady_clock::now();
     double loss_sum = 0;
-    int64_t correct = 0, seen = 0, step = 0;
+    int64_t correct = 0, seen = 0, step = 0, batch = 0, nonfinite_steps = 0;
     for (const data::Batch& b : loader) {
       if (g_sigint.load()) {  // as the mapped path: the epoch in progress is dropped
         s.interrupted = true;
         break;
       }
       optimizer->zero_grad();
-      const std::vector<Tensor> out = compiled ? (*compiled)({b.inputs, b.targets}) : backward_step({b.inputs, b.targets});
+      std::vector<Tensor> out = compiled ? (*compiled)({b.inputs, b.targets}) : backward_step({b.inputs, b.targets});
+      out.push_back(nn::optim::nonfinite_grad_probe(net->parameters()));  // 0, or NaN for a NaN/inf gradient
       optimizer->step();
       const std::vector<float> values = stack(out, 0).to_vector<float>();  // one host read per step
+      if (!std::isfinite(values[0]) || !std::isfinite(values[2]))
+        report_nonfinite(o, values[0], epoch, batch, epoch * loader.size() + batch, nonfinite_steps);
+      ++batch;
       loss_sum += static_cast<double>(values[0]) * static_cast<double>(b.targets.size(0));
       correct += static_cast<int64_t>(values[1]);
       seen += b.targets.size(0);
@@ -742,6 +760,10 @@ int main(int argc, char** argv) {
                "(mn::compile); prints what was captured at the end");
   app.add_option("--backend", o.backend,
                  "data-parallel training under mn-run: gloo (CPU) or nccl (--device cuda); default: one process");
+  app.add_option("--on-nonfinite", o.on_nonfinite,
+                 "a step whose loss or gradients hold NaN or inf: error (stop, naming the step) or warn")
+      ->check(CLI::IsMember({"error", "warn"}))
+      ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
 
   DistInfo dist;

@@ -22,6 +22,20 @@ MN_HOST_DEVICE inline int64_t saturating_i64(F v) {
   return static_cast<int64_t>(v);
 }
 
+// After a switch over an op enum that lists every case (no default, so -Wswitch names a missing
+// one): reached only through an op value that no case lists (memory corruption or a cast from a bad
+// integer): the host throws, a device kernel traps so its launch fails at the next synchronisation.
+[[noreturn]] MN_HOST_DEVICE inline void op_unreachable(const char* family, int op) {
+#if defined(__CUDA_ARCH__)
+  (void)family;
+  (void)op;
+  __trap();
+  __builtin_unreachable();
+#else
+  throw RuntimeError(str(family, " op ", op, " has no formula (corrupt op value)"));
+#endif
+}
+
 // ---- elementwise ----
 enum class UnaryOp : uint8_t {
   Neg, Exp, Log, Log1p, Sqrt, Rsqrt, Abs, Sign, Relu, Gelu, Tanh, Sigmoid, Softplus, Square,
@@ -41,7 +55,7 @@ inline Op<UnaryFn> unary("unary");
 enum class BinaryOp : uint8_t {
   Add, Sub, Mul, Div, Pow, Maximum, Minimum,
   Eq, Ne, Lt, Le, Gt, Ge,  // out f32 0/1 (inputs f32 or i64, same dtype)
-  ReluBackward,            // a = grad, b = x:  a * (x > 0)
+  ReluBackward,            // a = grad, b = relu(x): 0 where b <= 0, else a (a NaN b passes a)
   GeluBackward,            // a = grad, b = x:  a * gelu'(x)   (erf form)
   TanhBackward,            // a = grad, b = y:  a * (1 - y^2)
   SigmoidBackward,         // a = grad, b = y:  a * y * (1 - y)

@@ -304,6 +304,8 @@ MappingTrainer::MappingTrainer(MappingModel& model, DataLoader& train_loader, Da
            "TrainerConfig: gradient_clip_norm must be positive, got ", c.gradient_clip_norm.value_or(0.0));
   MN_CHECK(!c.gradient_clip_value || *c.gradient_clip_value >= 0.0, ValueError,
            "TrainerConfig: gradient_clip_value must be non-negative, got ", c.gradient_clip_value.value_or(0.0));
+  MN_CHECK(c.on_nonfinite == "error" || c.on_nonfinite == "warn", ValueError,
+           "TrainerConfig: on_nonfinite must be \"error\" or \"warn\", got \"", c.on_nonfinite, "\"");
 
   if (!loss) {
     loss_ = MappingLoss::task_only(std::make_shared<RegressionLoss>());
@@ -595,12 +597,67 @@ LossOutput MappingTrainer::compiled_backward_step(const Batch& batch, int64_t ac
   return out;
 }
 
-LossOutput MappingTrainer::train_step(const Batch& batch, int64_t accumulation_steps) {
+namespace {
+// The pending metric that carries the gradient check through the step's one metrics read.
+constexpr const char* kGradProbe = "__mn_nonfinite_grad_probe";
+
+// Where on_nonfinite "warn" writes: the configured log, else stderr (a warning is never silent).
+std::ostream& warning_stream(const TrainerConfig& config) { return config.log != nullptr ? *config.log : std::cerr; }
+}  // namespace
+
+LossOutput MappingTrainer::train_step(const Batch& batch, int64_t accumulation_steps, const StepPosition* step) {
   LossOutput out =
       config_.compile ? compiled_backward_step(batch, accumulation_steps) : backward_step(batch, accumulation_steps);
+  if (step != nullptr)
+    if (Tensor probe = optim::nonfinite_grad_probe(trainable_parameters()); probe.defined())
+      out.pending_metrics[kGradProbe] = {probe, 1.0};
   out.read_metrics();
+  if (step != nullptr) {
+    double grads = 0.0;
+    if (const auto it = out.metrics.find(kGradProbe); it != out.metrics.end()) {
+      grads = it->second;
+      out.metrics.erase(it);
+    }
+    const auto total = out.metrics.find("total");
+    const bool loss_finite = total == out.metrics.end() || std::isfinite(total->second);
+    if (!loss_finite || !std::isfinite(grads)) report_nonfinite(out, loss_finite, *step);
+  }
   if (++pending_batches_ >= accumulation_steps) optimizer_step();
   return out;
+}
+
+void MappingTrainer::report_nonfinite(const LossOutput& out, bool loss_finite, const StepPosition& step) {
+  std::vector<std::string> what;
+  if (!loss_finite) {
+    std::string values;
+    for (const auto& [name, value] : out.metrics)
+      if (!std::isfinite(value))  // "nan", whatever its sign bit
+        values += str(values.empty() ? "" : ", ", name, " = ", std::isnan(value) ? std::string("nan") : str(value));
+    what.push_back(str("loss (", values, ")"));
+  }
+  {
+    // Off the hot path: name the tensors whose gradients hold the NaN or infinity (one read each).
+    autograd::NoGradGuard no_grad;
+    auto check = [&](const std::string& name, const Tensor& p) {
+      const Tensor g = p.grad();
+      if (g.defined() && !std::isfinite(sum(mul(g.detach(), 0.0)).item())) what.push_back("gradient of " + name);
+    };
+    for (const auto& [name, z] : model_.named_latents()) check(str("latent '", name, "'"), z);
+    const std::vector<Tensor> rhos = loss_->coefficient_parameters();
+    for (size_t i = 0; i < rhos.size(); ++i) check(str("loss coefficient ", i), rhos[i]);
+  }
+  std::string joined;
+  for (const std::string& w : what) joined += (joined.empty() ? "" : "; ") + w;
+  const std::string where = str("epoch ", current_epoch_ + 1, "/", config_.max_epochs, ", batch ", step.batch + 1,
+                                " (global step ", step.global_step, ", counted from 0)");
+  if (config_.on_nonfinite == "error")
+    throw RuntimeError(str("MappingTrainer: non-finite values at ", where, ": ", joined,
+                           ". The step was not applied. Lower the learning rate, clip gradients "
+                           "(gradient_clip_norm) or check the data; on_nonfinite = \"warn\" trains on."));
+  if (nonfinite_steps_++ == 0) {
+    warning_stream(config_) << "warning: MappingTrainer: non-finite values at " << where << ": " << joined
+               << " (training on; later such steps of this epoch are counted at its end)" << std::endl;
+  }
 }
 
 std::string MappingTrainer::compile_report() const {
@@ -648,12 +705,15 @@ Metrics MappingTrainer::fit_epoch(DataLoader& loader) {
   model_.train();
   optimizer_->zero_grad();
   pending_batches_ = 0;
+  nonfinite_steps_ = 0;
   EpochAverages averages;
   int64_t index = 0;
+  const int64_t first_step = current_epoch_ * loader.size();
   for (const Batch& batch : loader) {
     check_interrupt();
     fire("on_batch_start", [&](Callback& cb) { cb.on_batch_start(*this, index); });
-    const LossOutput out = train_step(batch, config_.accumulation_steps);
+    const StepPosition position{index, first_step + index};
+    const LossOutput out = train_step(batch, config_.accumulation_steps, &position);
     fire("on_batch_end", [&](Callback& cb) { cb.on_batch_end(*this, index, out); });
     averages.add(out, batch_samples(batch));
     ++index;
@@ -662,6 +722,10 @@ Metrics MappingTrainer::fit_epoch(DataLoader& loader) {
   MN_CHECK(index > 0, ValueError, "MappingTrainer: the training loader yielded no batches (",
            loader.num_samples(), " samples, batch_size ", loader.options().batch_size, ")");
   finish_accumulation_window();
+  if (nonfinite_steps_ > 1) {
+    warning_stream(config_) << "warning: MappingTrainer: " << nonfinite_steps_ << " of " << index << " steps of epoch "
+               << current_epoch_ + 1 << " were not finite" << std::endl;
+  }
   last_pass_samples_ = averages.samples;
   return averages.finish(history_keys::kTrainTaskLoss, history_keys::kTrainTotalLoss, history_keys::kTrainAccuracy);
 }

@@ -12,8 +12,9 @@
 //        on_epoch_start; train epoch; [on_validation_start, validate, on_validation_end];
 //        record history; on_epoch_end(epoch, metrics); scheduler step; on_fit_end (always).
 //   train epoch: train mode, zero_grad; per batch on_batch_start, step, on_batch_end; ends early
-//        when should_stop is set. Step: forward; context; loss; backward of total / k; every k
-//        batches clip (latents only) and step the optimizer.
+//        when should_stop is set. Step: forward; context; loss; backward of total / k; a NaN/inf
+//        loss or gradient stops the fit (on_nonfinite); every k batches clip (latents only) and step
+//        the optimizer.
 //
 // Where the port does better than the reference library:
 //   * A task loss handed over as is trains the task only; regularisers are opt-in through an
@@ -97,6 +98,12 @@ struct TrainerConfig {
   // loss reading values on the host) runs eagerly, or throws with fullgraph.
   bool compile = false;
   bool compile_fullgraph = false;
+  // A training step whose loss or latent/coefficient gradients hold a NaN or an infinity: "error" stops
+  // the fit with a RuntimeError naming the epoch, batch and global step and what was not finite,
+  // before the optimizer applies the step; "warn" writes that to `log` (stderr when null) once per
+  // epoch, with a count at the epoch's end, and trains on. Checked with the step's metrics read (no
+  // extra synchronisation).
+  std::string on_nonfinite = "error";
 };
 
 // ---- history and resumable state ----
@@ -345,8 +352,15 @@ class MappingTrainer {
   ForwardResult run_forward(const data::Batch& batch, const LatentOverrides& latents);
   TrainingContext build_context(const data::Batch& batch, const ForwardResult& result);
   LossOutput forward_loss(const data::Batch& batch);
-  // forward + loss + backward of total / accumulation; steps when the window is full.
-  LossOutput train_step(const data::Batch& batch, int64_t accumulation_steps);
+  // forward + loss + backward of total / accumulation; steps when the window is full. With `step`
+  // (where the fit is, for messages) the loss and gradients are checked as config.on_nonfinite says.
+  struct StepPosition {
+    int64_t batch, global_step;
+  };
+  LossOutput train_step(const data::Batch& batch, int64_t accumulation_steps,
+                        const StepPosition* step = nullptr);
+  // Reports a step whose loss or gradients were not finite (throws under on_nonfinite "error").
+  void report_nonfinite(const LossOutput& out, bool loss_finite, const StepPosition& step);
   LossOutput backward_step(const data::Batch& batch, int64_t accumulation_steps);  // without the step
   LossOutput compiled_backward_step(const data::Batch& batch, int64_t accumulation_steps);
   void optimizer_step();
@@ -390,6 +404,7 @@ class MappingTrainer {
   bool scheduler_step_pending_ = false;
   double pending_scheduler_metric_ = 0.0;
   int64_t pending_batches_ = 0;  // backwards accumulated since the last optimizer step
+  int64_t nonfinite_steps_ = 0;  // this epoch's non-finite steps (on_nonfinite "warn")
   const data::DataLoader* active_loader_ = nullptr;
   std::atomic<bool> interrupt_requested_{false};
 };

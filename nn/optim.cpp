@@ -281,4 +281,17 @@ void clip_grad_value_(const std::vector<Tensor>& params, double clip_value) {
   }
 }
 
+Tensor nonfinite_grad_probe(const std::vector<Tensor>& params) {
+  autograd::NoGradGuard no_grad;
+  Tensor probe;
+  for (const Tensor& p : params) {
+    const Tensor g = p.grad();
+    if (!g.defined()) continue;
+    Tensor term = sum(mul(g.detach(), 0.0));
+    if (probe.defined() && term.device() != probe.device()) term = term.to(probe.device());
+    probe = probe.defined() ? add(probe, term) : term;
+  }
+  return probe;
+}
+
 }  // namespace mn::nn::optim

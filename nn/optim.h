@@ -168,4 +168,11 @@ class ReduceLROnPlateau : public LRScheduler {
 double clip_grad_norm_(const std::vector<Tensor>& params, double max_norm, double norm_type = 2.0);
 void clip_grad_value_(const std::vector<Tensor>& params, double clip_value);
 
+// ---- finiteness ----
+// A 0-d f32 tensor on the gradients' device: 0 when every element of every defined gradient of
+// `params` is finite, NaN when any is NaN or infinite (x * 0 is NaN exactly then, and a sum of such
+// terms cannot overflow). Undefined when no gradient is defined. It stays on the device, so a whole
+// model is checked with one host read, which can share a transfer with other values of the step.
+Tensor nonfinite_grad_probe(const std::vector<Tensor>& params);
+
 }  // namespace mn::nn::optim

@@ -4,6 +4,7 @@
 #include <omp.h>
 
 #include <cstring>
+#include <limits>
 
 #include "nn/functional.h"
 #include "tests/test_support.h"
@@ -204,6 +205,19 @@ TEST_CASE("pool: max_pool2d forward by hand") {
   Tensor p = iota({1, 1, 4, 4}).requires_grad_(true);
   sum(F::max_pool2d(p, {2, 2})).backward();
   check_close(p.grad(), {0, 0, 0, 0, 0, 1, 0, 1, 0, 0, 0, 0, 0, 1, 0, 1});
+}
+
+TEST_CASE("pool: a NaN wins its max_pool2d window and takes the gradient, like PyTorch") {
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  std::vector<float> v(16);
+  for (int i = 0; i < 16; ++i) v[i] = static_cast<float>(i);
+  v[4] = nan;  // window (0, 0), below its maximum 5
+  v[15] = nan;  // window (1, 1), where it is the last element
+  Tensor x = tensor(v, {1, 1, 4, 4}).requires_grad_(true);
+  Tensor y = F::max_pool2d(x, {2, 2});
+  check_close(y, {nan, 7, 13, nan});
+  sum(y).backward();
+  check_close(x.grad(), {0, 0, 0, 0, 1, 0, 0, 1, 0, 0, 0, 0, 0, 1, 0, 1});
 }
 
 TEST_CASE("pool: avg_pool2d forward by hand") {

@@ -1,5 +1,8 @@
 // Elementwise ops: forward values by hand, gradient checks (broadcasting and non-contiguous inputs)
 // and double backward of mul, tanh and gelu.
+#include <limits>
+
+#include "kernels/kernels.h"
 #include "tests/test_support.h"
 
 using namespace mn;
@@ -62,6 +65,53 @@ TEST_CASE("elementwise: comparisons and where") {
   check_close(ge(a, 2.0), {0, 1, 1});
   check_close(where(gt(a, 1.5), a, b), {3, 2, 3});
   check_close(where(tensor({1, 0}, {2, 1}), a, tensor({0})), {1, 2, 3, 0, 0, 0});
+}
+
+// NaN follows PyTorch 1.13 (tests/parity holds the same cases computed by PyTorch): relu, clamp,
+// maximum and minimum keep a NaN; relu's gradient passes where the output is NaN; clamp's gradient
+// is 0 there; maximum/minimum give the whole gradient to both sides of a pair involving a NaN.
+TEST_CASE("elementwise: NaN propagates through relu, clamp, maximum and minimum like PyTorch") {
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  Tensor x = param({nan, -1, 2, 0});
+  Tensor y = relu(x);
+  check_close(y, {nan, 0, 2, 0});
+  y.backward(tensor({1, 1, 1, 1}));  // the fused backward kernel (no graph)
+  check_close(x.grad(), {1, 0, 1, 0});
+  // with create_graph the backward is built from differentiable ops: the same values
+  Tensor g = autograd::grad({relu(x)}, {x}, {tensor({1, 1, 1, 1})}, false, true)[0];
+  check_close(g, {1, 0, 1, 0});
+
+  x.set_grad(Tensor());
+  Tensor c = clamp(x, -0.5, 1.0);
+  check_close(c, {nan, -0.5, 1, 0});
+  c.backward(tensor({1, 1, 1, 1}));
+  check_close(x.grad(), {0, 0, 0, 1});
+  CHECK(testing::contains(testing::error_message([&] { clamp(x, nan, 1.0); }), "NaN"));
+
+  for (bool is_max : {true, false}) {
+    CAPTURE(is_max);
+    Tensor a = param({nan, 1, nan, 2}), b = param({1, nan, nan, 2});
+    Tensor m = is_max ? maximum(a, b) : minimum(a, b);
+    check_close(m, {nan, nan, nan, 2});
+    m.backward(tensor({1, 1, 1, 1}));
+    check_close(a.grad(), {1, 1, 1, 0.5});
+    check_close(b.grad(), {1, 1, 1, 0.5});
+  }
+  // abs keeps NaN, sign(NaN) is 0 (as torch.sign)
+  check_close(abs(tensor({nan, -2})), {nan, 2});
+  check_close(sign(tensor({nan, -2})), {0, -1});
+}
+
+TEST_CASE("elementwise: an op outside the enum is an error on the CPU, not a silent value") {
+  Tensor x = tensor({1, 2}), out = empty({2});
+  CHECK_THROWS_AS(kernels::unary(kCPU, static_cast<kernels::UnaryOp>(200), x, out, 0, 0), RuntimeError);
+  CHECK_THROWS_AS(kernels::binary(kCPU, static_cast<kernels::BinaryOp>(200), x, x, out), RuntimeError);
+  // float-only ops refuse i64 with the dtype named
+  Tensor i = from_vector(std::vector<int64_t>{1, 2}), io = empty({2}, TensorOptions(DType::i64));
+  CHECK(testing::contains(testing::error_message([&] { kernels::unary(kCPU, kernels::UnaryOp::Exp, i, io, 0, 0); }),
+                          "i64"));
+  CHECK(testing::contains(
+      testing::error_message([&] { kernels::binary(kCPU, kernels::BinaryOp::ReluBackward, i, i, io); }), "i64"));
 }
 
 TEST_CASE("elementwise: gradients of binary ops with broadcasting") {

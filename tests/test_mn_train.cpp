@@ -378,3 +378,26 @@ TEST_CASE("mn-train: --epochs 0 evaluates without training (it printed 'test acc
     CHECK(j["test_accuracy"].get<double>() < 0.5);  // untrained: about one class in ten
   }
 }
+
+TEST_CASE("mn-train: a diverging run stops naming the step; --on-nonfinite warn trains on") {
+  std::string exe;
+  if (!ready(exe)) return;
+  TempDir dir("mn_train_test");
+  for (const char* strategy : {"direct", "layerwise"}) {
+    CAPTURE(strategy);
+    // lr 1e12 makes the loss NaN at the second step
+    const std::string args =
+        str("--target mlp --strategy ", strategy, " --lr 1e12 --epochs 1 --threads 1 ", kSmall, " --out ");
+    const CommandResult stop = run(exe, args + (dir / (std::string(strategy) + "_stop")));
+    INFO(stop.all());
+    CHECK(stop.status != 0);
+    CHECK(stop.all().find("non-finite") != std::string::npos);
+    CHECK(stop.all().find("epoch 1/1, batch 2 (global step 1") != std::string::npos);
+    const CommandResult warn =
+        run(exe, args + (dir / (std::string(strategy) + "_warn")) + " --on-nonfinite warn");
+    INFO(warn.all());
+    CHECK(warn.status == 0);
+    CHECK(warn.all().find("warning: ") != std::string::npos);
+  }
+  CHECK(run(exe, "--on-nonfinite ignore").status != 0);
+}

@@ -1,6 +1,9 @@
 // Numerics against PyTorch 1.13 reference data (tests/data/parity_*.safetensors, written by
 // tests/parity/make_parity.py). Tolerances: 1e-5 relative for single ops, 1e-4 for
-// reductions-heavy backward passes (conv weight gradients, batch norm, LSTM).
+// reductions-heavy backward passes (conv weight gradients, batch norm, LSTM). NaN must stand where
+// PyTorch has it.
+#include <functional>
+
 #include "nn/functional_call.h"
 #include "nn/layers.h"
 #include "nn/optim.h"
@@ -23,6 +26,11 @@ void check_near(const Tensor& got, const Tensor& expected, double tol, const std
   double worst = 0;
   size_t worst_i = 0;
   for (size_t i = 0; i < g.size(); ++i) {
+    // NaN positions must match exactly (a NaN error would compare false and pass unseen).
+    if (std::isnan(g[i]) || std::isnan(e[i])) {
+      if (std::isnan(g[i]) != std::isnan(e[i])) FAIL_CHECK("element " << i << ": got " << g[i] << ", expected " << e[i]);
+      continue;
+    }
     const double err = std::abs(g[i] - e[i]) / (1.0 + std::abs(e[i]));
     if (err > worst) {
       worst = err;
@@ -178,4 +186,32 @@ TEST_CASE("parity: SGD, Adam and AdamW trajectories; schedulers") {
     got.push_back(static_cast<float>(opt.lr()));
   }
   check_near(from_vector(got), f.at("lr_plateau"), 1e-6, "plateau");
+}
+
+TEST_CASE("parity: NaN through relu, clamp, maximum/minimum, max/min and max_pool2d, with gradients") {
+  auto f = load_case("nan");
+  // f(inputs) -> y; then the backward of sum(w * y) against PyTorch's gradient of every input.
+  auto run = [&](const std::string& tag, const std::function<Tensor(const std::vector<Tensor>&)>& fn,
+                 const std::vector<std::string>& inputs) {
+    std::vector<Tensor> leaves;
+    for (const std::string& name : inputs) leaves.push_back(leaf(f, name));
+    Tensor y = fn(leaves);
+    check_near(y, f.at(tag), 1e-6, tag + " forward");
+    weighted_backward(y, f.at(tag + "_weight"));
+    for (size_t i = 0; i < leaves.size(); ++i)
+      check_near(leaves[i].grad(), f.at(tag + "_g" + std::to_string(i)), 1e-6, tag + " grad " + std::to_string(i));
+  };
+  run("relu", [](const std::vector<Tensor>& v) { return relu(v[0]); }, {"x"});
+  run("clamp", [](const std::vector<Tensor>& v) { return clamp(v[0], -0.5, 0.5); }, {"x"});
+  run("maximum", [](const std::vector<Tensor>& v) { return maximum(v[0], v[1]); }, {"x", "other"});
+  run("minimum", [](const std::vector<Tensor>& v) { return minimum(v[0], v[1]); }, {"x", "other"});
+  run("max_all", [](const std::vector<Tensor>& v) { return max(v[0]); }, {"x"});
+  run("min_all", [](const std::vector<Tensor>& v) { return min(v[0]); }, {"x"});
+  run("max_dim1", [](const std::vector<Tensor>& v) { return max(v[0], 1).first; }, {"x"});
+  run("min_dim0", [](const std::vector<Tensor>& v) { return min(v[0], 0).first; }, {"x"});
+  CHECK(max(f.at("x"), 1).second.to_vector<int64_t>() == f.at("max_dim1_indices").to_vector<int64_t>());
+  CHECK(min(f.at("x"), 0).second.to_vector<int64_t>() == f.at("min_dim0_indices").to_vector<int64_t>());
+  run("pool", [](const std::vector<Tensor>& v) { return F::max_pool2d(v[0], {2, 2}); }, {"images"});
+  run("pool_pad_ceil", [](const std::vector<Tensor>& v) { return F::max_pool2d(v[0], {3, 3}, {2, 2}, {1, 1}, true); },
+      {"images"});
 }

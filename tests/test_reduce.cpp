@@ -146,6 +146,32 @@ TEST_CASE("reduce: prod, max, min, argmax") {
   CHECK(argmax(i, 0).item() == 2);
 }
 
+TEST_CASE("reduce: NaN wins max/min over all elements and over a dim, forward and backward, like PyTorch") {
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  for (bool is_max : {true, false}) {
+    CAPTURE(is_max);
+    // All elements: the gradient is shared by the NaN elements (torch's evenly_distribute_backward),
+    // not spread as NaN over everything.
+    Tensor x = param({1, nan, 3, nan});
+    Tensor m = is_max ? max(x) : min(x);
+    check_close(m, {nan});
+    m.backward();
+    check_close(x.grad(), {0, 0.5, 0, 0.5});
+    // Over a dim: the value is NaN, the index the first NaN, and the gradient goes there.
+    Tensor y = param({1, nan, 3, 4, 5, 6, nan, nan, 0}, {3, 3});
+    auto [values, indices] = is_max ? max(y, 1) : min(y, 1);
+    check_close(values, {nan, is_max ? 6.0f : 4.0f, nan});
+    CHECK(indices.to_vector<int64_t>() == std::vector<int64_t>{1, is_max ? 2 : 0, 0});
+    sum(values).backward();
+    check_close(y.grad(), is_max ? std::vector<float>{0, 1, 0, 0, 0, 1, 1, 0, 0}
+                                 : std::vector<float>{0, 1, 0, 1, 0, 0, 1, 0, 0});
+    // over dim 0 (the strided kernel path)
+    auto [v0, i0] = is_max ? max(y.detach(), 0) : min(y.detach(), 0);
+    check_close(v0, {nan, nan, is_max ? 6.0f : 0.0f});
+    CHECK(i0.to_vector<int64_t>() == std::vector<int64_t>{2, 0, is_max ? 1 : 2});
+  }
+}
+
 TEST_CASE("reduce: var and std against hand values") {
   Tensor x = tensor({1, 2, 3, 4});
   // mean 2.5, sum of squared deviations 5

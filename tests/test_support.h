@@ -35,7 +35,10 @@ inline void check_close(const Tensor& t, const std::vector<float>& expected, dou
   REQUIRE(got.size() == expected.size());
   for (size_t i = 0; i < got.size(); ++i) {
     INFO("element " << i << ": got " << got[i] << ", expected " << expected[i]);
-    CHECK(std::abs(got[i] - expected[i]) <= tol * (1.0 + std::abs(expected[i])));
+    if (std::isnan(expected[i]))  // an expected NaN is matched by a NaN
+      CHECK(std::isnan(got[i]));
+    else
+      CHECK(std::abs(got[i] - expected[i]) <= tol * (1.0 + std::abs(expected[i])));
   }
 }
 

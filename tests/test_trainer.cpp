@@ -3,6 +3,7 @@
 // "LR finder" behaviours plus the port's fixes: task-only bare losses, explicit history keys, stepping
 // a partial accumulation window, resume from the stored epoch, bitwise restore after a sweep).
 #include <cmath>
+#include <limits>
 #include <memory>
 #include <sstream>
 #include <string>
@@ -682,6 +683,97 @@ TEST_CASE("trainer: fit_epoch runs one pass over any loader") {
   CHECK(latent_values(*model) != before);
   CHECK(trainer.epoch() == 0);  // fit_epoch keeps no epoch count
   CHECK(trainer.optimizer().step_count() == 2);
+}
+
+// ---- non-finite steps ----
+
+namespace {
+// The regression data of regression_loader(n, batch_size) with a NaN in the inputs of sample `bad`.
+data::DataLoader regression_loader_with_nan(int64_t n, int64_t batch_size, int64_t bad) {
+  Generator gen(1);
+  Tensor x = randn({n, 4}, {}, &gen);
+  Tensor y = randn({n, 2}, {}, &gen);
+  std::vector<float> xv = x.to_vector<float>();
+  xv[static_cast<size_t>(bad * 4 + 2)] = std::numeric_limits<float>::quiet_NaN();
+  return data::DataLoader(from_vector(xv, {n, 4}), y, {.batch_size = batch_size});
+}
+
+bool all_finite(const std::vector<std::vector<float>>& values) {
+  for (const auto& v : values)
+    for (float f : v)
+      if (!std::isfinite(f)) return false;
+  return true;
+}
+}  // namespace
+
+TEST_CASE("trainer: a NaN loss stops fit() with an error naming the step, before the step is applied") {
+  auto model = linear_model();
+  auto loader = regression_loader_with_nan(8, 4, 5);  // the second of two batches
+  TrainerConfig config;
+  config.max_epochs = 3;
+  MappingTrainer trainer(*model, loader, nullptr, nullptr, config);
+  trainer.set_epoch(1);  // resumed: the failing step is epoch 2, batch 2, global step 1 * 2 + 1
+  const std::string message = error_message([&] { trainer.fit(); });
+  INFO(message);
+  CHECK(contains(message, "non-finite"));
+  CHECK(contains(message, "epoch 2/3, batch 2 (global step 3"));
+  CHECK(contains(message, "loss (task = nan, total = nan)"));
+  CHECK(contains(message, "gradient of latent"));
+  CHECK_THROWS_AS(trainer.fit(), RuntimeError);
+  // the NaN step never reached the optimizer: the latents are still finite
+  CHECK(all_finite(latent_values(*model)));
+}
+
+TEST_CASE("trainer: a NaN latent stops the first step; a non-finite gradient alone is named as such") {
+  {
+    auto model = linear_model();
+    auto loader = regression_loader();
+    {
+      autograd::NoGradGuard no_grad;
+      model->parameters()[0].fill_(std::numeric_limits<double>::quiet_NaN());
+    }
+    MappingTrainer trainer(*model, loader);
+    const std::string message = error_message([&] { trainer.fit(); });
+    INFO(message);
+    CHECK(contains(message, "epoch 1/100, batch 1 (global step 0"));
+    CHECK(contains(message, "loss ("));
+  }
+  // finite loss, NaN gradients: y + 0 * sqrt(y - y) has the value y and the gradient 0 * inf
+  auto model = linear_model();
+  auto loader = regression_loader();
+  MappingTrainer trainer(*model, loader);
+  trainer.set_batch_forward([](nn::Module& target, const data::Batch& batch) {
+    Tensor y = target.forward(batch.inputs);
+    return add(y, mul(sqrt(sub(y, y)), 0.0));
+  });
+  const std::string message = error_message([&] { trainer.fit(); });
+  INFO(message);
+  CHECK(contains(message, "batch 1 (global step 0"));
+  CHECK(contains(message, "gradient of latent"));
+  CHECK_FALSE(contains(message, "loss ("));
+}
+
+TEST_CASE("trainer: on_nonfinite = warn reports once per epoch with a count, and trains on") {
+  auto model = linear_model();
+  auto loader = regression_loader_with_nan(12, 4, 5);  // batch 2 of 3; the NaN then reaches the latents
+  std::ostringstream log;
+  TrainerConfig config;
+  config.max_epochs = 2;
+  config.on_nonfinite = "warn";
+  config.log = &log;
+  MappingTrainer trainer(*model, loader, nullptr, nullptr, config);
+  const History history = trainer.fit();
+  CHECK(history.epochs() == 2);
+  const std::string text = log.str();
+  INFO(text);
+  CHECK(contains(text, "warning: MappingTrainer: non-finite values at epoch 1/2, batch 2 (global step 1"));
+  CHECK(contains(text, "2 of 3 steps of epoch 1 were not finite"));
+  CHECK(contains(text, "non-finite values at epoch 2/2, batch 1 (global step 3"));
+  CHECK(contains(text, "3 of 3 steps of epoch 2 were not finite"));
+
+  TrainerConfig bad;
+  bad.on_nonfinite = "ignore";
+  CHECK(contains(error_message([&] { MappingTrainer t(*model, loader, nullptr, nullptr, bad); }), "on_nonfinite"));
 }
 
 // ---- learning-rate finder ----

@@ -115,10 +115,12 @@ Tensor pow(const Tensor& a, const Tensor& b) {
 }
 
 namespace {
-// Gradient share of `a` for max/min: 1 where a wins, 1/2 on ties.
-Tensor winner_mask(const Tensor& a, const Tensor& b, bool is_max) {
-  Tensor wins = is_max ? gt(a, b) : lt(a, b);
-  return add(wins, mul(eq(a, b), 0.5));
+// Gradient shares of a and b for max/min, as PyTorch: 1/2 each on ties, 0 for the side that loses
+// and 1 otherwise, so both sides get the whole gradient where a NaN is involved (nothing compares).
+std::pair<Tensor, Tensor> winner_masks(const Tensor& a, const Tensor& b, bool is_max) {
+  const Tensor a_loses = is_max ? lt(a, b) : gt(a, b), b_loses = is_max ? gt(a, b) : lt(a, b);
+  const Tensor tie_half = mul(eq(a, b), 0.5);
+  return {rsub(add(a_loses, tie_half), 1.0), rsub(add(b_loses, tie_half), 1.0)};
 }
 
 Tensor extremum(const Tensor& a, const Tensor& b, bool is_max) {
@@ -127,10 +129,10 @@ Tensor extremum(const Tensor& a, const Tensor& b, bool is_max) {
     autograd::record(is_max ? "MaximumBackward" : "MinimumBackward", {&a, &b}, {&out},
                      [sa = SavedTensor::input(a), sb = SavedTensor::input(b), is_max](const GradContext& c) -> TensorList {
                        Tensor a = sa.unpack(), b = sb.unpack();
-                       Tensor ma = winner_mask(a, b, is_max);
+                       const auto [ma, mb] = winner_masks(a, b, is_max);
                        Tensor ga, gb;
                        if (c.needs(0)) ga = sum_to(mul(c.grad(), ma), a.sizes());
-                       if (c.needs(1)) gb = sum_to(mul(c.grad(), rsub(ma, 1.0)), b.sizes());
+                       if (c.needs(1)) gb = sum_to(mul(c.grad(), mb), b.sizes());
                        return {ga, gb};
                      });
   return out;
@@ -263,7 +265,8 @@ Tensor relu(const Tensor& x) {
   if (autograd::needs_grad({&x}))
     autograd::record("ReluBackward", {&x}, {&out}, [](const OutputContext& c) -> TensorList {
       Tensor y = c.output();
-      if (autograd::grad_mode_enabled()) return {mul(c.grad(), gt(y, 0.0))};
+      // Zero only where y <= 0: a NaN output passes its gradient (PyTorch's threshold_backward).
+      if (autograd::grad_mode_enabled()) return {mul(c.grad(), rsub(le(y, 0.0), 1.0))};
       return {fused_backward(BinaryOp::ReluBackward, c.grad(), y)};
     }, true);
   return out;
@@ -375,6 +378,7 @@ Tensor erf(const Tensor& x) {
 Tensor clamp(const Tensor& x, std::optional<double> lo, std::optional<double> hi) {
   const double inf = std::numeric_limits<double>::infinity();
   const double a = lo.value_or(-inf), b = hi.value_or(inf);
+  MN_CHECK(!std::isnan(a) && !std::isnan(b), ValueError, "clamp: a bound is NaN (min ", a, ", max ", b, ")");
   MN_CHECK(a <= b, ValueError, "clamp: lower bound ", a, " is greater than upper bound ", b);
   Tensor out = empty(x.sizes(), TensorOptions(x.dtype()).with_device(x.device()));
   if (x.dtype() == DType::i64)

@@ -146,9 +146,10 @@ Tensor extreme_all(const Tensor& x, bool is_max) {
     autograd::record(
         is_max ? "MaxBackward" : "MinBackward", {&x}, {&out},
         [sx = SavedTensor::input(x)](const OutputContext& c) -> TensorList {
-          // Ties share the gradient evenly.
+          // Ties share the gradient evenly; a NaN result is shared by the NaN elements (as PyTorch).
           Tensor x = sx.unpack();
-          Tensor winners = eq(x, c.output());
+          const Tensor y = c.output();
+          Tensor winners = add(eq(x, y), mul(ne(x, x), ne(y, y)));
           return {mul(div(winners, sum(winners)), c.grad())};
         },
         /*save_outputs=*/true);

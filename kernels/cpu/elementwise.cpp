@@ -1,131 +1,112 @@
 // CPU elementwise kernels: unary math, binary arithmetic and comparisons, where, fill, copy and the
-// Philox random fill. Each op picks its lambda outside the loop so the inner loop stays branch-free.
+// Philox random fill. The formulas live in kernels/scalar_math.h, shared with the CUDA twins; each op
+// is picked outside the loop so the inner loop stays branch-free.
 #include <cmath>
 #include <cstring>
 
 #include "kernels/cpu/loops.h"
 #include "kernels/kernels.h"
+#include "kernels/scalar_math.h"
 
 namespace mn::kernels {
 namespace {
 
 using cpu::map;
 
-constexpr float kInvSqrt2 = 0.70710678118654752440f;
-constexpr float kInvSqrt2Pi = 0.39894228040143267794f;
-
-inline float gelu_f(float x) { return 0.5f * x * (1.0f + std::erf(x * kInvSqrt2)); }
-inline float gelu_grad_f(float x) {
-  const float cdf = 0.5f * (1.0f + std::erf(x * kInvSqrt2));
-  return cdf + x * kInvSqrt2Pi * std::exp(-0.5f * x * x);
+// Runs `op` as a compile-time constant: math::unary / math::binary fold to the op's formula, so the
+// loop body has no switch and vectorises as a hand-written lambda would.
+template <UnaryOp kOp, class T>
+void unary_as(const Tensor& in, Tensor& out, T a, T b) {
+  if constexpr (std::is_same_v<T, float> || math::unary_takes_i64(kOp))
+    map<T, T>(out, [a, b](T x) { return math::unary(kOp, x, a, b); }, in);
+  else
+    op_unreachable("i64 unary", static_cast<int>(kOp));  // unary_cpu refuses these first
 }
-inline float sigmoid_f(float x) {
-  // Branches keep exp from overflowing for large |x|.
-  if (x >= 0) return 1.0f / (1.0f + std::exp(-x));
-  const float e = std::exp(x);
-  return e / (1.0f + e);
-}
-inline float softplus_f(float x) { return x > 20.0f ? x : std::log1p(std::exp(x)); }
 
 template <class T>
 void unary_typed(UnaryOp op, const Tensor& in, Tensor& out, T a, T b) {
   switch (op) {
-    case UnaryOp::Neg: return map<T, T>(out, [](T x) { return -x; }, in);
-    case UnaryOp::Abs: return map<T, T>(out, [](T x) { return x < 0 ? -x : x; }, in);
-    case UnaryOp::Sign: return map<T, T>(out, [](T x) { return static_cast<T>((x > 0) - (x < 0)); }, in);
-    case UnaryOp::AddScalar: return map<T, T>(out, [a](T x) { return x + a; }, in);
-    case UnaryOp::MulScalar: return map<T, T>(out, [a](T x) { return x * a; }, in);
-    case UnaryOp::RSubScalar: return map<T, T>(out, [a](T x) { return a - x; }, in);
-    case UnaryOp::Clamp: return map<T, T>(out, [a, b](T x) { return x < a ? a : (x > b ? b : x); }, in);
-    default: break;
+    case UnaryOp::Neg: return unary_as<UnaryOp::Neg>(in, out, a, b);
+    case UnaryOp::Exp: return unary_as<UnaryOp::Exp>(in, out, a, b);
+    case UnaryOp::Log: return unary_as<UnaryOp::Log>(in, out, a, b);
+    case UnaryOp::Log1p: return unary_as<UnaryOp::Log1p>(in, out, a, b);
+    case UnaryOp::Sqrt: return unary_as<UnaryOp::Sqrt>(in, out, a, b);
+    case UnaryOp::Rsqrt: return unary_as<UnaryOp::Rsqrt>(in, out, a, b);
+    case UnaryOp::Abs: return unary_as<UnaryOp::Abs>(in, out, a, b);
+    case UnaryOp::Sign: return unary_as<UnaryOp::Sign>(in, out, a, b);
+    case UnaryOp::Relu: return unary_as<UnaryOp::Relu>(in, out, a, b);
+    case UnaryOp::Gelu: return unary_as<UnaryOp::Gelu>(in, out, a, b);
+    case UnaryOp::Tanh: return unary_as<UnaryOp::Tanh>(in, out, a, b);
+    case UnaryOp::Sigmoid: return unary_as<UnaryOp::Sigmoid>(in, out, a, b);
+    case UnaryOp::Softplus: return unary_as<UnaryOp::Softplus>(in, out, a, b);
+    case UnaryOp::Square: return unary_as<UnaryOp::Square>(in, out, a, b);
+    case UnaryOp::Reciprocal: return unary_as<UnaryOp::Reciprocal>(in, out, a, b);
+    case UnaryOp::Sin: return unary_as<UnaryOp::Sin>(in, out, a, b);
+    case UnaryOp::Cos: return unary_as<UnaryOp::Cos>(in, out, a, b);
+    case UnaryOp::Erf: return unary_as<UnaryOp::Erf>(in, out, a, b);
+    case UnaryOp::PowScalar:
+      // The exponent is fixed for the whole loop: the exact special cases are picked here, once.
+      if (a == T(2)) return unary_as<UnaryOp::Square>(in, out, a, b);
+      if (a == T(0.5)) return unary_as<UnaryOp::Sqrt>(in, out, a, b);
+      return unary_as<UnaryOp::PowScalar>(in, out, a, b);
+    case UnaryOp::Clamp: return unary_as<UnaryOp::Clamp>(in, out, a, b);
+    case UnaryOp::AddScalar: return unary_as<UnaryOp::AddScalar>(in, out, a, b);
+    case UnaryOp::MulScalar: return unary_as<UnaryOp::MulScalar>(in, out, a, b);
+    case UnaryOp::RDivScalar: return unary_as<UnaryOp::RDivScalar>(in, out, a, b);
+    case UnaryOp::RSubScalar: return unary_as<UnaryOp::RSubScalar>(in, out, a, b);
   }
-  if constexpr (std::is_same_v<T, float>) {
-    switch (op) {
-      case UnaryOp::Exp: return map<T, T>(out, [](float x) { return std::exp(x); }, in);
-      case UnaryOp::Log: return map<T, T>(out, [](float x) { return std::log(x); }, in);
-      case UnaryOp::Log1p: return map<T, T>(out, [](float x) { return std::log1p(x); }, in);
-      case UnaryOp::Sqrt: return map<T, T>(out, [](float x) { return std::sqrt(x); }, in);
-      case UnaryOp::Rsqrt: return map<T, T>(out, [](float x) { return 1.0f / std::sqrt(x); }, in);
-      case UnaryOp::Relu: return map<T, T>(out, [](float x) { return x > 0 ? x : 0.0f; }, in);
-      case UnaryOp::Gelu: return map<T, T>(out, [](float x) { return gelu_f(x); }, in);
-      case UnaryOp::Tanh: return map<T, T>(out, [](float x) { return std::tanh(x); }, in);
-      case UnaryOp::Sigmoid: return map<T, T>(out, [](float x) { return sigmoid_f(x); }, in);
-      case UnaryOp::Softplus: return map<T, T>(out, [](float x) { return softplus_f(x); }, in);
-      case UnaryOp::Square: return map<T, T>(out, [](float x) { return x * x; }, in);
-      case UnaryOp::Reciprocal: return map<T, T>(out, [](float x) { return 1.0f / x; }, in);
-      case UnaryOp::Sin: return map<T, T>(out, [](float x) { return std::sin(x); }, in);
-      case UnaryOp::Cos: return map<T, T>(out, [](float x) { return std::cos(x); }, in);
-      case UnaryOp::Erf: return map<T, T>(out, [](float x) { return std::erf(x); }, in);
-      case UnaryOp::PowScalar:
-        if (a == 2.0f) return map<T, T>(out, [](float x) { return x * x; }, in);
-        if (a == 0.5f) return map<T, T>(out, [](float x) { return std::sqrt(x); }, in);
-        return map<T, T>(out, [a](float x) { return std::pow(x, a); }, in);
-      case UnaryOp::RDivScalar: return map<T, T>(out, [a](float x) { return a / x; }, in);
-      default: break;
-    }
-  }
-  throw TypeError(str("unary op ", static_cast<int>(op), " is not defined for dtype ", dtype_name(in.dtype())));
+  op_unreachable("unary", static_cast<int>(op));
 }
 
 void unary_cpu(UnaryOp op, const Tensor& in, Tensor& out, double alpha, double beta) {
   if (in.dtype() == DType::f32)
-    unary_typed<float>(op, in, out, static_cast<float>(alpha), static_cast<float>(beta));
+    return unary_typed<float>(op, in, out, static_cast<float>(alpha), static_cast<float>(beta));
+  if (!math::unary_takes_i64(op))
+    throw TypeError(str("unary op ", static_cast<int>(op), " is not defined for dtype ", dtype_name(in.dtype())));
+  unary_typed<int64_t>(op, in, out, saturating_i64(alpha), saturating_i64(beta));
+}
+
+template <BinaryOp kOp, class T>
+void binary_as(const Tensor& a, const Tensor& b, Tensor& out) {
+  constexpr math::BinaryKind kind = math::binary_kind(kOp);
+  if constexpr (kind == math::BinaryKind::Compare)
+    map<float, T, T>(out, [](T x, T y) { return math::compare(kOp, x, y); }, a, b);
+  else if constexpr (std::is_same_v<T, float> || kind == math::BinaryKind::Arith)
+    map<T, T, T>(out, [](T x, T y) { return math::binary(kOp, x, y); }, a, b);
   else
-    unary_typed<int64_t>(op, in, out, saturating_i64(alpha), saturating_i64(beta));
+    op_unreachable("i64 binary", static_cast<int>(kOp));  // binary_cpu refuses these first
 }
 
 template <class T>
-void compare_typed(BinaryOp op, const Tensor& a, const Tensor& b, Tensor& out) {
+void binary_typed(BinaryOp op, const Tensor& a, const Tensor& b, Tensor& out) {
   switch (op) {
-    case BinaryOp::Eq: return map<float, T, T>(out, [](T x, T y) { return float(x == y); }, a, b);
-    case BinaryOp::Ne: return map<float, T, T>(out, [](T x, T y) { return float(x != y); }, a, b);
-    case BinaryOp::Lt: return map<float, T, T>(out, [](T x, T y) { return float(x < y); }, a, b);
-    case BinaryOp::Le: return map<float, T, T>(out, [](T x, T y) { return float(x <= y); }, a, b);
-    case BinaryOp::Gt: return map<float, T, T>(out, [](T x, T y) { return float(x > y); }, a, b);
-    case BinaryOp::Ge: return map<float, T, T>(out, [](T x, T y) { return float(x >= y); }, a, b);
-    default: break;
+    case BinaryOp::Add: return binary_as<BinaryOp::Add, T>(a, b, out);
+    case BinaryOp::Sub: return binary_as<BinaryOp::Sub, T>(a, b, out);
+    case BinaryOp::Mul: return binary_as<BinaryOp::Mul, T>(a, b, out);
+    case BinaryOp::Div: return binary_as<BinaryOp::Div, T>(a, b, out);
+    case BinaryOp::Pow: return binary_as<BinaryOp::Pow, T>(a, b, out);
+    case BinaryOp::Maximum: return binary_as<BinaryOp::Maximum, T>(a, b, out);
+    case BinaryOp::Minimum: return binary_as<BinaryOp::Minimum, T>(a, b, out);
+    case BinaryOp::Eq: return binary_as<BinaryOp::Eq, T>(a, b, out);
+    case BinaryOp::Ne: return binary_as<BinaryOp::Ne, T>(a, b, out);
+    case BinaryOp::Lt: return binary_as<BinaryOp::Lt, T>(a, b, out);
+    case BinaryOp::Le: return binary_as<BinaryOp::Le, T>(a, b, out);
+    case BinaryOp::Gt: return binary_as<BinaryOp::Gt, T>(a, b, out);
+    case BinaryOp::Ge: return binary_as<BinaryOp::Ge, T>(a, b, out);
+    case BinaryOp::ReluBackward: return binary_as<BinaryOp::ReluBackward, T>(a, b, out);
+    case BinaryOp::GeluBackward: return binary_as<BinaryOp::GeluBackward, T>(a, b, out);
+    case BinaryOp::TanhBackward: return binary_as<BinaryOp::TanhBackward, T>(a, b, out);
+    case BinaryOp::SigmoidBackward: return binary_as<BinaryOp::SigmoidBackward, T>(a, b, out);
+    case BinaryOp::SoftplusBackward: return binary_as<BinaryOp::SoftplusBackward, T>(a, b, out);
   }
-}
-
-template <class T>
-void arith_typed(BinaryOp op, const Tensor& a, const Tensor& b, Tensor& out) {
-  switch (op) {
-    case BinaryOp::Add: return map<T, T, T>(out, [](T x, T y) { return x + y; }, a, b);
-    case BinaryOp::Sub: return map<T, T, T>(out, [](T x, T y) { return x - y; }, a, b);
-    case BinaryOp::Mul: return map<T, T, T>(out, [](T x, T y) { return x * y; }, a, b);
-    case BinaryOp::Maximum: return map<T, T, T>(out, [](T x, T y) { return x != x || x > y ? x : y; }, a, b);
-    case BinaryOp::Minimum: return map<T, T, T>(out, [](T x, T y) { return x != x || x < y ? x : y; }, a, b);
-    case BinaryOp::Div:
-      if constexpr (std::is_same_v<T, float>) return map<T, T, T>(out, [](T x, T y) { return x / y; }, a, b);
-      break;
-    default: break;
-  }
-  if constexpr (std::is_same_v<T, float>) {
-    switch (op) {
-      case BinaryOp::Pow: return map<T, T, T>(out, [](float x, float y) { return std::pow(x, y); }, a, b);
-      case BinaryOp::ReluBackward:
-        return map<T, T, T>(out, [](float g, float x) { return x > 0 ? g : 0.0f; }, a, b);
-      case BinaryOp::GeluBackward:
-        return map<T, T, T>(out, [](float g, float x) { return g * gelu_grad_f(x); }, a, b);
-      case BinaryOp::TanhBackward:
-        return map<T, T, T>(out, [](float g, float y) { return g * (1.0f - y * y); }, a, b);
-      case BinaryOp::SigmoidBackward:
-        return map<T, T, T>(out, [](float g, float y) { return g * y * (1.0f - y); }, a, b);
-      case BinaryOp::SoftplusBackward:
-        return map<T, T, T>(out, [](float g, float x) { return g * sigmoid_f(x); }, a, b);
-      default: break;
-    }
-  }
-  throw TypeError(str("binary op ", static_cast<int>(op), " is not defined for dtype ", dtype_name(a.dtype())));
+  op_unreachable("binary", static_cast<int>(op));
 }
 
 void binary_cpu(BinaryOp op, const Tensor& a, const Tensor& b, Tensor& out) {
-  if (op >= BinaryOp::Eq && op <= BinaryOp::Ge) {
-    if (a.dtype() == DType::f32) return compare_typed<float>(op, a, b, out);
-    return compare_typed<int64_t>(op, a, b, out);
-  }
-  if (a.dtype() == DType::f32) return arith_typed<float>(op, a, b, out);
-  arith_typed<int64_t>(op, a, b, out);
+  if (a.dtype() == DType::f32) return binary_typed<float>(op, a, b, out);
+  if (math::binary_kind(op) == math::BinaryKind::FloatArith)
+    throw TypeError(str("binary op ", static_cast<int>(op), " is not defined for dtype ", dtype_name(a.dtype())));
+  binary_typed<int64_t>(op, a, b, out);
 }
 
 void where_cpu(const Tensor& cond, const Tensor& a, const Tensor& b, Tensor& out) {

@@ -252,6 +252,36 @@ void run_fold(const ReducePlan& plan, const Fold& fold, Finish finish, T* out) {
   }
 }
 
+// Mean and the p-norms (f32 only).
+void reduce_float(ReduceOp op, const ReducePlan& plan, double p, float* out) {
+  using T = float;
+  auto as_is = [](auto acc) { return static_cast<float>(acc); };
+  const double n = static_cast<double>(plan.len);
+  auto to_double = [](float x) { return static_cast<double>(x); };
+  auto abs_value = [](float x) { return static_cast<double>(std::fabs(x)); };
+  if (op == ReduceOp::Mean)
+    return run_fold<T>(
+        plan, SumFold<T, decltype(to_double)>{to_double}, [n](double s) { return float(s / n); }, out);
+  // p-norms
+  if (p == 2.0) {
+    auto square = [](float x) { return static_cast<double>(x) * x; };
+    return run_fold<T>(
+        plan, SumFold<T, decltype(square)>{square}, [](double s) { return float(std::sqrt(s)); }, out);
+  }
+  if (p == 1.0) return run_fold<T>(plan, SumFold<T, decltype(abs_value)>{abs_value}, as_is, out);
+  if (std::isinf(p)) {
+    if (p > 0) return run_fold<T>(plan, ExtremeFold<T, true, true>{}, as_is, out);
+    return run_fold<T>(plan, ExtremeFold<T, false, true>{}, as_is, out);
+  }
+  if (p == 0.0) {
+    auto nonzero = [](float x) { return x != 0.0f ? 1.0 : 0.0; };
+    return run_fold<T>(plan, SumFold<T, decltype(nonzero)>{nonzero}, as_is, out);
+  }
+  auto abs_pow = [p](float x) { return std::pow(std::fabs(static_cast<double>(x)), p); };
+  return run_fold<T>(
+      plan, SumFold<T, decltype(abs_pow)>{abs_pow}, [p](double s) { return float(std::pow(s, 1.0 / p)); }, out);
+}
+
 template <class T>
 void reduce_typed(ReduceOp op, const ReducePlan& plan, double p, T* out) {
   auto as_is = [](auto acc) { return static_cast<T>(acc); };
@@ -261,37 +291,13 @@ void reduce_typed(ReduceOp op, const ReducePlan& plan, double p, T* out) {
     case ReduceOp::Max: return run_fold<T>(plan, ExtremeFold<T, true>{}, as_is, out);
     case ReduceOp::Min: return run_fold<T>(plan, ExtremeFold<T, false>{}, as_is, out);
     case ReduceOp::Prod: return run_fold<T>(plan, ProdFold<T>{}, as_is, out);
-    default: break;
+    case ReduceOp::Mean:
+    case ReduceOp::Norm:
+      if constexpr (std::is_same_v<T, float>) return reduce_float(op, plan, p, out);
+      throw TypeError(
+          str("reduce: ", op == ReduceOp::Mean ? "mean" : "norm", " needs a floating-point input, got i64"));
   }
-  if constexpr (std::is_same_v<T, float>) {
-    const double n = static_cast<double>(plan.len);
-    auto to_double = [](float x) { return static_cast<double>(x); };
-    auto abs_value = [](float x) { return static_cast<double>(std::fabs(x)); };
-    if (op == ReduceOp::Mean)
-      return run_fold<T>(
-          plan, SumFold<T, decltype(to_double)>{to_double}, [n](double s) { return float(s / n); }, out);
-    // p-norms
-    if (p == 2.0) {
-      auto square = [](float x) { return static_cast<double>(x) * x; };
-      return run_fold<T>(
-          plan, SumFold<T, decltype(square)>{square}, [](double s) { return float(std::sqrt(s)); }, out);
-    }
-    if (p == 1.0) return run_fold<T>(plan, SumFold<T, decltype(abs_value)>{abs_value}, as_is, out);
-    if (std::isinf(p)) {
-      if (p > 0) return run_fold<T>(plan, ExtremeFold<T, true, true>{}, as_is, out);
-      return run_fold<T>(plan, ExtremeFold<T, false, true>{}, as_is, out);
-    }
-    if (p == 0.0) {
-      auto nonzero = [](float x) { return x != 0.0f ? 1.0 : 0.0; };
-      return run_fold<T>(plan, SumFold<T, decltype(nonzero)>{nonzero}, as_is, out);
-    }
-    auto abs_pow = [p](float x) { return std::pow(std::fabs(static_cast<double>(x)), p); };
-    return run_fold<T>(
-        plan, SumFold<T, decltype(abs_pow)>{abs_pow}, [p](double s) { return float(std::pow(s, 1.0 / p)); },
-        out);
-  }
-  throw TypeError(
-      str("reduce: ", op == ReduceOp::Mean ? "mean" : "norm", " needs a floating-point input, got i64"));
+  op_unreachable("reduce", static_cast<int>(op));
 }
 
 void reduce_cpu(ReduceOp op, const Tensor& in, uint32_t dim_mask, Tensor& out, double param) {

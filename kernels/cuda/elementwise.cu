@@ -1,11 +1,13 @@
 // CUDA elementwise kernels: unary math, binary arithmetic, comparisons and activation backwards, and
-// where. Twins of kernels/cpu/elementwise.cpp (same formulas, same NaN and i64 rules). Operands are
+// where. Twins of kernels/cpu/elementwise.cpp: both evaluate the formulas of kernels/scalar_math.h
+// (same NaN and i64 rules). Operands are
 // views of the output's shape with arbitrary (possibly zero) strides: dims are collapsed on the host
 // as in the CPU loop, and a dense layout shared by all operands runs as a flat index. Each op is a
 // small functor with a switch on the op (uniform across threads); one grid-stride loop per launch.
 #include <cmath>
 
 #include "kernels/cuda/compute_utils.cuh"
+#include "kernels/scalar_math.h"
 
 namespace mn::kernels {
 namespace {
@@ -140,168 +142,46 @@ void launch3(const Tensor& c, const Tensor& a, const Tensor& b, Tensor& out, F f
   MN_CUDA_CHECK_LAUNCH();
 }
 
-// ---------------- math (as in the CPU kernels) ----------------
+// ---------------- unary and binary: the formulas of kernels/scalar_math.h ----------------
 
-constexpr float kInvSqrt2 = 0.70710678118654752440f;
-constexpr float kInvSqrt2Pi = 0.39894228040143267794f;
-
-__device__ inline float gelu_f(float x) { return 0.5f * x * (1.0f + erff(x * kInvSqrt2)); }
-__device__ inline float gelu_grad_f(float x) {
-  const float cdf = 0.5f * (1.0f + erff(x * kInvSqrt2));
-  return cdf + x * kInvSqrt2Pi * expf(-0.5f * x * x);
-}
-__device__ inline float sigmoid_f(float x) {
-  if (x >= 0) return 1.0f / (1.0f + expf(-x));
-  const float e = expf(x);
-  return e / (1.0f + e);
-}
-__device__ inline float softplus_f(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
-
-// ---------------- unary ----------------
-
-struct UnaryF32 {
+template <class T>
+struct Unary {
   UnaryOp op;
-  float a, b;
-  __device__ float operator()(float x) const {
-    switch (op) {
-      case UnaryOp::Neg: return -x;
-      case UnaryOp::Exp: return expf(x);
-      case UnaryOp::Log: return logf(x);
-      case UnaryOp::Log1p: return log1pf(x);
-      case UnaryOp::Sqrt: return sqrtf(x);
-      case UnaryOp::Rsqrt: return 1.0f / sqrtf(x);
-      case UnaryOp::Abs: return x < 0 ? -x : x;
-      case UnaryOp::Sign: return static_cast<float>((x > 0) - (x < 0));
-      case UnaryOp::Relu: return x > 0 ? x : 0.0f;
-      case UnaryOp::Gelu: return gelu_f(x);
-      case UnaryOp::Tanh: return tanhf(x);
-      case UnaryOp::Sigmoid: return sigmoid_f(x);
-      case UnaryOp::Softplus: return softplus_f(x);
-      case UnaryOp::Square: return x * x;
-      case UnaryOp::Reciprocal: return 1.0f / x;
-      case UnaryOp::Sin: return sinf(x);
-      case UnaryOp::Cos: return cosf(x);
-      case UnaryOp::Erf: return erff(x);
-      case UnaryOp::PowScalar:
-        if (a == 2.0f) return x * x;
-        if (a == 0.5f) return sqrtf(x);
-        return powf(x, a);
-      case UnaryOp::Clamp: return x < a ? a : (x > b ? b : x);
-      case UnaryOp::AddScalar: return x + a;
-      case UnaryOp::MulScalar: return x * a;
-      case UnaryOp::RDivScalar: return a / x;
-      case UnaryOp::RSubScalar: return a - x;
-    }
-    return x;
-  }
+  T a, b;
+  __device__ T operator()(T x) const { return math::unary(op, x, a, b); }
 };
-
-struct UnaryI64 {
-  UnaryOp op;
-  int64_t a, b;
-  __device__ int64_t operator()(int64_t x) const {
-    switch (op) {
-      case UnaryOp::Neg: return -x;
-      case UnaryOp::Abs: return x < 0 ? -x : x;
-      case UnaryOp::Sign: return static_cast<int64_t>((x > 0) - (x < 0));
-      case UnaryOp::AddScalar: return x + a;
-      case UnaryOp::MulScalar: return x * a;
-      case UnaryOp::RSubScalar: return a - x;
-      case UnaryOp::Clamp: return x < a ? a : (x > b ? b : x);
-      default: return x;
-    }
-  }
-};
-
-bool unary_defined_for_i64(UnaryOp op) {
-  switch (op) {
-    case UnaryOp::Neg:
-    case UnaryOp::Abs:
-    case UnaryOp::Sign:
-    case UnaryOp::AddScalar:
-    case UnaryOp::MulScalar:
-    case UnaryOp::RSubScalar:
-    case UnaryOp::Clamp: return true;
-    default: return false;
-  }
-}
 
 void unary_cuda(UnaryOp op, const Tensor& in, Tensor& out, double alpha, double beta) {
   if (in.dtype() == DType::f32)
-    return launch1<float, float>(in, out, UnaryF32{op, static_cast<float>(alpha), static_cast<float>(beta)});
-  if (!unary_defined_for_i64(op))
+    return launch1<float, float>(in, out, Unary<float>{op, static_cast<float>(alpha), static_cast<float>(beta)});
+  if (!math::unary_takes_i64(op))
     throw TypeError(str("unary op ", static_cast<int>(op), " is not defined for dtype ", dtype_name(in.dtype())));
-  launch1<int64_t, int64_t>(in, out, UnaryI64{op, saturating_i64(alpha), saturating_i64(beta)});
+  launch1<int64_t, int64_t>(in, out, Unary<int64_t>{op, saturating_i64(alpha), saturating_i64(beta)});
 }
-
-// ---------------- binary ----------------
 
 template <class T>
 struct Compare {
   BinaryOp op;
-  __device__ float operator()(T x, T y) const {
-    switch (op) {
-      case BinaryOp::Eq: return float(x == y);
-      case BinaryOp::Ne: return float(x != y);
-      case BinaryOp::Lt: return float(x < y);
-      case BinaryOp::Le: return float(x <= y);
-      case BinaryOp::Gt: return float(x > y);
-      case BinaryOp::Ge: return float(x >= y);
-      default: return 0.0f;
-    }
-  }
+  __device__ float operator()(T x, T y) const { return math::compare(op, x, y); }
 };
 
-struct ArithF32 {
+template <class T>
+struct Arith {
   BinaryOp op;
-  __device__ float operator()(float x, float y) const {
-    switch (op) {
-      case BinaryOp::Add: return x + y;
-      case BinaryOp::Sub: return x - y;
-      case BinaryOp::Mul: return x * y;
-      case BinaryOp::Div: return x / y;
-      case BinaryOp::Pow: return powf(x, y);
-      case BinaryOp::Maximum: return x != x || x > y ? x : y;
-      case BinaryOp::Minimum: return x != x || x < y ? x : y;
-      case BinaryOp::ReluBackward: return y > 0 ? x : 0.0f;
-      case BinaryOp::GeluBackward: return x * gelu_grad_f(y);
-      case BinaryOp::TanhBackward: return x * (1.0f - y * y);
-      case BinaryOp::SigmoidBackward: return x * y * (1.0f - y);
-      case BinaryOp::SoftplusBackward: return x * sigmoid_f(y);
-      default: return 0.0f;
-    }
-  }
-};
-
-struct ArithI64 {
-  BinaryOp op;
-  __device__ int64_t operator()(int64_t x, int64_t y) const {
-    switch (op) {
-      case BinaryOp::Add: return x + y;
-      case BinaryOp::Sub: return x - y;
-      case BinaryOp::Mul: return x * y;
-      case BinaryOp::Maximum: return x > y ? x : y;
-      case BinaryOp::Minimum: return x < y ? x : y;
-      default: return 0;
-    }
-  }
+  __device__ T operator()(T x, T y) const { return math::binary(op, x, y); }
 };
 
 void binary_cuda(BinaryOp op, const Tensor& a, const Tensor& b, Tensor& out) {
-  if (op >= BinaryOp::Eq && op <= BinaryOp::Ge) {
-    if (a.dtype() == DType::f32) return launch2<float, float, float>(a, b, out, Compare<float>{op});
+  const math::BinaryKind kind = math::binary_kind(op);
+  const bool f32 = a.dtype() == DType::f32;
+  if (kind == math::BinaryKind::Compare) {
+    if (f32) return launch2<float, float, float>(a, b, out, Compare<float>{op});
     return launch2<float, int64_t, int64_t>(a, b, out, Compare<int64_t>{op});
   }
-  if (a.dtype() == DType::f32) return launch2<float, float, float>(a, b, out, ArithF32{op});
-  switch (op) {
-    case BinaryOp::Add:
-    case BinaryOp::Sub:
-    case BinaryOp::Mul:
-    case BinaryOp::Maximum:
-    case BinaryOp::Minimum: return launch2<int64_t, int64_t, int64_t>(a, b, out, ArithI64{op});
-    default: break;
-  }
-  throw TypeError(str("binary op ", static_cast<int>(op), " is not defined for dtype ", dtype_name(a.dtype())));
+  if (f32) return launch2<float, float, float>(a, b, out, Arith<float>{op});
+  if (kind == math::BinaryKind::FloatArith)
+    throw TypeError(str("binary op ", static_cast<int>(op), " is not defined for dtype ", dtype_name(a.dtype())));
+  launch2<int64_t, int64_t, int64_t>(a, b, out, Arith<int64_t>{op});
 }
 
 // ---------------- where ----------------

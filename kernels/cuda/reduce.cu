@@ -48,7 +48,7 @@ struct FloatSumFold {
         return a + d * d;
       }
     }
-    return a;
+    op_unreachable("float sum", static_cast<int>(kind));
   }
   __device__ Acc merge(Acc a, Acc b) const { return a + b; }
   __device__ float finish(Acc a, int64_t) const {
@@ -57,8 +57,11 @@ struct FloatSumFold {
       case SumKind::SqDev: return static_cast<float>(a / divisor);
       case SumKind::Square: return static_cast<float>(sqrt(a));
       case SumKind::AbsPow: return static_cast<float>(pow(a, 1.0 / p));
-      default: return static_cast<float>(a);
+      case SumKind::Sum:
+      case SumKind::Abs:
+      case SumKind::NonZero: return static_cast<float>(a);
     }
+    op_unreachable("float sum", static_cast<int>(kind));
   }
 };
 
@@ -262,43 +265,45 @@ void run_fold(const Plan& plan, const Tensor& in, Out* out, const Fold& fold) {
   }
 }
 
+// Mean and the p-norms (f32 only).
+void reduce_float(ReduceOp op, const Plan& plan, const Tensor& in, double p, float* out) {
+  FloatSumFold fold{SumKind::Mean};
+  if (op == ReduceOp::Mean) {
+    fold.divisor = static_cast<double>(plan.len);
+  } else if (p == 2.0) {
+    fold.kind = SumKind::Square;
+  } else if (p == 1.0) {
+    fold.kind = SumKind::Abs;
+  } else if (std::isinf(p)) {
+    if (p > 0) return run_fold<float>(plan, in, out, ExtremeFold<float, true, true>{});
+    return run_fold<float>(plan, in, out, ExtremeFold<float, false, true>{});
+  } else if (p == 0.0) {
+    fold.kind = SumKind::NonZero;
+  } else {
+    fold.kind = SumKind::AbsPow;
+    fold.p = p;
+  }
+  run_fold<float>(plan, in, out, fold);
+}
+
 template <class T>
 void reduce_typed(ReduceOp op, const Plan& plan, const Tensor& in, double p, T* out) {
   switch (op) {
+    case ReduceOp::Sum:
+      if constexpr (std::is_same_v<T, float>)
+        return run_fold<T>(plan, in, out, FloatSumFold{SumKind::Sum});
+      else
+        return run_fold<T>(plan, in, out, IntSumFold{});
     case ReduceOp::Max: return run_fold<T>(plan, in, out, ExtremeFold<T, true>{});
     case ReduceOp::Min: return run_fold<T>(plan, in, out, ExtremeFold<T, false>{});
     case ReduceOp::Prod: return run_fold<T>(plan, in, out, ProdFold<T>{});
-    default: break;
+    case ReduceOp::Mean:
+    case ReduceOp::Norm:
+      if constexpr (std::is_same_v<T, float>) return reduce_float(op, plan, in, p, out);
+      throw TypeError(
+          str("reduce: ", op == ReduceOp::Mean ? "mean" : "norm", " needs a floating-point input, got i64"));
   }
-  if constexpr (std::is_same_v<T, float>) {
-    FloatSumFold fold{SumKind::Sum};
-    switch (op) {
-      case ReduceOp::Sum: break;
-      case ReduceOp::Mean:
-        fold.kind = SumKind::Mean;
-        fold.divisor = static_cast<double>(plan.len);
-        break;
-      default:  // Norm
-        if (p == 2.0) {
-          fold.kind = SumKind::Square;
-        } else if (p == 1.0) {
-          fold.kind = SumKind::Abs;
-        } else if (std::isinf(p)) {
-          if (p > 0) return run_fold<T>(plan, in, out, ExtremeFold<T, true, true>{});
-          return run_fold<T>(plan, in, out, ExtremeFold<T, false, true>{});
-        } else if (p == 0.0) {
-          fold.kind = SumKind::NonZero;
-        } else {
-          fold.kind = SumKind::AbsPow;
-          fold.p = p;
-        }
-    }
-    return run_fold<T>(plan, in, out, fold);
-  } else {
-    if (op == ReduceOp::Sum) return run_fold<T>(plan, in, out, IntSumFold{});
-    throw TypeError(
-        str("reduce: ", op == ReduceOp::Mean ? "mean" : "norm", " needs a floating-point input, got i64"));
-  }
+  op_unreachable("reduce", static_cast<int>(op));
 }
 
 void require_contiguous(const Tensor& t, const char* kernel, const char* arg) {

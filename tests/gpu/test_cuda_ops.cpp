@@ -176,6 +176,44 @@ TEST_CASE("cuda ops: unary in place, into a strided output, on NaN and on empty 
   CHECK(eo.gpu.numel() == 0);
 }
 
+TEST_CASE("cuda ops: NaN through relu, clamp, maximum/minimum, max/min and max_pool2d, with gradients") {
+  // The same values and gradients on both devices, NaN for NaN (the CPU side is checked against
+  // PyTorch in tests/test_parity.cpp). Relu's backward is the fused kernel here (no create_graph).
+  const std::vector<float> xv{kNaN, -1, 2, 0, 1.5f, kNaN, -3, 0.25f};
+  const Tensor x = from_vector(xv, {2, 4});
+  const Tensor other = from_vector(std::vector<float>{1, kNaN, 2, -1, kNaN, 0, -3, 5}, {2, 4});
+  using Fn = std::function<Tensor(const Tensor&, const Tensor&)>;
+  const std::vector<std::pair<const char*, Fn>> cases = {
+      {"relu", [](const Tensor& a, const Tensor&) { return relu(a); }},
+      {"clamp", [](const Tensor& a, const Tensor&) { return clamp(a, -0.5, 0.5); }},
+      {"maximum", [](const Tensor& a, const Tensor& b) { return maximum(a, b); }},
+      {"minimum", [](const Tensor& a, const Tensor& b) { return minimum(a, b); }},
+      {"max", [](const Tensor& a, const Tensor&) { return max(a); }},
+      {"min over dim 1", [](const Tensor& a, const Tensor&) { return min(a, 1).first; }},
+      {"max over dim 0", [](const Tensor& a, const Tensor&) { return max(a, 0).first; }},
+      {"max_pool2d", [](const Tensor& a, const Tensor&) { return F::max_pool2d(a.reshape({1, 2, 2, 2}), {2, 2}); }},
+  };
+  for (const auto& [name, fn] : cases) {
+    CAPTURE(name);
+    Pair a = pair_of(x.clone()), b = pair_of(other.clone());
+    for (Tensor* t : {&a.cpu, &a.gpu, &b.cpu, &b.gpu}) t->requires_grad_(true);
+    const Pair y = {fn(a.cpu, b.cpu), fn(a.gpu, b.gpu)};
+    expect_close(y, 0, 0);
+    sum(y.cpu).backward();
+    sum(y.gpu).backward();
+    expect_close(a.gpu.grad(), a.cpu.grad(), 0, 0);
+    if (b.cpu.grad().defined()) expect_close(b.gpu.grad(), b.cpu.grad(), 0, 0);
+  }
+  // relu keeps NaN and its backward passes the gradient there (fixed values, not only CPU == GPU)
+  const Pair nan_in = pair_of(from_vector(std::vector<float>{kNaN, -1, 2}));
+  Pair r = empty_pair({3}), g = empty_pair({3});
+  K::unary(kGpu, K::UnaryOp::Relu, nan_in.gpu, r.gpu, 0, 0);
+  K::binary(kGpu, K::BinaryOp::ReluBackward, ones({3}).to(kGpu), r.gpu, g.gpu);
+  const std::vector<float> rv = r.gpu.to_vector<float>(), gv = g.gpu.to_vector<float>();
+  CHECK(std::isnan(rv[0]));
+  CHECK(gv == std::vector<float>{1, 0, 1});
+}
+
 TEST_CASE("cuda ops: unary i64 variants and refusals") {
   const Pair in = int_pair({5, 8}, 21, -50, 50);
   for (K::UnaryOp op : {K::UnaryOp::Neg, K::UnaryOp::Abs, K::UnaryOp::Sign, K::UnaryOp::AddScalar,

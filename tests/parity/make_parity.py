@@ -195,8 +195,46 @@ def optimizers():
     save("optim", out)
 
 
+def nan_propagation():
+    """NaN through relu, clamp, maximum/minimum, max/min over all elements and over a dim, and
+    max_pool2d, forward and backward (issue 16: NaN must not disappear)."""
+    torch.manual_seed(16)
+    nan = float("nan")
+    out = {}
+    base = torch.randn(4, 6)
+    base[0, 1] = base[2, 0] = base[2, 5] = base[3, 3] = nan
+    other = torch.randn(4, 6)
+    other[0, 1] = other[1, 2] = other[3, 0] = nan
+    other[1, 4] = base[1, 4]  # a tie
+    out["x"], out["other"] = base, other
+
+    def run(tag, f, *inputs):
+        leaves = [t.clone().requires_grad_(True) for t in inputs]
+        y = f(*leaves)
+        weighted_backward(y, tag, out)
+        out[tag] = y
+        for i, t in enumerate(leaves):
+            out[f"{tag}_g{i}"] = t.grad
+
+    run("relu", F.relu, base)
+    run("clamp", lambda t: torch.clamp(t, -0.5, 0.5), base)
+    run("maximum", torch.maximum, base, other)
+    run("minimum", torch.minimum, base, other)
+    run("max_all", lambda t: t.max(), base)
+    run("min_all", lambda t: t.min(), base)
+    for name, fn, dim in (("max_dim1", torch.max, 1), ("min_dim0", torch.min, 0)):
+        run(name, lambda t: fn(t, dim).values, base)
+        out[name + "_indices"] = fn(base, dim).indices
+    images = torch.randn(2, 2, 7, 7)
+    images[0, 0, 1, 1] = images[0, 1, 6, 6] = images[1, 0, 0, 3] = nan
+    out["images"] = images
+    run("pool", lambda t: F.max_pool2d(t, 2), images)
+    run("pool_pad_ceil", lambda t: F.max_pool2d(t, 3, stride=2, padding=1, ceil_mode=True), images)
+    save("nan", out)
+
+
 CASES = {"conv2d": conv2d, "pooling": pooling, "batch_norm": batch_norm, "lstm": lstm, "losses": losses,
-         "optim": optimizers}
+         "optim": optimizers, "nan": nan_propagation}
 
 if __name__ == "__main__":
     # With no arguments every case is written; otherwise only the named ones. The first six cases draw
