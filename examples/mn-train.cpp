@@ -608,6 +608,8 @@ Summary train_direct(const Options& o, Device device, const data::Dataset& train
       else
         state[e.name] = e.tensor.to(device);
     }
+    // Checked before the network changes, so a bad optimizer state leaves nothing half loaded.
+    optimizer->check_state_dict(opt_state, str("checkpoint ", checkpoint, ": optimizer state"));
     {
       autograd::NoGradGuard no_grad;
       net->load_state_dict(state);

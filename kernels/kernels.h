@@ -188,7 +188,8 @@ void register_cuda_kernels();
 
 namespace mn::kernels {
 
-// ---- optimizer updates (in place on contiguous f32 tensors of one shape) ----
+// ---- optimizer updates (in place on contiguous f32 tensors of one shape, which the kernels check:
+// kernels/optim_update.h) ----
 struct AdamParams {
   double lr, beta1, beta2, eps, weight_decay;
   int64_t step;      // 1-based, for bias correction

@@ -350,26 +350,11 @@ std::string encode(const json& j) {
   }
 }
 
-// The optimizer's own load_state_dict checks, done up front so that a mismatch leaves the model as it was.
+// The optimizer's own load_state_dict checks, done up front so that a mismatch leaves the model as it
+// was; the message gains the file's name.
 void check_optimizer_state(const std::string& path, const nn::optim::OptimizerState& state,
                            const nn::optim::Optimizer& optimizer) {
-  MN_CHECK(state.count("lr") && state.count("step"), ValueError, "checkpoint ", path,
-           ": the optimizer state lacks 'lr' or 'step'");
-  const auto& params = optimizer.params();
-  for (const auto& [key, value] : state) {
-    if (key.rfind("state.", 0) != 0) continue;
-    const size_t dot = key.find('.', 6);
-    size_t index = params.size();
-    try {
-      if (dot != std::string::npos) index = std::stoul(key.substr(6, dot - 6));
-    } catch (const std::exception&) {
-    }
-    MN_CHECK(index < params.size(), ValueError, "checkpoint ", path, ": optimizer state '", key,
-             "' does not match the trainer's optimizer (", params.size(), " parameters)");
-    MN_CHECK(value.dim() == 0 || value.sizes() == params[index].sizes(), ValueError, "checkpoint ", path,
-             ": optimizer state '", key, "' has shape ", value.sizes(), " but the trainer's parameter ", index,
-             " has shape ", params[index].sizes());
-  }
+  optimizer.check_state_dict(state, str("checkpoint ", path, ": optimizer state"));
 }
 
 // The saved trainable loss coefficients, checked against the trainer's (names and shapes).

@@ -1,8 +1,10 @@
 #include "nn/optim.h"
 
-#include <cmath>
 #include <algorithm>
+#include <charconv>
+#include <cmath>
 #include <limits>
+#include <optional>
 
 #include "autograd/node.h"
 #include "autograd/ops.h"
@@ -11,8 +13,7 @@
 
 namespace mn::nn::optim {
 
-Optimizer::Optimizer(std::vector<Tensor> params, double lr) : params_(std::move(params)), lr_(lr) {
-  MN_CHECK(lr >= 0.0, ValueError, "optimizer: learning rate must be non-negative, got ", lr);
+Optimizer::Optimizer(std::vector<Tensor> params) : params_(std::move(params)) {
   for (size_t i = 0; i < params_.size(); ++i) {
     MN_CHECK(params_[i].defined() && params_[i].requires_grad() && params_[i].is_leaf(), ValueError,
              "optimizer: parameter ", i, " must be a leaf tensor that requires grad");
@@ -22,47 +23,130 @@ Optimizer::Optimizer(std::vector<Tensor> params, double lr) : params_(std::move(
   state_.resize(params_.size());
 }
 
+void Optimizer::check_lr(double lr, const std::string& who) {
+  MN_CHECK(lr >= 0.0, ValueError, who, ": learning rate must be non-negative, got ", lr);
+}
+
 void Optimizer::zero_grad() {
   for (Tensor& p : params_) p.set_grad(Tensor());
 }
 
 void Optimizer::set_lr(double lr) {
-  MN_CHECK(lr >= 0.0, ValueError, "optimizer: learning rate must be non-negative, got ", lr);
-  lr_ = lr;
+  check_lr(lr, name());
+  store_lr(lr);
 }
 
 OptimizerState Optimizer::state_dict() const {
   OptimizerState out;
-  out["lr"] = scalar_tensor(lr_);
+  out["lr"] = scalar_tensor(lr());
   out["step"] = scalar_tensor(static_cast<double>(steps_), DType::i64);
   for (size_t i = 0; i < state_.size(); ++i)
     for (const auto& [k, v] : state_[i]) out["state." + std::to_string(i) + "." + k] = v.detach().clone();
   return out;
 }
 
+namespace {
+
+constexpr const char* kStatePrefix = "state.";
+
+// "state.<index>.<name>": the index in decimal as std::to_string writes it (no sign, no leading
+// zeros, no overflow), the name non-empty. nullopt for anything else.
+struct StateKey {
+  size_t index;
+  std::string name;
+};
+std::optional<StateKey> parse_state_key(const std::string& key) {
+  const size_t begin = std::string(kStatePrefix).size();
+  if (key.rfind(kStatePrefix, 0) != 0) return std::nullopt;
+  const size_t dot = key.find('.', begin);
+  if (dot == std::string::npos || dot == begin || dot + 1 == key.size()) return std::nullopt;
+  size_t index = 0;
+  const char* first = key.data() + begin;
+  const char* last = key.data() + dot;
+  const auto [end, error] = std::from_chars(first, last, index);
+  if (error != std::errc() || end != last || (*first == '0' && last - first > 1)) return std::nullopt;
+  return StateKey{index, key.substr(dot + 1)};
+}
+
+// A 0-d count ("step"): a whole number in [0, 2^53), where a double still counts exactly.
+void check_count(const std::string& source, const std::string& key, const Tensor& value) {
+  MN_CHECK(value.dim() == 0, ValueError, source, ": '", key, "' must be a 0-d count, got shape ", value.sizes());
+  const double v = value.item();
+  MN_CHECK(v >= 0 && v == std::floor(v) && v < 9007199254740992.0, ValueError, source, ": '", key,
+           "' must be a non-negative whole number, got ", v);
+}
+
+}  // namespace
+
+void Optimizer::check_state_dict(const OptimizerState& state, const std::string& source_in) const {
+  const std::string source = source_in.empty() ? name() + " optimizer state" : source_in;
+  for (const auto& [key, value] : state)
+    MN_CHECK(value.defined(), ValueError, source, ": '", key, "' is an undefined tensor");
+  for (const char* key : {"lr", "step"})
+    MN_CHECK(state.count(key), KeyError, source, ": missing '", key, "' (not an optimizer state dict?)");
+  const Tensor& lr = state.at("lr");
+  MN_CHECK(lr.dim() == 0, ValueError, source, ": 'lr' must be a 0-d number, got shape ", lr.sizes());
+  check_lr(lr.item(), source + ": 'lr'");
+  check_count(source, "step", state.at("step"));
+
+  const std::vector<StateEntry> entries = state_entries();
+  std::vector<std::string> known;
+  for (const StateEntry& e : entries) known.push_back(e.name);
+  std::vector<std::vector<std::string>> present(params_.size());
+  for (const auto& [key, value] : state) {
+    if (key == "lr" || key == "step") continue;
+    const std::optional<StateKey> parsed = parse_state_key(key);
+    MN_CHECK(parsed.has_value(), ValueError, source, ": unexpected key '", key,
+             "' (expected 'lr', 'step' or 'state.<parameter index>.<name>')");
+    const size_t index = parsed->index;
+    const std::string& entry_name = parsed->name;
+    MN_CHECK(index < params_.size(), ValueError, source, ": '", key, "' refers to parameter ", index, " but the ",
+             name(), " optimizer has ", params_.size(), " parameters");
+    const auto entry =
+        std::find_if(entries.begin(), entries.end(), [&](const StateEntry& e) { return entry_name == e.name; });
+    MN_CHECK(entry != entries.end(), ValueError, source, ": unexpected key '", key, "': the ", name(),
+             " optimizer keeps ", bracket_list(known), " per parameter");
+    const Tensor& param = params_[index];
+    if (entry->per_element) {
+      MN_CHECK(value.dtype() == DType::f32, TypeError, source, ": '", key, "' must be f32 like parameter ", index,
+               ", got ", value.dtype());
+      MN_CHECK(value.sizes() == param.sizes(), ValueError, source, ": '", key, "' has shape ", value.sizes(),
+               " but parameter ", index, " has shape ", param.sizes());
+    } else {
+      check_count(source, key, value);
+    }
+    present[index].push_back(entry_name);
+  }
+  // A parameter's state is created all at once by step(): part of it missing means the rest would
+  // silently restart from zero.
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (present[i].empty()) continue;  // never stepped (no gradient yet), as in PyTorch
+    for (const StateEntry& e : entries) {
+      const bool has = std::find(present[i].begin(), present[i].end(), e.name) != present[i].end();
+      MN_CHECK(has, ValueError, source, ": parameter ", i, " has ", bracket_list(present[i]), " but lacks 'state.",
+               i, ".", e.name, "'");
+    }
+  }
+}
+
 void Optimizer::load_state_dict(const OptimizerState& state) {
-  auto it = state.find("step");
-  MN_CHECK(it != state.end() && state.count("lr"), KeyError, name(),
-           " optimizer state is missing 'step' or 'lr' (not an optimizer state dict?)");
-  steps_ = static_cast<int64_t>(it->second.item());
-  lr_ = state.at("lr").item();
+  check_state_dict(state);
+  const std::vector<StateEntry> entries = state_entries();
   std::vector<std::map<std::string, Tensor>> restored(params_.size());
   for (const auto& [key, value] : state) {
-    if (key.rfind("state.", 0) != 0) continue;
-    const size_t dot = key.find('.', 6);
-    MN_CHECK(dot != std::string::npos, ValueError, "optimizer state: malformed key '", key, "'");
-    const size_t index = std::stoul(key.substr(6, dot - 6));
-    MN_CHECK(index < params_.size(), ValueError, "optimizer state: key '", key, "' refers to parameter ", index,
-             " but the optimizer has ", params_.size(), " parameters");
-    MN_CHECK(value.dim() == 0 || value.sizes() == params_[index].sizes(), ValueError, "optimizer state: '", key, "' has shape ",
-             value.sizes(), " but parameter ", index, " has shape ", params_[index].sizes());
-    const std::string name = key.substr(dot + 1);
+    const std::optional<StateKey> parsed = parse_state_key(key);
+    if (!parsed) continue;  // "lr", "step"
+    const bool per_element = std::find_if(entries.begin(), entries.end(), [&](const StateEntry& e) {
+                               return parsed->name == e.name;
+                             })->per_element;
     // Adam's per-parameter step counter is read on the host at every step (count.item() in
-    // Adam::step): keep it on the CPU, where step() creates it, so a resumed CUDA run does not
-    // synchronise once per parameter per step. Moment buffers go beside their parameter.
-    const Device where = name == "step" ? kCPU : params_[index].device();
-    restored[index][name] = value.to(where).contiguous().clone();
+    // Adam::step): keep it on the CPU as an i64, as step() creates it, so a resumed CUDA run does not
+    // synchronise once per parameter per step. Per-element state goes beside its parameter.
+    const Tensor moved = per_element ? value.to(params_[parsed->index].device()) : value.to(kCPU).to(DType::i64);
+    restored[parsed->index][parsed->name] = moved.contiguous().clone();
   }
+  steps_ = static_cast<int64_t>(state.at("step").item());
+  store_lr(state.at("lr").item());
   state_ = std::move(restored);
 }
 
@@ -79,15 +163,22 @@ Tensor& state_tensor(std::map<std::string, Tensor>& s, const std::string& key, c
 }
 }  // namespace
 
-SGD::SGD(std::vector<Tensor> params, SGDOptions o) : Optimizer(std::move(params), o.lr), options(o) {
+namespace {
+// Options are public and may change between steps: checked at construction and at every step.
+void check_options(const SGDOptions& o) {
+  Optimizer::check_lr(o.lr, "SGD (options.lr)");
   MN_CHECK(o.momentum >= 0 && o.weight_decay >= 0, ValueError, "SGD: momentum and weight_decay must be >= 0, got ",
            o.momentum, ", ", o.weight_decay);
   MN_CHECK(!o.nesterov || (o.momentum > 0 && o.dampening == 0), ValueError,
            "SGD: nesterov requires momentum > 0 and dampening 0");
 }
+}  // namespace
+
+SGD::SGD(std::vector<Tensor> params, SGDOptions o) : Optimizer(std::move(params)), options(o) { check_options(o); }
 
 void SGD::step() {
   capture::unsupported("SGD::step() passes host-side step counts and learning rates to its kernels");
+  check_options(options);
   autograd::NoGradGuard no_grad;
   ++steps_;
   for (size_t i = 0; i < params_.size(); ++i) {
@@ -102,22 +193,30 @@ void SGD::step() {
       buf = state_tensor(state_[i], "momentum_buffer", p);
     }
     kernels::sgd_step(p.device(), p, g, buf,
-                      kernels::SgdParams{lr_, options.momentum, options.dampening, options.weight_decay,
+                      kernels::SgdParams{options.lr, options.momentum, options.dampening, options.weight_decay,
                                          options.nesterov, first});
     p.bump_version();
   }
 }
 
-Adam::Adam(std::vector<Tensor> params, AdamOptions o, bool decoupled)
-    : Optimizer(std::move(params), o.lr), options(o), decoupled_(decoupled) {
+namespace {
+void check_options(const AdamOptions& o) {
+  Optimizer::check_lr(o.lr, "Adam (options.lr)");
   MN_CHECK(o.beta1 >= 0 && o.beta1 < 1 && o.beta2 >= 0 && o.beta2 < 1, ValueError,
            "Adam: betas must be in [0, 1), got (", o.beta1, ", ", o.beta2, ")");
   MN_CHECK(o.eps >= 0 && o.weight_decay >= 0, ValueError, "Adam: eps and weight_decay must be >= 0, got ", o.eps,
            ", ", o.weight_decay);
 }
+}  // namespace
+
+Adam::Adam(std::vector<Tensor> params, AdamOptions o, bool decoupled)
+    : Optimizer(std::move(params)), options(o), decoupled_(decoupled) {
+  check_options(o);
+}
 
 void Adam::step() {
   capture::unsupported("Adam::step() passes host-side step counts and learning rates to its kernels");
+  check_options(options);
   autograd::NoGradGuard no_grad;
   ++steps_;
   for (size_t i = 0; i < params_.size(); ++i) {
@@ -132,7 +231,7 @@ void Adam::step() {
     const int64_t t = static_cast<int64_t>(count.item()) + 1;
     count.fill_(static_cast<double>(t));
     kernels::adam_step(p.device(), p, g, m, v,
-                       kernels::AdamParams{lr_, options.beta1, options.beta2, options.eps, options.weight_decay, t,
+                       kernels::AdamParams{options.lr, options.beta1, options.beta2, options.eps, options.weight_decay, t,
                                            decoupled_});
     p.bump_version();
   }

@@ -17,23 +17,44 @@ using OptimizerState = std::map<std::string, Tensor>;
 
 class Optimizer {
  public:
-  explicit Optimizer(std::vector<Tensor> params, double lr);
+  explicit Optimizer(std::vector<Tensor> params);
   virtual ~Optimizer() = default;
   virtual void step() = 0;
   void zero_grad();
-  double lr() const { return lr_; }
+  // The learning rate lives in the derived optimizer's options (SGDOptions::lr, AdamOptions::lr): the
+  // one value step() reads, whether it was set there, through set_lr, by a scheduler or by
+  // load_state_dict.
+  virtual double lr() const = 0;
   void set_lr(double lr);
+  // Refuses a negative or NaN learning rate; `who` starts the message.
+  static void check_lr(double lr, const std::string& who);
   const std::vector<Tensor>& params() const { return params_; }
   int64_t step_count() const { return steps_; }
   virtual OptimizerState state_dict() const;
-  // Restores state saved from an optimizer over parameters of the same shapes (checked).
+  // Everything load_state_dict restores, checked without changing anything: "lr" and "step" are
+  // non-negative 0-d numbers; every other key is "state.<index>.<name>" with a parameter index and a
+  // name this optimizer keeps (Adam: exp_avg, exp_avg_sq, step; SGD: momentum_buffer); per-element
+  // state is f32 of its parameter's shape, a step count a non-negative whole 0-d number; a parameter
+  // has all of its state or none. `source` starts each message (e.g. "checkpoint <path>: optimizer
+  // state"; default "<name> optimizer state"), which then names the key and what was expected.
+  void check_state_dict(const OptimizerState& state, const std::string& source = "") const;
+  // Restores state saved from an optimizer of the same kind over parameters of the same shapes
+  // (check_state_dict first; state tensors go to their parameter's device).
   virtual void load_state_dict(const OptimizerState& state);
   virtual std::string name() const = 0;
 
  protected:
+  // One entry of a parameter's state: per_element tensors are f32 with the parameter's shape (what
+  // the kernels read and write element by element), the others a 0-d step count kept on the CPU.
+  struct StateEntry {
+    const char* name;
+    bool per_element;
+  };
+  virtual std::vector<StateEntry> state_entries() const = 0;
+  virtual void store_lr(double lr) = 0;
+
   std::vector<Tensor> params_;
   std::vector<std::map<std::string, Tensor>> state_;  // per parameter
-  double lr_;
   int64_t steps_ = 0;
 };
 
@@ -50,7 +71,13 @@ class SGD : public Optimizer {
   SGD(std::vector<Tensor> params, SGDOptions options);
   void step() override;
   std::string name() const override { return "sgd"; }
+  double lr() const override { return options.lr; }
+  // Public and read at every step (checked there too, so a bad value set here is refused).
   SGDOptions options;
+
+ protected:
+  std::vector<StateEntry> state_entries() const override { return {{"momentum_buffer", true}}; }
+  void store_lr(double lr) override { options.lr = lr; }
 };
 
 struct AdamOptions {
@@ -66,7 +93,15 @@ class Adam : public Optimizer {
   Adam(std::vector<Tensor> params, AdamOptions options, bool decoupled_weight_decay = false);
   void step() override;
   std::string name() const override { return decoupled_ ? "adamw" : "adam"; }
+  double lr() const override { return options.lr; }
+  // Public and read at every step (checked there too, so a bad value set here is refused).
   AdamOptions options;
+
+ protected:
+  std::vector<StateEntry> state_entries() const override {
+    return {{"exp_avg", true}, {"exp_avg_sq", true}, {"step", false}};
+  }
+  void store_lr(double lr) override { options.lr = lr; }
 
  private:
   bool decoupled_;

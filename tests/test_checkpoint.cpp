@@ -587,3 +587,66 @@ TEST_CASE("checkpoint: trainer state resumes a fit bit for bit") {
   REQUIRE(bare_info.trainer_state.has_value());
   CHECK(bare_info.trainer_state->optimizer.count("state.0.exp_avg") == 1);
 }
+
+TEST_CASE("checkpoint: optimizer state that does not fit the trainer's parameters is refused, naming file and key") {
+  // A 0-d exp_avg used to pass (dim() == 0 was allowed for the scalar step) and Adam then wrote
+  // numel(parameter) floats into 4 bytes.
+  TempDir dir("mn_checkpoint_test");
+  const std::string path = dir.file("trainer.safetensors");
+  Generator data_gen(5);
+  Tensor inputs = normal({16, 4}, 0.0, 1.0, {}, &data_gen);
+  Tensor targets = normal({16, 2}, 0.0, 1.0, {}, &data_gen);
+  TrainerConfig config;
+  config.max_epochs = 1;
+  config.learning_rate = 0.01;
+  auto loss = std::make_shared<MappingLoss>(std::make_shared<RegressionLoss>());
+  MappingModel model(mlp_target(4, 6, 2), options("layerwise", 6));
+  data::DataLoader loader(inputs, targets, {8, true, 3, false});
+  MappingTrainer trainer(model, loader, nullptr, loss, config);
+  trainer.fit();
+  save_checkpoint(path, model, checkpoint_extras(trainer));
+  const Tensor latent_before = model.named_latents()[0].second.clone();
+  const std::string shape = str(model.named_latents()[0].second.sizes());
+
+  // The checkpoint rewritten with these optimizer tensors replaced or added (an undefined one removed).
+  auto rewrite = [&](const std::map<std::string, Tensor>& changes) {
+    safetensors::File file = safetensors::load(path);
+    safetensors::NamedTensors tensors;
+    for (const auto& e : file.tensors)
+      if (e.name.rfind("optimizer/", 0) != 0 || !changes.count(e.name.substr(std::string("optimizer/").size())))
+        tensors.emplace_back(e.name, e.tensor);
+    for (const auto& [key, value] : changes)
+      if (value.defined()) tensors.emplace_back("optimizer/" + key, value);
+    const std::string bad = dir.file("bad.safetensors");
+    safetensors::save(bad, tensors, file.metadata);
+    return bad;
+  };
+  auto refused = [&](const std::string& bad, const std::vector<std::string>& fragments) {
+    std::string message;
+    try {
+      load_checkpoint(bad, model, &trainer);
+    } catch (const Error& e) {
+      message = e.what();
+    }
+    INFO(message);
+    CHECK(mn::testing::contains(message, bad));
+    for (const std::string& f : fragments) CHECK(mn::testing::contains(message, f));
+    CHECK(bitwise_equal(model.named_latents()[0].second, latent_before));
+  };
+  const Tensor moment = safetensors::load(path).at("optimizer/state.0.exp_avg");
+  SUBCASE("a 0-d exp_avg") {
+    refused(rewrite({{"state.0.exp_avg", scalar_tensor(1.0)}}), {"'state.0.exp_avg'", "[]", shape});
+  }
+  SUBCASE("an i64 exp_avg_sq of the right shape") {
+    refused(rewrite({{"state.0.exp_avg_sq", zeros(moment.sizes(), DType::i64)}}),
+            {"'state.0.exp_avg_sq'", "i64", "f32"});
+  }
+  SUBCASE("a key whose parameter index is not a number") {
+    refused(rewrite({{"state.x.exp_avg", moment}}), {"'state.x.exp_avg'"});
+  }
+  SUBCASE("a renamed moment: it would be ignored and restart from zero") {
+    refused(rewrite({{"state.0.exp_avg", Tensor()}, {"state.0.exp_avgX", moment}}), {"'state.0.exp_avgX'"});
+    refused(rewrite({{"state.0.exp_avg", Tensor()}}), {"'state.0.exp_avg'"});
+  }
+  SUBCASE("the intact file loads") { CHECK_NOTHROW(load_checkpoint(path, model, &trainer)); }
+}

@@ -401,3 +401,29 @@ TEST_CASE("mn-train: a diverging run stops naming the step; --on-nonfinite warn 
   }
   CHECK(run(exe, "--on-nonfinite ignore").status != 0);
 }
+
+TEST_CASE("mn-train: --resume refuses optimizer state that does not fit its parameters, naming file and key") {
+  // A 0-d exp_avg used to be restored, and Adam then wrote a whole parameter's moments into 4 bytes.
+  std::string exe;
+  if (!ready(exe)) return;
+  TempDir dir("mn_train_test");
+  for (const char* strategy : {"direct", "layerwise --latent-dim 16"}) {
+    CAPTURE(strategy);
+    const std::string common = str("--target cnn2 --strategy ", strategy, " --json ", kSmall);
+    const fs::path out = dir / (std::string(strategy) == "direct" ? "direct" : "layerwise");
+    summary(run(exe, str(common, " --epochs 1 --out ", out)));
+    const std::string checkpoint = (out / "checkpoint.safetensors").string();
+    safetensors::File file = safetensors::load(checkpoint);
+    safetensors::NamedTensors tensors;
+    for (const auto& e : file.tensors)
+      tensors.emplace_back(e.name, e.name == "optimizer/state.0.exp_avg" ? scalar_tensor(0.0) : e.tensor);
+    safetensors::save(checkpoint, tensors, file.metadata);
+    const std::string before = read_bytes(checkpoint);
+    const CommandResult r = run(exe, str(common, " --epochs 2 --resume --out ", out));
+    INFO(r.all());
+    CHECK(r.status != 0);
+    CHECK(r.all().find(checkpoint) != std::string::npos);
+    CHECK(r.all().find("'state.0.exp_avg' has shape []") != std::string::npos);
+    CHECK(read_bytes(checkpoint) == before);
+  }
+}

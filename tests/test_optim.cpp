@@ -1,6 +1,7 @@
 // Optimizers against hand-computed updates, schedulers' learning rates, clipping and optimizer
 // state round trips. (PyTorch trajectories are compared in test_parity.)
 #include "nn/optim.h"
+#include "kernels/kernels.h"
 #include "tests/test_support.h"
 
 using namespace mn;
@@ -75,6 +76,131 @@ TEST_CASE("optim: parameters without gradients are skipped; state round trip res
   OptimizerState wrong = saved;
   wrong["state.0.exp_avg"] = zeros({5});
   CHECK_THROWS_WITH_AS(second.load_state_dict(wrong), doctest::Contains("[5]"), ValueError);
+}
+
+TEST_CASE("optim: load_state_dict checks every state tensor against its parameter and names the key") {
+  Tensor a = param({1, 2, 3}), b = param({4});
+  Adam adam({a, b}, AdamOptions{});
+  a.set_grad(tensor({0.1f, 0.2f, 0.3f}));
+  b.set_grad(tensor({0.5f}));
+  adam.step();
+  const OptimizerState good = adam.state_dict();
+  const std::vector<float> moment_before = good.at("state.0.exp_avg").to_vector<float>();
+  // `good` with these entries replaced or added (an undefined tensor removes the key); the message of
+  // the mn::Error loading it raises, "" when it loads.
+  auto load = [&](const OptimizerState& changes) {
+    OptimizerState state = good;
+    for (const auto& [key, value] : changes)
+      if (value.defined())
+        state[key] = value;
+      else
+        state.erase(key);
+    try {
+      adam.load_state_dict(state);
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  auto refused = [&](const OptimizerState& changes, const std::vector<std::string>& fragments) {
+    const std::string message = load(changes);
+    INFO(message);
+    CHECK(!message.empty());
+    for (const std::string& f : fragments) CHECK(contains(message, f));
+    // Nothing was restored from the refused state.
+    CHECK(adam.step_count() == 1);
+    CHECK(adam.state_dict().at("state.0.exp_avg").to_vector<float>() == moment_before);
+  };
+  // A 0-d moment used to pass (dim() == 0 was allowed for the scalar step): a heap overflow in step().
+  refused({{"state.0.exp_avg", scalar_tensor(1.0)}}, {"'state.0.exp_avg'", "[]", "[3]"});
+  refused({{"state.0.exp_avg_sq", zeros({2})}}, {"'state.0.exp_avg_sq'", "[2]", "[3]"});
+  // Right shape, wrong dtype: step() used to fail with "data<f32>() called on ... i64".
+  refused({{"state.1.exp_avg", zeros({1}, DType::i64)}}, {"'state.1.exp_avg'", "i64", "f32"});
+  // The step count is a non-negative whole 0-d number.
+  refused({{"state.0.step", zeros({3}, DType::i64)}}, {"'state.0.step'", "[3]"});
+  refused({{"state.0.step", scalar_tensor(-1.0)}}, {"'state.0.step'", "-1"});
+  refused({{"state.0.step", scalar_tensor(1.5)}}, {"'state.0.step'", "1.5"});
+  refused({{"step", scalar_tensor(-2.0, DType::i64)}}, {"'step'", "-2"});
+  refused({{"lr", zeros({2})}}, {"'lr'"});
+  refused({{"lr", scalar_tensor(-0.1)}}, {"'lr'"});
+  // Malformed keys: std::stoul used to leak std::invalid_argument.
+  refused({{"state.x.exp_avg", zeros({3})}}, {"'state.x.exp_avg'"});
+  refused({{"state.", zeros({3})}}, {"'state.'"});
+  refused({{"state.0", zeros({3})}}, {"'state.0'"});
+  refused({{"state.-0.exp_avg", zeros({3})}}, {"'state.-0.exp_avg'"});
+  refused({{"state.99999999999999999999999.exp_avg", zeros({3})}}, {"'state.99999999999999999999999.exp_avg'"});
+  refused({{"state.2.exp_avg", zeros({3})}}, {"'state.2.exp_avg'", "2 parameters"});
+  // A key that would be ignored: the moments would silently restart from zero.
+  refused({{"state.0.exp_avgX", zeros({3})}}, {"'state.0.exp_avgX'", "exp_avg"});
+  refused({{"state.0.exp_avg", Tensor()}}, {"'state.0.exp_avg'"});
+  refused({{"momentum", scalar_tensor(0.9)}}, {"'momentum'"});
+  // Another optimizer's state.
+  Tensor c = param({1, 2, 3});
+  SGD sgd({c}, SGDOptions{0.1, 0.9});
+  c.set_grad(tensor({1, 1, 1}));
+  sgd.step();
+  const std::string message = error_message([&] { adam.load_state_dict(sgd.state_dict()); });
+  CHECK(contains(message, "'state.0.momentum_buffer'"));
+  CHECK(contains(error_message([&] { sgd.load_state_dict(good); }), "'state.0.exp_avg'"));
+
+  CHECK(load({}).empty());
+  // An untouched parameter has no state at all (it never had a gradient), as in PyTorch.
+  CHECK(load({{"state.1.exp_avg", Tensor()}, {"state.1.exp_avg_sq", Tensor()}, {"state.1.step", Tensor()}}).empty());
+}
+
+TEST_CASE("optim: the kernels check their operands before touching memory") {
+  Tensor w = zeros({4}), g = ones({4}), m = zeros({4}), v = zeros({4});
+  const kernels::AdamParams adam{1e-2, 0.9, 0.999, 1e-8, 0.0, 1, false};
+  // Wrong size (the 4 bytes a 0-d tensor owns), wrong dtype, right size but strided.
+  Tensor small = scalar_tensor(0.0), wrong_type = zeros({4}, DType::i64), strided = zeros({4, 2}).select(1, 0);
+  CHECK_THROWS_WITH_AS(kernels::adam_step(kCPU, w, g, small, v, adam), doctest::Contains("'exp_avg'"), ValueError);
+  CHECK_THROWS_WITH_AS(kernels::adam_step(kCPU, w, g, m, small, adam), doctest::Contains("'exp_avg_sq'"), ValueError);
+  CHECK_THROWS_WITH_AS(kernels::adam_step(kCPU, w, small, m, v, adam), doctest::Contains("'grad'"), ValueError);
+  CHECK_THROWS_WITH_AS(kernels::adam_step(kCPU, w, g, m, wrong_type, adam), doctest::Contains("i64"), TypeError);
+  CHECK_THROWS_WITH_AS(kernels::adam_step(kCPU, w, g, strided, v, adam), doctest::Contains("not contiguous"),
+                       ValueError);
+  const kernels::SgdParams sgd{0.1, 0.9, 0.0, 0.0, false, false};
+  CHECK_THROWS_WITH_AS(kernels::sgd_step(kCPU, w, g, small, sgd), doctest::Contains("'momentum_buffer'"),
+                       ValueError);
+  CHECK_THROWS_WITH_AS(kernels::sgd_step(kCPU, w, wrong_type, m, sgd), doctest::Contains("'grad'"), TypeError);
+  Tensor none;
+  kernels::sgd_step(kCPU, w, g, none, sgd);  // no momentum buffer: fine
+  check_close(w, {-0.1f, -0.1f, -0.1f, -0.1f});
+}
+
+TEST_CASE("optim: options.lr is the learning rate; set_lr, lr(), schedulers and state_dict share it") {
+  Tensor p = param({1.0f});
+  SGD sgd({p}, SGDOptions{0.1});
+  sgd.options.lr = 0.5;  // used to be ignored: step() read a private copy
+  CHECK(sgd.lr() == 0.5);
+  p.set_grad(tensor({1.0f}));
+  sgd.step();
+  check_close(p, {0.5f});
+  sgd.set_lr(0.25);
+  CHECK(sgd.options.lr == 0.25);
+  CHECK(sgd.state_dict().at("lr").item() == 0.25);
+
+  Tensor q = param({1.0f});
+  Adam adam({q}, AdamOptions{0.1});
+  adam.options.lr = 0.2;
+  q.set_grad(tensor({3.0f}));
+  adam.step();  // the first Adam step moves by lr
+  check_close(q, {0.8f}, 1e-6);
+  StepLR schedule(adam, 1, 0.5);
+  CHECK(schedule.base_lr() == 0.2);
+  schedule.step();
+  CHECK(adam.options.lr == doctest::Approx(0.1));
+  OptimizerState state = adam.state_dict();
+  state["lr"] = scalar_tensor(0.375);
+  adam.load_state_dict(state);
+  CHECK(adam.options.lr == 0.375);
+  // A bad value set through the options is caught where it is used.
+  adam.options.lr = -1.0;
+  q.set_grad(tensor({3.0f}));
+  CHECK_THROWS_WITH_AS(adam.step(), doctest::Contains("learning rate"), ValueError);
+  adam.options.lr = 0.1;
+  adam.options.beta2 = 1.0;
+  CHECK_THROWS_WITH_AS(adam.step(), doctest::Contains("betas"), ValueError);
 }
 
 TEST_CASE("optim: schedulers") {

@@ -1,63 +1,33 @@
-// Fused optimizer updates: one pass over parameter, gradient and state, with PyTorch's exact update
-// rules (bias correction and eps placement of Adam, decoupled decay of AdamW, SGD momentum with
-// dampening and Nesterov).
-#include <cmath>
-
+// Fused optimizer updates on the CPU: one pass over parameter, gradient and state with the update
+// rules of kernels/optim_update.h (PyTorch's bias correction and eps placement for Adam, decoupled
+// decay for AdamW, SGD momentum with dampening and Nesterov).
 #include "kernels/kernels.h"
+#include "kernels/optim_update.h"
 
 namespace mn::kernels {
 namespace {
 
 void adam_cpu(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamParams& p) {
+  check_adam_operands(param, grad, m, v);
   float* w = param.data<float>();
   const float* g = grad.data<float>();
   float* ma = m.data<float>();
   float* va = v.data<float>();
   const int64_t n = param.numel();
-  const double bc1 = 1.0 - std::pow(p.beta1, static_cast<double>(p.step));
-  const double bc2 = 1.0 - std::pow(p.beta2, static_cast<double>(p.step));
-  const float b1 = static_cast<float>(p.beta1), b2 = static_cast<float>(p.beta2);
-  const float step_size = static_cast<float>(p.lr / bc1);
-  const float inv_sqrt_bc2 = static_cast<float>(1.0 / std::sqrt(bc2));
-  const float eps = static_cast<float>(p.eps);
-  const float wd = static_cast<float>(p.weight_decay);
-  const float decay = static_cast<float>(1.0 - p.lr * p.weight_decay);
-  const bool decoupled = p.decoupled;
+  const AdamCoefficients k = adam_coefficients(p);
 #pragma omp parallel for schedule(static) if (n > 65536)
-  for (int64_t i = 0; i < n; ++i) {
-    float gi = g[i];
-    float wi = w[i];
-    if (wd != 0.0f) {
-      if (decoupled)
-        wi *= decay;
-      else
-        gi += wd * wi;
-    }
-    const float mi = b1 * ma[i] + (1.0f - b1) * gi;
-    const float vi = b2 * va[i] + (1.0f - b2) * gi * gi;
-    ma[i] = mi;
-    va[i] = vi;
-    w[i] = wi - step_size * mi / (std::sqrt(vi) * inv_sqrt_bc2 + eps);
-  }
+  for (int64_t i = 0; i < n; ++i) adam_update(w[i], g[i], ma[i], va[i], k);
 }
 
 void sgd_cpu(Tensor& param, const Tensor& grad, Tensor& buf, const SgdParams& p) {
+  check_sgd_operands(param, grad, buf);
   float* w = param.data<float>();
   const float* g = grad.data<float>();
   float* b = buf.defined() ? buf.data<float>() : nullptr;
   const int64_t n = param.numel();
-  const float lr = static_cast<float>(p.lr), mom = static_cast<float>(p.momentum);
-  const float damp = static_cast<float>(1.0 - p.dampening), wd = static_cast<float>(p.weight_decay);
+  const SgdCoefficients k = sgd_coefficients(p);
 #pragma omp parallel for schedule(static) if (n > 65536)
-  for (int64_t i = 0; i < n; ++i) {
-    float gi = g[i] + wd * w[i];
-    if (b != nullptr) {
-      const float bi = p.first_step ? gi : mom * b[i] + damp * gi;
-      b[i] = bi;
-      gi = p.nesterov ? gi + mom * bi : bi;
-    }
-    w[i] -= lr * gi;
-  }
+  for (int64_t i = 0; i < n; ++i) sgd_update(w[i], g[i], b != nullptr ? b + i : nullptr, k);
 }
 
 }  // namespace

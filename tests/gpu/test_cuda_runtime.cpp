@@ -366,6 +366,13 @@ TEST_CASE("cuda runtime: adam and sgd steps match the CPU") {
   Tensor w = zeros({4}, kGpu), m = zeros({4}, kGpu), v = zeros({4}, kGpu);
   const kernels::AdamParams p{1e-2, 0.9, 0.999, 1e-8, 0.0, 1, false};
   CHECK_THROWS_AS(kernels::adam_step(kGpu, w, zeros({4}), m, v, p), DeviceError);
+  // A state tensor smaller than the parameter is refused before the launch instead of being overrun.
+  Tensor scalar = zeros({}, kGpu);
+  CHECK_THROWS_WITH_AS(kernels::adam_step(kGpu, w, zeros({4}, kGpu), scalar, v, p), doctest::Contains("'exp_avg'"),
+                       ValueError);
+  const kernels::SgdParams sgd{0.1, 0.9, 0.0, 0.0, false, false};
+  CHECK_THROWS_WITH_AS(kernels::sgd_step(kGpu, w, zeros({4}, kGpu), scalar, sgd),
+                       doctest::Contains("'momentum_buffer'"), ValueError);
 }
 
 // ---- streams -----------------------------------------------------------------------------------------

@@ -233,8 +233,34 @@ def nan_propagation():
     save("nan", out)
 
 
+def adam_beta2():
+    """Adam and AdamW with beta2 = 0.9999 for 5 steps: 1 - beta2 must be formed in double, as Python
+    does, before rounding to float. Also stores the same runs in float64 (<name>_step<i>_f64) so the
+    test can measure PyTorch-f32's own distance from the exact trajectory."""
+    torch.manual_seed(16)
+    out = {}
+    init = torch.randn(64)
+    grads = [torch.randn(64) for _ in range(5)]
+    out["init"] = init
+    for i, g in enumerate(grads):
+        out[f"grad_{i}"] = g
+    cases = {
+        "adam": lambda p: torch.optim.Adam([p], lr=0.1, betas=(0.9, 0.9999)),
+        "adamw": lambda p: torch.optim.AdamW([p], lr=0.1, betas=(0.9, 0.9999), weight_decay=1e-2),
+    }
+    for name, make in cases.items():
+        for dtype, suffix in ((torch.float32, ""), (torch.float64, "_f64")):
+            p = init.to(dtype).clone().requires_grad_(True)
+            opt = make(p)
+            for i, g in enumerate(grads):
+                p.grad = g.to(dtype).clone()
+                opt.step()
+                out[f"{name}_step{i}{suffix}"] = p.detach().clone().float()
+    save("adam_beta2", out, {"lr": 0.1, "betas": (0.9, 0.9999), "adamw_weight_decay": 1e-2})
+
+
 CASES = {"conv2d": conv2d, "pooling": pooling, "batch_norm": batch_norm, "lstm": lstm, "losses": losses,
-         "optim": optimizers, "nan": nan_propagation}
+         "optim": optimizers, "nan": nan_propagation, "adam_beta2": adam_beta2}
 
 if __name__ == "__main__":
     # With no arguments every case is written; otherwise only the named ones. The first six cases draw
