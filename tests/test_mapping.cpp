@@ -230,6 +230,15 @@ TEST_CASE("mapping: generator strategies, groups, guard and overrides") {
   CHECK_NOTHROW(LayerwiseGenerator(big, 10, small_limit));
   small_limit.allow_large = true;
   CHECK_NOTHROW(SingleVectorGenerator(big, 10, small_limit));
+  // L * N overflowing int64 used to wrap negative and pass the guard; a latent of 2^62 floats wrapped to a
+  // 0-byte tensor (a bare std::bad_alloc from Eigen followed). Both are clear errors naming the size now.
+  CHECK_THROWS_WITH_AS(SingleVectorGenerator(big, 84914745327985664, GeneratorOptions{}),
+                       doctest::Contains("latent_dim 84914745327985664"), ValueError);
+  CHECK_THROWS_WITH_AS(SingleVectorGenerator(big, int64_t{1} << 62, small_limit), doctest::Contains("int64"),
+                       ValueError);
+  CHECK_THROWS_WITH_AS(LayerwiseGenerator(big, int64_t{1} << 62), doctest::Contains("4611686018427387904"), ValueError);
+  CHECK_THROWS_WITH_AS(Modulation::low_rank(int64_t{1} << 62).latent_dim_for(2, 3), doctest::Contains("int64"),
+                       ValueError);
 
   // Overrides: unknown names are refused (the reference silently ignores typos).
   CHECK_THROWS_WITH_AS(lw.generate_parameters({{"typo", zeros({3})}}), doctest::Contains("unknown group 'typo'"),

@@ -173,3 +173,35 @@ TEST_CASE("tensor: bad input errors name shapes and dims") {
   for (int i = 0; i < kMaxDims; ++i) too_many.push_back(1);
   CHECK_THROWS_AS(too_many.push_back(1), ValueError);
 }
+
+TEST_CASE("tensor: element and byte counts are checked, never wrapped") {
+  // (2^62 + 1) * 4 wraps to 4 in int64: the tensor was 16 bytes and a later narrow().contiguous() crashed.
+  const int64_t big = (int64_t{1} << 62) + 1;
+  CHECK_THROWS_WITH_AS(zeros({big, 4}), doctest::Contains("[4611686018427387905, 4]"), ValueError);
+  CHECK_THROWS_WITH_AS(Shape({big, 4}).numel(), doctest::Contains("int64"), ValueError);
+  // 2^80 elements used to be numel 0 without error; a zero size does not hide the overflow.
+  CHECK_THROWS_WITH_AS(empty({int64_t{1} << 40, int64_t{1} << 40}), doctest::Contains("[1099511627776, 1099511627776]"),
+                       ValueError);
+  CHECK_THROWS_AS(empty({0, int64_t{1} << 40, int64_t{1} << 40}), ValueError);
+  CHECK(Shape({0, int64_t{1} << 40}).numel() == 0);
+  // The element count fits but the bytes do not (2^62 f32 = 2^64 bytes wrapped to 0), or pass the cap.
+  CHECK_THROWS_WITH_AS(empty({int64_t{1} << 62}), doctest::Contains("[4611686018427387904]"), ValueError);
+  CHECK_THROWS_WITH_AS(empty({int64_t{1} << 47}), doctest::Contains("bytes any machine can address"), ValueError);
+  CHECK(zeros({0, 5}).numel() == 0);
+}
+
+TEST_CASE("tensor: make_view stays inside its storage") {
+  Tensor base = zeros({2, 3});  // 24 bytes
+  const auto& st = base.storage();
+  CHECK(make_view(st, {3}, {2}, 1, DType::f32).sizes() == Shape{3});  // elements 1, 3, 5
+  CHECK(make_view(st, {0}, {1}, 100, DType::f32).numel() == 0);       // no element, nothing reached
+  CHECK_THROWS_WITH_AS(make_view(st, {3}, {2}, 2, DType::f32), doctest::Contains("reaches element 6"), IndexError);
+  CHECK_THROWS_AS(make_view(st, {7}, {1}, 0, DType::f32), IndexError);
+  CHECK_THROWS_AS(make_view(st, {6}, {1}, 0, DType::i64), IndexError);  // 48 bytes as i64
+  CHECK_THROWS_AS(make_view(st, {2}, {-1}, 1, DType::f32), ValueError);
+  CHECK_THROWS_AS(make_view(st, {2}, {1}, -1, DType::f32), ValueError);
+  CHECK_THROWS_AS(make_view(st, {-2}, {1}, 0, DType::f32), ValueError);
+  CHECK_THROWS_AS(make_view(st, {2}, {int64_t{1} << 62}, int64_t{1} << 62, DType::f32), ValueError);  // wraps
+  CHECK_THROWS_AS(make_view(st, {2}, {INT64_MAX}, 0, DType::f32), IndexError);  // element INT64_MAX
+  CHECK_THROWS_AS(make_view(st, {2, 3}, {3}, 0, DType::f32), ValueError);
+}
