@@ -275,9 +275,9 @@ TEST_CASE("mapping: lazy_layerwise equals layerwise bit for bit, scaling include
   // Scales are population std; the generated tensors start near the target's own spread.
   std::vector<float> scales = eager.per_entry_scales();
   const Tensor conv_weight = net->named_parameters()[0].second;
-  CHECK(scales[0] == doctest::Approx(std_dev(conv_weight.detach(), 0.0).item()).epsilon(1e-6));
+  CHECK(scales[0] == doctest::Approx(std_dev(conv_weight.detach(), {}, 0.0).item()).epsilon(1e-6));
   Tensor generated = a.at("0.weight");
-  CHECK(std_dev(generated.detach(), 0.0).item() == doctest::Approx(scales[0]).epsilon(0.5));
+  CHECK(std_dev(generated.detach(), {}, 0.0).item() == doctest::Approx(scales[0]).epsilon(0.5));
 }
 
 TEST_CASE("mapping: scaling fallbacks for biases, root-level bias and one-element tensors") {
@@ -290,7 +290,7 @@ TEST_CASE("mapping: scaling fallbacks for biases, root-level bias and one-elemen
   ParameterSpec spec = ParameterSpec::from_module(lin);
   std::vector<float> s = parameter_scales(spec, lin);
   // weight: its own std; bias (root-level name "bias", one element) -> 1.
-  CHECK(s[0] == doctest::Approx(std_dev(lin.param("weight").detach(), 0.0).item()));
+  CHECK(s[0] == doctest::Approx(std_dev(lin.param("weight").detach(), {}, 0.0).item()));
   CHECK(s[1] == 1.0f);
   nn::Linear wide(3, 4);
   {

@@ -1,6 +1,8 @@
 // Numerics against PyTorch 1.13 reference data (tests/data/parity_*.safetensors, written by
 // tests/parity/make_parity.py). Tolerances: 1e-5 relative for single ops, 1e-4 for
 // reductions-heavy backward passes (conv weight gradients, batch norm, LSTM).
+#include <functional>
+
 #include "nn/functional_call.h"
 #include "nn/layers.h"
 #include "nn/optim.h"
@@ -178,4 +180,24 @@ TEST_CASE("parity: SGD, Adam and AdamW trajectories; schedulers") {
     got.push_back(static_cast<float>(opt.lr()));
   }
   check_near(from_vector(got), f.at("lr_plateau"), 1e-6, "plateau");
+}
+
+TEST_CASE("parity: var and std spelled as in PyTorch (one dim, a dim list, none; biased; keepdim)") {
+  auto f = load_case("var_std");
+  const std::vector<std::pair<std::string, std::function<Tensor(const Tensor&)>>> specs = {
+      {"var_1", [](const Tensor& t) { return var(t, 1); }},                    // torch.var(x, 1)
+      {"var_0_2", [](const Tensor& t) { return var(t, {0, 2}); }},             // torch.var(x, [0, 2])
+      {"var_2_biased", [](const Tensor& t) { return var(t, 2, 0.0); }},        // unbiased=False
+      {"var_all", [](const Tensor& t) { return var(t); }},                     // torch.var(x)
+      {"std_1", [](const Tensor& t) { return std_dev(t, {1}); }},              // torch.std(x, 1)
+      {"std_1_biased_keepdim", [](const Tensor& t) { return std_dev(t, 1, 0.0, true); }},
+      {"std_last", [](const Tensor& t) { return std_dev(t, -1); }},
+  };
+  for (const auto& [tag, fn] : specs) {
+    Tensor x = leaf(f, "x");
+    Tensor y = fn(x);
+    check_near(y, f.at(tag + "_y"), 1e-5, tag + " forward");
+    weighted_backward(y, f.at(tag + "_weight"));
+    check_near(x.grad(), f.at(tag + "_gx"), 1e-5, tag + " grad x");
+  }
 }
