@@ -34,6 +34,18 @@ void accumulate_into(Tensor& slot, const Tensor& g) {
   slot = slot.defined() ? add(slot, g) : g;
 }
 
+// A node's gradient for its input i must have that input's shape, dtype and device (recorded when the
+// node was created): a wrong backward formula fails here, naming itself, instead of being broadcast
+// into the gradients downstream.
+void validate_gradient(const Node& node, size_t i, const Tensor& g) {
+  if (i >= node.input_meta.size()) return;  // nodes built without attach() (GraphRoot) record none
+  const InputMeta& want = node.input_meta[i];
+  if (g.sizes() == want.shape && g.dtype() == want.dtype && g.device() == want.device) return;
+  throw RuntimeError(str(node.name(), " returned a gradient of shape ", g.sizes(), " (", g.dtype(), " on ",
+                         g.device(), ") for its input ", i, ", which has shape ", want.shape, " (", want.dtype, " on ",
+                         want.device, "): the backward formula is wrong"));
+}
+
 struct RunOptions {
   bool retain_graph = false;
   bool create_graph = false;
@@ -134,7 +146,10 @@ void run(const std::vector<Edge>& roots, TensorList root_grads, const RunOptions
       if (!e.valid()) continue;
       TensorList& buf = buffers[e.node.get()];
       if (buf.size() < e.node->num_outputs) buf.resize(e.node->num_outputs);
-      if (i < outs.size()) accumulate_into(buf[e.input_nr], outs[i]);
+      if (i < outs.size() && outs[i].defined()) {
+        validate_gradient(*node, i, outs[i]);
+        accumulate_into(buf[e.input_nr], outs[i]);
+      }
       if (--deps[e.node.get()] == 0) {
         ready.push(e.node.get());
         keep_alive.push_back(e.node);
@@ -164,6 +179,9 @@ TensorList root_gradients(const std::vector<Tensor>& roots, const std::vector<Te
     if (!grad_roots.empty() && grad_roots[i].defined()) {
       MN_CHECK(grad_roots[i].sizes() == roots[i].sizes(), ValueError, "backward: gradient ", i, " has shape ",
                grad_roots[i].sizes(), " but the output has shape ", roots[i].sizes());
+      MN_CHECK(grad_roots[i].dtype() == roots[i].dtype() && grad_roots[i].device() == roots[i].device(), ValueError,
+               "backward: gradient ", i, " is ", grad_roots[i].dtype(), " on ", grad_roots[i].device(),
+               " but the output is ", roots[i].dtype(), " on ", roots[i].device());
       grads.push_back(grad_roots[i]);
     } else {
       MN_CHECK(roots[i].numel() == 1, RuntimeError, "grad can be implicitly created only for outputs with one element; output ",

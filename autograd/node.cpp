@@ -65,12 +65,18 @@ void set_history(Tensor* out, const std::shared_ptr<Node>& node, uint32_t output
   m.grad_fn = node;
   m.output_nr = output_nr;
 }
+
+void add_next_edge(Node& node, const Tensor& in) {
+  node.next_edges.push_back(in.defined() ? gradient_edge(in) : Edge{});
+  node.input_meta.push_back(in.defined() ? InputMeta{in.sizes(), in.dtype(), in.device()} : InputMeta{});
+}
 }  // namespace
 
 void attach(const std::shared_ptr<Node>& node, std::initializer_list<const Tensor*> inputs,
             std::initializer_list<Tensor*> outputs) {
   node->next_edges.reserve(inputs.size());
-  for (const Tensor* in : inputs) node->next_edges.push_back(in->defined() ? gradient_edge(*in) : Edge{});
+  node->input_meta.reserve(inputs.size());
+  for (const Tensor* in : inputs) add_next_edge(*node, *in);
   node->num_outputs = static_cast<uint32_t>(outputs.size());
   uint32_t nr = 0;
   for (Tensor* out : outputs) set_history(out, node, nr++);
@@ -78,7 +84,8 @@ void attach(const std::shared_ptr<Node>& node, std::initializer_list<const Tenso
 
 void attach(const std::shared_ptr<Node>& node, const std::vector<Tensor>& inputs, std::vector<Tensor*> outputs) {
   node->next_edges.reserve(inputs.size());
-  for (const Tensor& in : inputs) node->next_edges.push_back(in.defined() ? gradient_edge(in) : Edge{});
+  node->input_meta.reserve(inputs.size());
+  for (const Tensor& in : inputs) add_next_edge(*node, in);
   node->num_outputs = static_cast<uint32_t>(outputs.size());
   uint32_t nr = 0;
   for (Tensor* out : outputs) set_history(out, node, nr++);

@@ -23,6 +23,15 @@ struct Edge {
 
 using TensorList = std::vector<Tensor>;
 
+// What the gradient flowing along one next edge must be: the forward input's shape, dtype and device
+// (the engine checks every gradient a node returns against it, so a wrong backward formula fails at
+// the node that produced it instead of being broadcast on).
+struct InputMeta {
+  Shape shape;
+  DType dtype = DType::f32;
+  Device device = kCPU;
+};
+
 // What a backward lambda sees: the gradients of the forward outputs (undefined = zero) and which
 // forward inputs need a gradient.
 struct GradContext {
@@ -43,6 +52,7 @@ class Node : public std::enable_shared_from_this<Node> {
   virtual void release_saved() {}
 
   std::vector<Edge> next_edges;
+  std::vector<InputMeta> input_meta;  // parallel to next_edges when filled (attach does); unchecked if empty
   uint32_t num_outputs = 1;  // number of forward outputs = number of incoming gradient slots
   uint64_t sequence_nr;      // creation order; later nodes run first
   // Non-leaf tensors that asked retain_grad(): output slot -> tensor.

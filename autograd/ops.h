@@ -1,6 +1,7 @@
 #pragma once
 // Differentiable tensor operations. Elementwise binary ops broadcast numpy-style. Each op's forward
 // kernels live in kernels/, its backward formula next to it in autograd/functions/<family>.cpp.
+#include <concepts>
 #include <optional>
 #include <utility>
 #include <vector>
@@ -64,11 +65,31 @@ Tensor ge(const Tensor& a, double b);
 Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b);
 
 // ---- reductions ----
+// Dims are spelled as in PyTorch: one dim (`sum(x, 1)`), or a list (`sum(x, {0, 2})`; `{}` = all
+// elements). A single dim is any integer type but bool; a floating or bool value matches no dim
+// overload, so `var(x, 0.0)` cannot silently mean dim 0, nor `var(x, 1)` a correction.
+template <class D>
+concept DimIndex = std::integral<D> && !std::same_as<D, bool>;
+template <class D>
+concept NotADim = std::floating_point<D> || std::same_as<D, bool>;
+
 Tensor sum(const Tensor& x);
 Tensor sum(const Tensor& x, const std::vector<int64_t>& dims, bool keepdim = false);
+template <DimIndex D>
+Tensor sum(const Tensor& x, D dim, bool keepdim = false) {
+  return sum(x, std::vector<int64_t>{static_cast<int64_t>(dim)}, keepdim);
+}
 Tensor mean(const Tensor& x);
 Tensor mean(const Tensor& x, const std::vector<int64_t>& dims, bool keepdim = false);
+template <DimIndex D>
+Tensor mean(const Tensor& x, D dim, bool keepdim = false) {
+  return mean(x, std::vector<int64_t>{static_cast<int64_t>(dim)}, keepdim);
+}
 Tensor prod(const Tensor& x, const std::vector<int64_t>& dims, bool keepdim = false);
+template <DimIndex D>
+Tensor prod(const Tensor& x, D dim, bool keepdim = false) {
+  return prod(x, std::vector<int64_t>{static_cast<int64_t>(dim)}, keepdim);
+}
 Tensor max(const Tensor& x);  // all elements; refuses empty tensors
 Tensor min(const Tensor& x);
 // Over one dim: (values, indices i64); gradient flows to the selected elements.
@@ -76,15 +97,35 @@ std::pair<Tensor, Tensor> max(const Tensor& x, int64_t dim, bool keepdim = false
 std::pair<Tensor, Tensor> min(const Tensor& x, int64_t dim, bool keepdim = false);
 Tensor argmax(const Tensor& x, int64_t dim, bool keepdim = false);
 Tensor argmin(const Tensor& x, int64_t dim, bool keepdim = false);
+// A floating or bool "dim" would be truncated into one silently: refused at compile time.
+template <NotADim D>
+std::pair<Tensor, Tensor> max(const Tensor& x, D dim, bool keepdim = false) = delete;
+template <NotADim D>
+std::pair<Tensor, Tensor> min(const Tensor& x, D dim, bool keepdim = false) = delete;
+template <NotADim D>
+Tensor argmax(const Tensor& x, D dim, bool keepdim = false) = delete;
+template <NotADim D>
+Tensor argmin(const Tensor& x, D dim, bool keepdim = false) = delete;
 // correction: 0 = biased (population), 1 = unbiased (Bessel). (std_dev, not std: a function named
-// std in namespace mn would make std:: ambiguous under `using namespace mn`.)
+// std in namespace mn would make std:: ambiguous under `using namespace mn`.) All elements with a
+// correction: var(x, {}, 0.0).
 Tensor var(const Tensor& x, const std::vector<int64_t>& dims, double correction = 1.0, bool keepdim = false);
 Tensor std_dev(const Tensor& x, const std::vector<int64_t>& dims, double correction = 1.0, bool keepdim = false);
-Tensor var(const Tensor& x, double correction = 1.0);  // all elements
-Tensor std_dev(const Tensor& x, double correction = 1.0);
+template <DimIndex D>
+Tensor var(const Tensor& x, D dim, double correction = 1.0, bool keepdim = false) {
+  return var(x, std::vector<int64_t>{static_cast<int64_t>(dim)}, correction, keepdim);
+}
+template <DimIndex D>
+Tensor std_dev(const Tensor& x, D dim, double correction = 1.0, bool keepdim = false) {
+  return std_dev(x, std::vector<int64_t>{static_cast<int64_t>(dim)}, correction, keepdim);
+}
+Tensor var(const Tensor& x);  // all elements, unbiased
+Tensor std_dev(const Tensor& x);
 // p-norm over dims (all elements when dims is empty).
 Tensor norm(const Tensor& x, double p = 2.0, const std::vector<int64_t>& dims = {}, bool keepdim = false);
 Tensor logsumexp(const Tensor& x, int64_t dim, bool keepdim = false);
+template <NotADim D>
+Tensor logsumexp(const Tensor& x, D dim, bool keepdim = false) = delete;
 // Sums x down to `shape` (the inverse of broadcasting); used by backward formulas.
 Tensor sum_to(const Tensor& x, const Shape& shape);
 

@@ -12,6 +12,21 @@ std::string Shape::str() const {
   return os.str();
 }
 
+void Shape::throw_numel_overflow() const {
+  throw ValueError(mn::str("shape ", *this, " has more elements than int64 can count"));
+}
+
+int64_t last_element(const Shape& sizes, const Shape& strides, int64_t offset) {
+  int64_t last = offset;
+  for (int i = 0; i < sizes.size(); ++i) {
+    int64_t reach = 0;
+    if (mul_overflows(sizes[i] - 1, strides[i], &reach) || add_overflows(last, reach, &last))
+      throw ValueError(mn::str("a view with sizes ", sizes, ", strides ", strides, " and offset ", offset,
+                               " reaches beyond the int64 range"));
+  }
+  return last;
+}
+
 Shape contiguous_strides(const Shape& sizes) {
   Shape strides = Shape::filled(sizes.size(), 1);
   int64_t running = 1;

@@ -14,6 +14,11 @@ namespace mn {
 
 constexpr int kMaxDims = 8;
 
+// Size arithmetic on values that can come from user input (shapes, strides, offsets, counts): true when
+// the exact result does not fit int64, like the compiler builtins they wrap (*out is then unspecified).
+inline bool mul_overflows(int64_t a, int64_t b, int64_t* out) { return __builtin_mul_overflow(a, b, out); }
+inline bool add_overflows(int64_t a, int64_t b, int64_t* out) { return __builtin_add_overflow(a, b, out); }
+
 class Shape {
  public:
   Shape() = default;
@@ -59,10 +64,16 @@ class Shape {
     n_ = n;
   }
 
+  // The product of the sizes; ValueError naming the shape when it does not fit int64. A zero size does
+  // not excuse an overflowing product of the others: contiguous strides multiply those too.
   int64_t numel() const {
     int64_t p = 1;
-    for (int i = 0; i < n_; ++i) p *= d_[i];
-    return p;
+    bool has_zero = false;
+    for (int i = 0; i < n_; ++i) {
+      if (d_[i] == 0) has_zero = true;
+      else if (mul_overflows(p, d_[i], &p)) throw_numel_overflow();
+    }
+    return has_zero ? 0 : p;
   }
   std::vector<int64_t> vec() const { return std::vector<int64_t>(begin(), end()); }
   std::string str() const;
@@ -73,6 +84,7 @@ class Shape {
   friend bool operator!=(const Shape& a, const Shape& b) { return !(a == b); }
 
  private:
+  [[noreturn]] void throw_numel_overflow() const;
   template <class It>
   void assign(It b, It e) {
     n_ = 0;
@@ -88,6 +100,9 @@ inline std::ostream& operator<<(std::ostream& os, const Shape& s) { return os <<
 Shape contiguous_strides(const Shape& sizes);
 // Broadcast two shapes numpy-style; throws ValueError naming both shapes when incompatible.
 Shape broadcast_shapes(const Shape& a, const Shape& b);
+// The highest element offset reached by a view with these sizes, (non-negative) strides and offset, for a
+// view with at least one element; ValueError naming the view when the arithmetic overflows int64.
+int64_t last_element(const Shape& sizes, const Shape& strides, int64_t offset);
 // Normalises a possibly negative dim into [0, ndim); throws IndexError naming dim and ndim.
 int wrap_dim(int64_t dim, int ndim);
 

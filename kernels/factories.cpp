@@ -1,16 +1,42 @@
 // Tensor factories: allocation from the device's caching allocator, constant fills, ranges and
 // Philox random fills.
 #include <cmath>
+#include <new>
+#include <string>
 #include <vector>
 
 #include "kernels/kernels.h"
 
 namespace mn {
 
-Tensor empty(const Shape& shape, TensorOptions opts) {
+namespace {
+
+// No machine addresses more (x86-64 and CUDA both stop below 2^49): a larger request is a mistake in the
+// shape, not an allocation to try.
+constexpr int64_t kMaxTensorBytes = int64_t{1} << 48;
+
+// Bytes of a contiguous tensor of `shape`; ValueError naming the shape when it overflows or passes the cap.
+size_t contiguous_bytes(const Shape& shape, DType dtype) {
   for (int64_t s : shape) MN_CHECK(s >= 0, ValueError, "negative dimension in shape ", shape);
+  int64_t bytes = 0;
+  const bool overflow = mul_overflows(shape.numel(), static_cast<int64_t>(dtype_size(dtype)), &bytes);
+  MN_CHECK(!overflow && bytes <= kMaxTensorBytes, ValueError, "a ", dtype, " tensor of shape ", shape, " would need ",
+           overflow ? std::string("more bytes than int64 can count") : thousands(bytes) + " bytes",
+           ", more than the ", thousands(kMaxTensorBytes), " bytes any machine can address");
+  return static_cast<size_t>(bytes);
+}
+
+}  // namespace
+
+Tensor empty(const Shape& shape, TensorOptions opts) {
+  const size_t bytes = contiguous_bytes(shape, opts.dtype);
   auto impl = std::make_shared<TensorImpl>();
-  impl->storage = std::make_shared<Storage>(static_cast<size_t>(shape.numel()) * dtype_size(opts.dtype), opts.device);
+  try {
+    impl->storage = std::make_shared<Storage>(bytes, opts.device);
+  } catch (const std::bad_alloc&) {  // the allocator's own bookkeeping: the same condition as its MemoryError
+    throw MemoryError(str("out of memory allocating ", thousands(static_cast<int64_t>(bytes)), " bytes for a ",
+                          opts.dtype, " tensor of shape ", shape, " on ", opts.device));
+  }
   impl->sizes = shape;
   impl->strides = contiguous_strides(shape);
   impl->dtype = opts.dtype;
@@ -21,6 +47,22 @@ Tensor empty(const Shape& shape, TensorOptions opts) {
 
 Tensor make_view(const std::shared_ptr<Storage>& storage, const Shape& sizes, const Shape& strides, int64_t offset,
                  DType dtype) {
+  MN_CHECK(storage != nullptr, ValueError, "make_view: no storage to view");
+  MN_CHECK(sizes.size() == strides.size(), ValueError, "make_view: sizes ", sizes, " and strides ", strides,
+           " differ in length");
+  bool valid = offset >= 0;
+  for (int i = 0; i < sizes.size(); ++i) valid = valid && sizes[i] >= 0 && strides[i] >= 0;
+  MN_CHECK(valid, ValueError, "make_view: sizes ", sizes, ", strides ", strides, " and offset ", offset,
+           " must be non-negative");
+  if (sizes.numel() > 0) {
+    // The element furthest into the storage must lie inside it.
+    const int64_t last = last_element(sizes, strides, offset);
+    int64_t end = 0;
+    const bool overflow = add_overflows(last, 1, &end) || mul_overflows(end, static_cast<int64_t>(dtype_size(dtype)), &end);
+    MN_CHECK(!overflow && static_cast<uint64_t>(end) <= storage->nbytes(), IndexError, "make_view: a ", dtype,
+             " view with sizes ", sizes, ", strides ", strides, " and offset ", offset, " reaches element ", last,
+             ", beyond its storage of ", thousands(static_cast<int64_t>(storage->nbytes())), " bytes");
+  }
   auto impl = std::make_shared<TensorImpl>();
   impl->storage = storage;
   impl->sizes = sizes;

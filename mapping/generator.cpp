@@ -47,7 +47,7 @@ std::vector<float> parameter_scales(const ParameterSpec& spec, const nn::Module&
   auto population_std = [](const Tensor& t) -> double {
     if (t.numel() <= 1) return 0.0;
     autograd::NoGradGuard no_grad;
-    return std_dev(t.detach(), 0.0).item();
+    return std_dev(t.detach(), {}, 0.0).item();
   };
   std::vector<float> scales;
   for (const auto& e : spec.entries()) {
@@ -261,12 +261,19 @@ namespace {
 // mapper never stores that matrix, but the option keeps the reference's contract; layerwise and grouped
 // generation are not guarded, as in the reference.)
 const ParameterSpec& check_projection(const ParameterSpec& spec, int64_t latent_dim, const GeneratorOptions& options) {
-  const int64_t projection = latent_dim * spec.total_numel();
-  if (projection > options.max_projection_elements && !options.allow_large)
+  MN_CHECK(latent_dim > 0, ValueError, "latent_dim must be positive, got ", latent_dim);
+  int64_t projection = 0, bytes = 0;
+  const bool overflow = mul_overflows(latent_dim, spec.total_numel(), &projection);
+  MN_CHECK(!overflow, ValueError, "fixed projection of latent_dim ", latent_dim, " x ", spec.total_numel(),
+           " parameters has more elements than int64 can count; use a smaller latent_dim");
+  if (projection > options.max_projection_elements && !options.allow_large) {
+    const bool huge = mul_overflows(projection, 4, &bytes);
     throw MemoryError(str("fixed projection would contain ", thousands(projection), " elements (",
-                          thousands(projection * 4), " bytes as a dense matrix, more than max_projection_elements = ",
+                          huge ? std::string("more than int64 can count in") : thousands(bytes),
+                          " bytes as a dense matrix, more than max_projection_elements = ",
                           thousands(options.max_projection_elements),
                           "); use layerwise/grouped generation or set allow_large=true explicitly"));
+  }
   return spec;
 }
 }  // namespace

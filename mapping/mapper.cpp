@@ -57,6 +57,13 @@ Tensor Modulation::apply(const OrthogonalMatrix& w, const Tensor& v) const {
                    "but a layer's input has only 'in' values");
 }
 
+int64_t Modulation::latent_dim_for(int64_t out, int64_t in) const {
+  int64_t width = 0, n = 0;
+  MN_CHECK(!add_overflows(out, in, &width) && !mul_overflows(rank, width, &n), ValueError, "low-rank modulation of rank ",
+           rank, " for a [", out, ", ", in, "] matrix needs more latent values than int64 can count");
+  return n;
+}
+
 Tensor Modulation::modulate(const Tensor& w, const Tensor& v) const {
   MN_CHECK(w.dim() == 2 && v.dim() == 1, ValueError, name(), " modulation expects a matrix and a 1D latent vector, got ",
            w.sizes(), " and ", v.sizes());

@@ -32,8 +32,8 @@ struct Modulation {
   // The explicit modulated matrix W' for an explicit W [out, in] and v (tests, the literal
   // reference computation). Low-rank: v has rank * (out + in) values, W' = W + (alpha / r) A B.
   Tensor modulate(const Tensor& w, const Tensor& v) const;
-  // Latent length a low-rank modulation needs for W [out, in].
-  int64_t latent_dim_for(int64_t out, int64_t in) const { return rank * (out + in); }
+  // Latent length a low-rank modulation needs for W [out, in]; ValueError when it does not fit int64.
+  int64_t latent_dim_for(int64_t out, int64_t in) const;
 };
 
 class Mapper {

@@ -5,6 +5,7 @@
 #include <Eigen/Dense>
 #include <cmath>
 #include <exception>
+#include <new>
 
 #include "autograd/function.h"
 #include "autograd/ops.h"
@@ -26,8 +27,15 @@ Tensor random_orthonormal_columns(int64_t rows, int64_t cols, uint64_t seed, uin
   // and the bits must not.
   const int saved_threads = omp_get_max_threads();
   omp_set_num_threads(1);
-  Eigen::HouseholderQR<Eigen::MatrixXf> qr{Eigen::MatrixXf(draws)};
-  Eigen::MatrixXf q = qr.householderQ() * Eigen::MatrixXf::Identity(rows, cols);
+  Eigen::HouseholderQR<Eigen::MatrixXf> qr;
+  Eigen::MatrixXf q;
+  try {
+    qr.compute(Eigen::MatrixXf(draws));
+    q = qr.householderQ() * Eigen::MatrixXf::Identity(rows, cols);
+  } catch (const std::bad_alloc&) {  // Eigen's work matrices: say which matrix, as the allocator would
+    omp_set_num_threads(saved_threads);
+    throw MemoryError(str("out of memory factorising a ", rows, "x", cols, " random orthogonal matrix"));
+  }
   omp_set_num_threads(saved_threads);
   // Make the factorisation unique: R with a positive diagonal.
   for (int64_t j = 0; j < cols; ++j)

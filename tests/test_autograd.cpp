@@ -1,6 +1,7 @@
 // The autograd engine: accumulation into leaves, retain_graph, NoGradGuard, hooks and
 // end-of-backward callbacks, version-counter errors, grad(), deep graphs and checkpoint (recomputation).
 #include "autograd/checkpoint.h"
+#include "autograd/function.h"
 #include "nn/functional.h"
 #include "nn/layers.h"
 #include "tests/test_support.h"
@@ -59,6 +60,39 @@ TEST_CASE("autograd: in-place change of a saved tensor is detected with versions
   Tensor y = sum(mul(x, w));
   w.fill_(0.0);
   CHECK_THROWS_WITH_AS(y.backward(), doctest::Contains("version 1; expected version 0"), RuntimeError);
+}
+
+namespace {
+// A custom op y = 2 x whose backward formula returns `bad(grad)` instead of 2 * grad.
+template <class F>
+Tensor doubled_with_backward(const Tensor& x, F bad) {
+  Tensor out = mul(x.detach(), 2.0);
+  autograd::record("BrokenBackward", {&x}, {&out}, [bad](const autograd::GradContext& c) -> autograd::TensorList {
+    return {bad(c.grad())};
+  });
+  return out;
+}
+}  // namespace
+
+TEST_CASE("autograd: the engine checks every gradient a node returns against its input") {
+  // Wrong shape: [1, 3] used to be broadcast by the next add into the [2, 3] gradient of x.
+  Tensor x = param({1, 2, 3, 4, 5, 6}, {2, 3});
+  Tensor y = add(doubled_with_backward(x, [](const Tensor& g) { return sum(g, 0, true); }), x);
+  CHECK_THROWS_WITH_AS(sum(y).backward(), doctest::Contains("BrokenBackward returned a gradient of shape [1, 3]"),
+                       RuntimeError);
+  Tensor y2 = mul(doubled_with_backward(x, [](const Tensor& g) { return sum(g, 0, true); }), 3.0);
+  CHECK_THROWS_WITH_AS(sum(y2).backward(), doctest::Contains("which has shape [2, 3]"), RuntimeError);
+  // Wrong dtype.
+  Tensor y3 = doubled_with_backward(x, [](const Tensor& g) { return g.to(DType::i64); });
+  CHECK_THROWS_WITH_AS(sum(y3).backward(), doctest::Contains("i64"), RuntimeError);
+  // The same node with a right formula passes, and x's gradient is untouched by the failures above.
+  CHECK_FALSE(x.grad().defined());
+  Tensor ok = doubled_with_backward(x, [](const Tensor& g) { return mul(g, 2.0); });
+  sum(ok).backward();
+  check_close(x.grad(), {2, 2, 2, 2, 2, 2});
+  // An explicit output gradient of the wrong dtype.
+  Tensor z = mul(x, 1.0);
+  CHECK_THROWS_WITH_AS(z.backward(zeros({2, 3}, DType::i64)), doctest::Contains("i64"), ValueError);
 }
 
 TEST_CASE("autograd: post-accumulate hooks and end-of-backward callbacks") {

@@ -570,6 +570,11 @@ TEST_CASE("data: DataLoader batch counts, partial batch and order without shuffl
   CHECK(DataLoader(d.inputs, d.targets, {.batch_size = 5, .drop_last = true}).size() == 2);
   CHECK(DataLoader(d.inputs, d.targets, {.batch_size = 64}).size() == 1);
   CHECK(DataLoader(d.inputs, d.targets, {.batch_size = 64, .drop_last = true}).size() == 0);
+  // A batch size near INT64_MAX: rounding up used to overflow into no batches at all.
+  DataLoader huge(d.inputs, d.targets, {.batch_size = INT64_MAX});
+  REQUIRE(huge.size() == 1);
+  CHECK(huge.batch(0).inputs.size(0) == d.inputs.size(0));
+  CHECK(DataLoader(d.inputs, d.targets, {.batch_size = INT64_MAX, .drop_last = true}).size() == 0);
   const Numbered none = numbered(0);
   DataLoader empty_loader(none.inputs, none.targets, {.batch_size = 3, .shuffle = true});
   CHECK(empty_loader.size() == 0);

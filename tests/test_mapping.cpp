@@ -230,6 +230,15 @@ TEST_CASE("mapping: generator strategies, groups, guard and overrides") {
   CHECK_NOTHROW(LayerwiseGenerator(big, 10, small_limit));
   small_limit.allow_large = true;
   CHECK_NOTHROW(SingleVectorGenerator(big, 10, small_limit));
+  // L * N overflowing int64 used to wrap negative and pass the guard; a latent of 2^62 floats wrapped to a
+  // 0-byte tensor (a bare std::bad_alloc from Eigen followed). Both are clear errors naming the size now.
+  CHECK_THROWS_WITH_AS(SingleVectorGenerator(big, 84914745327985664, GeneratorOptions{}),
+                       doctest::Contains("latent_dim 84914745327985664"), ValueError);
+  CHECK_THROWS_WITH_AS(SingleVectorGenerator(big, int64_t{1} << 62, small_limit), doctest::Contains("int64"),
+                       ValueError);
+  CHECK_THROWS_WITH_AS(LayerwiseGenerator(big, int64_t{1} << 62), doctest::Contains("4611686018427387904"), ValueError);
+  CHECK_THROWS_WITH_AS(Modulation::low_rank(int64_t{1} << 62).latent_dim_for(2, 3), doctest::Contains("int64"),
+                       ValueError);
 
   // Overrides: unknown names are refused (the reference silently ignores typos).
   CHECK_THROWS_WITH_AS(lw.generate_parameters({{"typo", zeros({3})}}), doctest::Contains("unknown group 'typo'"),
@@ -266,9 +275,9 @@ TEST_CASE("mapping: lazy_layerwise equals layerwise bit for bit, scaling include
   // Scales are population std; the generated tensors start near the target's own spread.
   std::vector<float> scales = eager.per_entry_scales();
   const Tensor conv_weight = net->named_parameters()[0].second;
-  CHECK(scales[0] == doctest::Approx(std_dev(conv_weight.detach(), 0.0).item()).epsilon(1e-6));
+  CHECK(scales[0] == doctest::Approx(std_dev(conv_weight.detach(), {}, 0.0).item()).epsilon(1e-6));
   Tensor generated = a.at("0.weight");
-  CHECK(std_dev(generated.detach(), 0.0).item() == doctest::Approx(scales[0]).epsilon(0.5));
+  CHECK(std_dev(generated.detach(), {}, 0.0).item() == doctest::Approx(scales[0]).epsilon(0.5));
 }
 
 TEST_CASE("mapping: scaling fallbacks for biases, root-level bias and one-element tensors") {
@@ -281,7 +290,7 @@ TEST_CASE("mapping: scaling fallbacks for biases, root-level bias and one-elemen
   ParameterSpec spec = ParameterSpec::from_module(lin);
   std::vector<float> s = parameter_scales(spec, lin);
   // weight: its own std; bias (root-level name "bias", one element) -> 1.
-  CHECK(s[0] == doctest::Approx(std_dev(lin.param("weight").detach(), 0.0).item()));
+  CHECK(s[0] == doctest::Approx(std_dev(lin.param("weight").detach(), {}, 0.0).item()));
   CHECK(s[1] == 1.0f);
   nn::Linear wide(3, 4);
   {

@@ -425,5 +425,21 @@ TEST_CASE("mn-train: --resume refuses optimizer state that does not fit its para
     CHECK(r.all().find(checkpoint) != std::string::npos);
     CHECK(r.all().find("'state.0.exp_avg' has shape []") != std::string::npos);
     CHECK(read_bytes(checkpoint) == before);
+}
+
+TEST_CASE("mn-train: a latent dim whose sizes overflow int64 is a clear error, not a wrapped guard or bad_alloc") {
+  std::string exe;
+  if (!ready(exe)) return;
+  TempDir dir("mn_train_test");
+  // 84914745327985664 x N wrapped negative and passed the slvt projection guard; 2^62 ended in a bare
+  // std::bad_alloc.
+  for (const char* dim : {"84914745327985664", "4611686018427387904"}) {
+    const CommandResult r = run(exe, str("--strategy slvt --latent-dim ", dim, " --epochs 1 ", kSmall, " --out ",
+                                         dir / "huge"));
+    INFO("latent dim " << dim << ", output:\n" << r.all());
+    CHECK(r.status != 0);
+    CHECK(r.all().find("latent_dim " + std::string(dim)) != std::string::npos);
+    CHECK(r.all().find("int64") != std::string::npos);
+    CHECK(r.all().find("bad_alloc") == std::string::npos);
   }
 }

@@ -249,3 +249,23 @@ TEST_CASE("parity: Adam and AdamW with beta2 = 0.9999 stay within PyTorch-f32's 
     return std::make_unique<AdamW>(std::vector<Tensor>{p}, AdamOptions{0.1, 0.9, 0.9999, 1e-8, 1e-2});
   });
 }
+
+TEST_CASE("parity: var and std spelled as in PyTorch (one dim, a dim list, none; biased; keepdim)") {
+  auto f = load_case("var_std");
+  const std::vector<std::pair<std::string, std::function<Tensor(const Tensor&)>>> specs = {
+      {"var_1", [](const Tensor& t) { return var(t, 1); }},                    // torch.var(x, 1)
+      {"var_0_2", [](const Tensor& t) { return var(t, {0, 2}); }},             // torch.var(x, [0, 2])
+      {"var_2_biased", [](const Tensor& t) { return var(t, 2, 0.0); }},        // unbiased=False
+      {"var_all", [](const Tensor& t) { return var(t); }},                     // torch.var(x)
+      {"std_1", [](const Tensor& t) { return std_dev(t, {1}); }},              // torch.std(x, 1)
+      {"std_1_biased_keepdim", [](const Tensor& t) { return std_dev(t, 1, 0.0, true); }},
+      {"std_last", [](const Tensor& t) { return std_dev(t, -1); }},
+  };
+  for (const auto& [tag, fn] : specs) {
+    Tensor x = leaf(f, "x");
+    Tensor y = fn(x);
+    check_near(y, f.at(tag + "_y"), 1e-5, tag + " forward");
+    weighted_backward(y, f.at(tag + "_weight"));
+    check_near(x.grad(), f.at(tag + "_gx"), 1e-5, tag + " grad x");
+  }
+}

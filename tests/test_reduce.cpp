@@ -175,9 +175,9 @@ TEST_CASE("reduce: NaN wins max/min over all elements and over a dim, forward an
 TEST_CASE("reduce: var and std against hand values") {
   Tensor x = tensor({1, 2, 3, 4});
   // mean 2.5, sum of squared deviations 5
-  check_close(var(x, 0.0), {1.25});
-  check_close(var(x, 1.0), {5.0 / 3.0});
-  check_close(std_dev(x, 1.0), {std::sqrt(5.0 / 3.0)});
+  check_close(var(x, {}, 0.0), {1.25});
+  check_close(var(x), {5.0 / 3.0});
+  check_close(std_dev(x), {std::sqrt(5.0 / 3.0)});
   Tensor m = two_by_three();
   check_close(var(m, {1}, 1.0), {1, 1});
   check_close(var(m, {0}, 0.0), {2.25, 2.25, 2.25});
@@ -186,9 +186,35 @@ TEST_CASE("reduce: var and std against hand values") {
   check_close(std_dev(m, {0, 1}, 0.0), {std::sqrt(35.0 / 12.0)});
   check_close(var(m.t(), {1}, 0.0), {2.25, 2.25, 2.25});
   // A large offset does not destroy the variance (two-pass, double accumulation).
-  check_close(var(tensor({10000.0f, 10001.0f, 10002.0f}), 0.0), {2.0 / 3.0}, 1e-4);
+  check_close(var(tensor({10000.0f, 10001.0f, 10002.0f}), {}, 0.0), {2.0 / 3.0}, 1e-4);
   // one element, unbiased: 0 / 0
-  CHECK(std::isnan(var(tensor({3}), 1.0).item()));
+  CHECK(std::isnan(var(tensor({3})).item()));
+}
+
+// The PyTorch spellings torch.var(x, 1) / torch.std(x, 1): a bare integer or a braced single dim is a
+// dim, never the correction (which used to win the overload and give the all-element variance).
+template <class A>
+concept VarAccepts = requires(const Tensor& x, A a) { var(x, a); };
+template <class A>
+concept MaxAccepts = requires(const Tensor& x, A a) { max(x, a); };
+static_assert(VarAccepts<int> && VarAccepts<int64_t> && VarAccepts<std::vector<int64_t>>);
+static_assert(!VarAccepts<double> && !VarAccepts<float> && !VarAccepts<bool>);
+static_assert(MaxAccepts<int> && !MaxAccepts<double> && !MaxAccepts<bool>);
+
+TEST_CASE("reduce: a single dim is a dim in every reduction overload set") {
+  Tensor m = two_by_three();  // rows {1, 2, 3} and {4, 5, 6}
+  check_close(var(m, 1), {1, 1});
+  check_close(var(m, {1}), {1, 1});
+  check_close(var(m, -1, 0.0, true), {2.0 / 3.0, 2.0 / 3.0});
+  CHECK(var(m, 1, 0.0, true).sizes() == Shape{2, 1});
+  check_close(std_dev(m, 0), {std::sqrt(4.5), std::sqrt(4.5), std::sqrt(4.5)});
+  check_close(std_dev(m, {0}), {std::sqrt(4.5), std::sqrt(4.5), std::sqrt(4.5)});
+  check_close(var(m, int64_t{0}, 0.0), {2.25, 2.25, 2.25});
+  check_close(sum(m, 1), {6, 15});
+  check_close(mean(m, 0, true), {2.5, 3.5, 4.5});
+  check_close(prod(m, 1), {6, 120});
+  check_close(var(m, {}, 0.0), {35.0 / 12.0});
+  check_close(var(m), {3.5});
 }
 
 TEST_CASE("reduce: norm, logsumexp and sum_to") {
@@ -311,7 +337,7 @@ TEST_CASE("reduce: gradcheck of max, min, var, std, norm, logsumexp") {
   CHECK(gradcheck([](const std::vector<Tensor>& in) { return max(in[0].t(), 1, true).first; }, {p}) == "");
   CHECK(gradgradcheck([](const std::vector<Tensor>& in) { return square(max(in[0], 1).first); }, {p}) == "");
   Tensor x = random_param({3, 4}, 22);
-  CHECK(gradcheck([](const std::vector<Tensor>& in) { return var(in[0], 1.0); }, {x}) == "");
+  CHECK(gradcheck([](const std::vector<Tensor>& in) { return var(in[0]); }, {x}) == "");
   CHECK(gradcheck([](const std::vector<Tensor>& in) { return var(in[0], {1}, 0.0); }, {x}) == "");
   CHECK(gradcheck([](const std::vector<Tensor>& in) { return var(in[0].t(), {0}, 1.0, true); }, {x}) == "");
   CHECK(gradcheck([](const std::vector<Tensor>& in) { return std_dev(in[0], {0}, 1.0); }, {x}) == "");

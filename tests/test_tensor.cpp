@@ -173,3 +173,91 @@ TEST_CASE("tensor: bad input errors name shapes and dims") {
   for (int i = 0; i < kMaxDims; ++i) too_many.push_back(1);
   CHECK_THROWS_AS(too_many.push_back(1), ValueError);
 }
+
+TEST_CASE("tensor: element and byte counts are checked, never wrapped") {
+  // (2^62 + 1) * 4 wraps to 4 in int64: the tensor was 16 bytes and a later narrow().contiguous() crashed.
+  const int64_t big = (int64_t{1} << 62) + 1;
+  CHECK_THROWS_WITH_AS(zeros({big, 4}), doctest::Contains("[4611686018427387905, 4]"), ValueError);
+  CHECK_THROWS_WITH_AS(Shape({big, 4}).numel(), doctest::Contains("int64"), ValueError);
+  // 2^80 elements used to be numel 0 without error; a zero size does not hide the overflow.
+  CHECK_THROWS_WITH_AS(empty({int64_t{1} << 40, int64_t{1} << 40}), doctest::Contains("[1099511627776, 1099511627776]"),
+                       ValueError);
+  CHECK_THROWS_AS(empty({0, int64_t{1} << 40, int64_t{1} << 40}), ValueError);
+  CHECK(Shape({0, int64_t{1} << 40}).numel() == 0);
+  // The element count fits but the bytes do not (2^62 f32 = 2^64 bytes wrapped to 0), or pass the cap.
+  CHECK_THROWS_WITH_AS(empty({int64_t{1} << 62}), doctest::Contains("[4611686018427387904]"), ValueError);
+  CHECK_THROWS_WITH_AS(empty({int64_t{1} << 47}), doctest::Contains("bytes any machine can address"), ValueError);
+  CHECK(zeros({0, 5}).numel() == 0);
+}
+
+TEST_CASE("tensor: make_view stays inside its storage") {
+  Tensor base = zeros({2, 3});  // 24 bytes
+  const auto& st = base.storage();
+  CHECK(make_view(st, {3}, {2}, 1, DType::f32).sizes() == Shape{3});  // elements 1, 3, 5
+  CHECK(make_view(st, {0}, {1}, 100, DType::f32).numel() == 0);       // no element, nothing reached
+  CHECK_THROWS_WITH_AS(make_view(st, {3}, {2}, 2, DType::f32), doctest::Contains("reaches element 6"), IndexError);
+  CHECK_THROWS_AS(make_view(st, {7}, {1}, 0, DType::f32), IndexError);
+  CHECK_THROWS_AS(make_view(st, {6}, {1}, 0, DType::i64), IndexError);  // 48 bytes as i64
+  CHECK_THROWS_AS(make_view(st, {2}, {-1}, 1, DType::f32), ValueError);
+  CHECK_THROWS_AS(make_view(st, {2}, {1}, -1, DType::f32), ValueError);
+  CHECK_THROWS_AS(make_view(st, {-2}, {1}, 0, DType::f32), ValueError);
+  CHECK_THROWS_AS(make_view(st, {2}, {int64_t{1} << 62}, int64_t{1} << 62, DType::f32), ValueError);  // wraps
+  CHECK_THROWS_AS(make_view(st, {2}, {INT64_MAX}, 0, DType::f32), IndexError);  // element INT64_MAX
+  CHECK_THROWS_AS(make_view(st, {2, 3}, {3}, 0, DType::f32), ValueError);
+}
+
+TEST_CASE("tensor: copy_ refuses overlapping source and destination") {
+  Tensor x = tensor({1, 2, 3, 4, 5});
+  CHECK_THROWS_WITH_AS(x.narrow(0, 1, 3).copy_(x.narrow(0, 0, 3)),
+                       doctest::Contains("refer to a single memory location"), RuntimeError);
+  CHECK_THROWS_AS(x.narrow(0, 0, 3).copy_(x.narrow(0, 2, 3)), RuntimeError);
+  CHECK_THROWS_AS(x.copy_(x.detach().narrow(0, 4, 1)), RuntimeError);  // a broadcast source inside it
+  check_close(x, {1, 2, 3, 4, 5});
+  // Disjoint parts of one storage, and the very same view, are fine.
+  x.narrow(0, 0, 2).copy_(x.narrow(0, 3, 2));
+  check_close(x, {4, 5, 3, 4, 5});
+  x.copy_(x.detach());
+  check_close(x, {4, 5, 3, 4, 5});
+  // A destination whose elements alias each other (an expanded view).
+  Tensor e = tensor({1}).expand({3});
+  CHECK_THROWS_WITH_AS(e.copy_(tensor({1, 2, 3})), doctest::Contains("more than one element"), RuntimeError);
+}
+
+TEST_CASE("tensor: copy_ from a tensor that requires grad is recorded") {
+  Tensor src = tensor({1, 2, 3}).requires_grad_(true);
+  Tensor dst = zeros({2, 3});
+  dst.copy_(src);  // broadcast: the gradient sums over the copies
+  REQUIRE(dst.requires_grad());
+  CHECK(dst.grad_fn()->name() == "CopyBackward");
+  sum(mul(dst, tensor({1, 2, 3, 4, 5, 6}, {2, 3}))).backward();
+  check_close(src.grad(), {5, 7, 9});
+  CHECK(autograd::gradcheck(
+            [](const std::vector<Tensor>& in) {
+              Tensor out = zeros({2, 3});
+              out.copy_(in[0]);
+              return mul(out, out);
+            },
+            {tensor({0.5f, -1.5f, 2.0f}).requires_grad_(true)}) == "");
+  // A non-leaf destination: its old value is overwritten, so its history gets zero.
+  Tensor a = tensor({1, 2}).requires_grad_(true);
+  Tensor b = tensor({3, 4}).requires_grad_(true);
+  Tensor y = mul(a, 2.0);
+  const uint32_t before = y.version();
+  y.copy_(b);
+  CHECK(y.version() > before);
+  sum(mul(y, y)).backward();
+  check_close(b.grad(), {6, 8});
+  check_close(a.grad(), {0, 0});
+  // In-place rules: a leaf that requires grad, or memory other tensors share, is refused.
+  Tensor leaf = zeros({3}).requires_grad_(true);
+  CHECK_THROWS_WITH_AS(leaf.copy_(src), doctest::Contains("leaf"), RuntimeError);
+  Tensor buffer = zeros({2, 3});
+  CHECK_THROWS_WITH_AS(buffer.select(0, 1).copy_(src), doctest::Contains("share"), RuntimeError);
+  {
+    autograd::NoGradGuard no_grad;
+    leaf.copy_(src);  // initialisation
+    buffer.select(0, 1).copy_(src);
+  }
+  check_close(buffer, {0, 0, 0, 1, 2, 3});
+  CHECK_FALSE(buffer.requires_grad());
+}

@@ -231,8 +231,8 @@ Tensor var(const Tensor& x, const std::vector<int64_t>& dims, double correction,
 Tensor std_dev(const Tensor& x, const std::vector<int64_t>& dims, double correction, bool keepdim) {
   return sqrt(var(x, dims, correction, keepdim));
 }
-Tensor var(const Tensor& x, double correction) { return var(x, {}, correction, false); }
-Tensor std_dev(const Tensor& x, double correction) { return sqrt(var(x, {}, correction, false)); }
+Tensor var(const Tensor& x) { return var(x, {}, 1.0, false); }
+Tensor std_dev(const Tensor& x) { return std_dev(x, {}, 1.0, false); }
 
 Tensor norm(const Tensor& x, double p, const std::vector<int64_t>& dims, bool keepdim) {
   check_reducible("norm", x, true);

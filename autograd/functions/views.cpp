@@ -398,15 +398,76 @@ Tensor index_select(const Tensor& x, int64_t dim, const Tensor& index) {
 
 // ---- in-place ----
 
+namespace {
+
+bool same_view(const Tensor& a, const Tensor& b) {
+  return a.storage() == b.storage() && a.storage_offset() == b.storage_offset() && a.sizes() == b.sizes() &&
+         a.strides() == b.strides() && a.dtype() == b.dtype();
+}
+
+// [first, last] addresses of the bytes a tensor with elements reaches (strides are non-negative: make_view).
+std::pair<uintptr_t, uintptr_t> byte_extent(const Tensor& t) {
+  const auto item = static_cast<uintptr_t>(dtype_size(t.dtype()));
+  const auto base = reinterpret_cast<uintptr_t>(t.storage()->data());
+  const auto last = static_cast<uintptr_t>(last_element(t.sizes(), t.strides(), t.storage_offset()));
+  return {base + static_cast<uintptr_t>(t.storage_offset()) * item, base + (last + 1) * item - 1};
+}
+
+// As PyTorch: a write through a tensor whose elements alias each other, or from a source that partly
+// aliases the destination, has no well-defined result (it depends on the kernel's order).
+void check_copy_overlap(const Tensor& dst, const Tensor& src) {
+  if (dst.numel() == 0) return;
+  for (int d = 0; d < dst.dim(); ++d)
+    MN_CHECK(dst.sizes()[d] == 1 || dst.strides()[d] != 0, RuntimeError,
+             "copy_: unsupported operation: more than one element of the written-to tensor (shape ", dst.sizes(),
+             ", strides ", dst.strides(), ") refers to a single memory location; clone() it first");
+  if (src.numel() == 0 || src.device() != dst.device() || same_view(dst, src)) return;
+  const auto [d0, d1] = byte_extent(dst);
+  const auto [s0, s1] = byte_extent(src);
+  MN_CHECK(d1 < s0 || s1 < d0, RuntimeError,
+           "copy_: unsupported operation: some elements of the input tensor (shape ", src.sizes(), ", strides ",
+           src.strides(), ", offset ", src.storage_offset(), ") and the written-to tensor (shape ", dst.sizes(),
+           ", strides ", dst.strides(), ", offset ", dst.storage_offset(),
+           ") refer to a single memory location; clone() the source first");
+}
+
+}  // namespace
+
+// Recorded like PyTorch's CopyBackwards when either side needs a gradient: the destination's new value
+// is the (broadcast) source, so the source gets the gradient summed back to its shape and the
+// overwritten old value gets zero. An integer destination carries no gradient (a plain copy).
 Tensor& Tensor::copy_(const Tensor& src) {
-  MN_CHECK(!(requires_grad() && autograd::grad_mode_enabled()), RuntimeError,
-           "copy_ into a tensor that requires grad is not supported while recording; use NoGradGuard or an "
-           "out-of-place op");
+  MN_CHECK(src.defined(), ValueError, "copy_: the source tensor is undefined");
+  check_copy_overlap(*this, src);
+  const bool record = autograd::grad_mode_enabled() && dtype() == DType::f32 && (requires_grad() || src.requires_grad());
+  if (record) {
+    MN_CHECK(!(is_leaf() && requires_grad()), RuntimeError,
+             "copy_: a leaf tensor that requires grad cannot be written in place while recording; use NoGradGuard "
+             "(as for initialisation) or an out-of-place op");
+    // The history goes on this tensor alone: another view or base of the same memory would read the new
+    // values without it, and its gradient would silently miss the source.
+    MN_CHECK(storage().use_count() == 1, RuntimeError, "copy_: cannot record a copy ",
+             src.requires_grad() ? "from a tensor that requires grad " : "", "into a tensor (shape ", sizes(),
+             ") whose memory other tensors share (a view, its base or a detached alias): they would not see the "
+             "copy's history; copy into a fresh tensor, or build the result out of place (cat, stack, where)");
+  }
   // Across devices (as in to_device) the copy is the device side's kernel, which handles host <-> device
   // in both directions and device <-> device.
   const Device here = device(), there = src.device();
   kernels::copy(here.is_cpu() ? there : here, detail::expand_view(src, sizes()), *this);
   bump_version();
+  if (record)
+    autograd::record("CopyBackward", {this, &src}, {this},
+                     [src_shape = src.sizes(), src_device = src.device()](const GradContext& c) -> TensorList {
+                       const Tensor& g = c.grad();
+                       if (!g.defined()) return {Tensor(), Tensor()};
+                       Tensor to_src;
+                       if (c.needs(1)) {
+                         to_src = sum_to(g, src_shape);
+                         if (to_src.device() != src_device) to_src = to_device(to_src, src_device);
+                       }
+                       return {c.needs(0) ? zeros_like(g) : Tensor(), to_src};
+                     });
   return *this;
 }
 

@@ -98,7 +98,8 @@ const Tensor& DataLoader::order() const {
 int64_t DataLoader::size() const {
   const int64_t visited = options_.sampler ? options_.sampler->size() : num_samples_;
   const int64_t batch_size = options_.batch_size;
-  return options_.drop_last ? visited / batch_size : (visited + batch_size - 1) / batch_size;
+  // Rounded up without forming visited + batch_size - 1, which overflows for a huge batch_size.
+  return visited / batch_size + (!options_.drop_last && visited % batch_size != 0 ? 1 : 0);
 }
 
 Batch DataLoader::batch(int64_t i) const {

@@ -259,8 +259,33 @@ def adam_beta2():
     save("adam_beta2", out, {"lr": 0.1, "betas": (0.9, 0.9999), "adamw_weight_decay": 1e-2})
 
 
+def var_std():
+    """torch.var / torch.std spelled with one dim, a dim list, no dim, biased and keepdim: mn::var(x, 1)
+    must mean torch.var(x, 1) (issue 16: it used to pick the all-element overload)."""
+    torch.manual_seed(16)
+    out = {}
+    x = torch.randn(3, 4, 5)
+    out["x"] = x
+    specs = {
+        "var_1": lambda t: torch.var(t, 1),
+        "var_0_2": lambda t: torch.var(t, [0, 2]),
+        "var_2_biased": lambda t: torch.var(t, 2, unbiased=False),
+        "var_all": lambda t: torch.var(t),
+        "std_1": lambda t: torch.std(t, 1),
+        "std_1_biased_keepdim": lambda t: torch.std(t, 1, unbiased=False, keepdim=True),
+        "std_last": lambda t: torch.std(t, -1),
+    }
+    for tag, fn in specs.items():
+        xi = x.clone().requires_grad_(True)
+        y = fn(xi)
+        weighted_backward(y, tag, out)
+        out[tag + "_y"] = y
+        out[tag + "_gx"] = xi.grad
+    save("var_std", out)
+
+
 CASES = {"conv2d": conv2d, "pooling": pooling, "batch_norm": batch_norm, "lstm": lstm, "losses": losses,
-         "optim": optimizers, "nan": nan_propagation, "adam_beta2": adam_beta2}
+         "optim": optimizers, "nan": nan_propagation, "adam_beta2": adam_beta2, "var_std": var_std}
 
 if __name__ == "__main__":
     # With no arguments every case is written; otherwise only the named ones. The first six cases draw
