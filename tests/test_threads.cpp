@@ -7,6 +7,7 @@
 #include <omp.h>
 
 #include <atomic>
+#include <barrier>
 #include <memory>
 #include <thread>
 #include <vector>
@@ -144,4 +145,38 @@ TEST_CASE("threads: an op slot filled on one thread is read on another without a
   op.set(DeviceType::CPU, &twice);
   reader.join();
   CHECK(result == 42);
+}
+
+TEST_CASE("threads: a shared leaf gets one metadata block, one accumulator and every gradient") {
+  // Four threads reach the same tensor at the same moment (a barrier releases them together): the
+  // lazily created autograd metadata and AccumulateGrad sink must come out single, and the four
+  // accumulations must all land. Each round uses fresh tensors, so each round races creation again.
+  constexpr int kRounds = 50;
+  for (int round = 0; round < kRounds; ++round) {
+    Tensor plain = zeros({3});  // no autograd metadata yet
+    Tensor leaf = zeros({3});
+    leaf.requires_grad_(true);  // metadata, but no accumulator yet
+    std::vector<Tensor> grads;
+    for (int i = 0; i < kWorkers; ++i) grads.push_back(ones({3}));
+    std::vector<autograd::AutogradMeta*> metas(kWorkers);
+    std::vector<std::shared_ptr<autograd::Node>> sinks(kWorkers);
+    std::barrier sync(kWorkers);
+    std::vector<std::thread> workers;
+    for (int i = 0; i < kWorkers; ++i)
+      workers.emplace_back([&, i] {
+        autograd::NoGradGuard no_grad;  // as the engine runs a sink without create_graph
+        sync.arrive_and_wait();
+        metas[i] = &autograd::ensure_meta(plain);
+        sinks[i] = autograd::grad_accumulator(leaf);
+        sync.arrive_and_wait();
+        sinks[i]->apply({std::move(grads[i])});
+      });
+    for (auto& w : workers) w.join();
+    INFO("round " << round);
+    for (int i = 1; i < kWorkers; ++i) {
+      CHECK(metas[i] == metas[0]);
+      CHECK(sinks[i] == sinks[0]);
+    }
+    CHECK(leaf.grad().to_vector<float>() == std::vector<float>(3, static_cast<float>(kWorkers)));
+  }
 }
