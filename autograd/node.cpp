@@ -11,7 +11,7 @@
 namespace mn {
 
 TensorImpl::TensorImpl() = default;
-TensorImpl::~TensorImpl() = default;
+TensorImpl::~TensorImpl() { delete autograd.load(std::memory_order_acquire); }
 
 namespace autograd {
 
@@ -27,16 +27,23 @@ uint64_t next_sequence_nr() { return g_sequence.fetch_add(1, std::memory_order_r
 
 Node::Node() : sequence_nr(next_sequence_nr()) {}
 
-AutogradMeta* meta(const Tensor& t) { return t.impl()->autograd.get(); }
+AutogradMeta* meta(const Tensor& t) { return t.impl()->autograd.load(std::memory_order_acquire); }
 
 AutogradMeta& ensure_meta(const Tensor& t) {
-  auto& m = t.impl()->autograd;
-  if (!m) m = std::make_unique<AutogradMeta>();
+  auto& slot = t.impl()->autograd;
+  AutogradMeta* m = slot.load(std::memory_order_acquire);
+  if (m != nullptr) return *m;
+  // First use: whoever publishes first wins, the other thread frees its copy and takes the winner's.
+  auto fresh = std::make_unique<AutogradMeta>();
+  if (slot.compare_exchange_strong(m, fresh.get(), std::memory_order_acq_rel, std::memory_order_acquire))
+    return *fresh.release();
   return *m;
 }
 
 std::shared_ptr<Node> grad_accumulator(const Tensor& t) {
   AutogradMeta& m = ensure_meta(t);
+  // One sink per leaf, so gradients from every graph that uses it meet in one place.
+  std::lock_guard<std::mutex> lock(m.mutex);
   if (auto acc = m.grad_accumulator.lock()) return acc;
   auto acc = std::make_shared<AccumulateGrad>(t.impl_ptr());
   m.grad_accumulator = acc;
@@ -102,22 +109,27 @@ TensorList AccumulateGrad::apply(TensorList&& grads) {
   AutogradMeta& m = ensure_meta(leaf);
   MN_CHECK(g.sizes() == leaf.sizes(), RuntimeError, "gradient of shape ", g.sizes(),
            " does not match the leaf's shape ", leaf.sizes(), " (a backward formula returned a wrong shape)");
-  const void* before = m.grad.defined() ? m.grad.storage()->data() : nullptr;
-  if (grad_mode_enabled()) {
-    // create_graph: keep the history so the gradient itself can be differentiated.
-    m.grad = m.grad.defined() ? add(m.grad, g) : g;
-  } else if (!m.grad.defined()) {
-    // Steal the incoming buffer when nothing else refers to it; otherwise copy, because later
-    // accumulation happens in place.
-    const bool sole_owner = g.impl_ptr().use_count() == 1 && g.storage().use_count() == 1 && !g.requires_grad() &&
-                            g.is_contiguous() && g.storage_offset() == 0;
-    m.grad = sole_owner ? g : g.detach().clone();
-  } else {
-    Tensor acc = m.grad;
-    if (acc.requires_grad()) acc = acc.detach();
-    kernels::binary(acc.device(), kernels::BinaryOp::Add, acc, g, acc);
+  {
+    // Backward passes on several threads may reach one leaf's sink together (a shared parameter); the
+    // sum is the same whichever comes first, up to float rounding order. Hooks run outside the lock.
+    std::lock_guard<std::mutex> lock(m.mutex);
+    const void* before = m.grad.defined() ? m.grad.storage()->data() : nullptr;
+    if (grad_mode_enabled()) {
+      // create_graph: keep the history so the gradient itself can be differentiated.
+      m.grad = m.grad.defined() ? add(m.grad, g) : g;
+    } else if (!m.grad.defined()) {
+      // Steal the incoming buffer when nothing else refers to it; otherwise copy, because later
+      // accumulation happens in place.
+      const bool sole_owner = g.impl_ptr().use_count() == 1 && g.storage().use_count() == 1 && !g.requires_grad() &&
+                              g.is_contiguous() && g.storage_offset() == 0;
+      m.grad = sole_owner ? g : g.detach().clone();
+    } else {
+      Tensor acc = m.grad;
+      if (acc.requires_grad()) acc = acc.detach();
+      kernels::binary(acc.device(), kernels::BinaryOp::Add, acc, g, acc);
+    }
+    capture::grad_written(leaf, before);  // a captured graph re-attaches this gradient at replay
   }
-  capture::grad_written(leaf, before);  // a captured graph re-attaches this gradient at replay
   for (auto& hook : m.post_accumulate_hooks) hook(leaf);
   return {};
 }
@@ -126,7 +138,7 @@ TensorList AccumulateGrad::apply(TensorList&& grads) {
 
 // ---- Tensor's autograd methods ----
 bool Tensor::requires_grad() const {
-  auto* m = checked()->autograd.get();
+  auto* m = checked()->autograd.load(std::memory_order_acquire);
   return m != nullptr && m->requires_grad;
 }
 
@@ -140,17 +152,17 @@ Tensor& Tensor::requires_grad_(bool on) {
 }
 
 bool Tensor::is_leaf() const {
-  auto* m = checked()->autograd.get();
+  auto* m = checked()->autograd.load(std::memory_order_acquire);
   return m == nullptr || !m->grad_fn;
 }
 
 const std::shared_ptr<autograd::Node>& Tensor::grad_fn() const {
-  auto* m = checked()->autograd.get();
+  auto* m = checked()->autograd.load(std::memory_order_acquire);
   return m ? m->grad_fn : autograd::kNoNode;
 }
 
 Tensor Tensor::grad() const {
-  auto* m = checked()->autograd.get();
+  auto* m = checked()->autograd.load(std::memory_order_acquire);
   return m ? m->grad : Tensor();
 }
 

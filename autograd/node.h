@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <vector>
@@ -72,6 +73,11 @@ class AccumulateGrad final : public Node {
 };
 
 struct AutogradMeta {
+  // Guards grad_accumulator's creation and the accumulation into grad, which threads running
+  // forward/backward over a shared leaf may reach at the same time. The other fields change only
+  // through calls that mutate the tensor (requires_grad_, set_grad, an op's output), which the
+  // thread contract (README, "Threads") gives to one thread at a time.
+  std::mutex mutex;
   bool requires_grad = false;
   bool retains_grad = false;
   Tensor grad;

@@ -3,6 +3,7 @@
 // elements) + dtype + autograd metadata. Views share storage and hence the version counter.
 // Differentiable operations are free functions in autograd/ops.h; the methods here that create
 // views or copies forward to them.
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <initializer_list>
@@ -39,9 +40,13 @@ struct TensorImpl {
   Shape strides;
   int64_t offset = 0;
   DType dtype = DType::f32;
-  std::unique_ptr<autograd::AutogradMeta> autograd;  // null until autograd needs it
+  // Null until autograd needs it, then owned (deleted with the impl). Atomic because it is created
+  // lazily: two threads reading one tensor (say a shared leaf feeding two forwards) may both ask for it.
+  std::atomic<autograd::AutogradMeta*> autograd{nullptr};
   TensorImpl();
   ~TensorImpl();
+  TensorImpl(const TensorImpl&) = delete;
+  TensorImpl& operator=(const TensorImpl&) = delete;
 };
 
 class Tensor {

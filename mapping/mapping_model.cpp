@@ -73,6 +73,17 @@ void MappingModel::check_target() const {
   }
 }
 
+void MappingModel::check_parameters_read(const std::vector<std::string>& unread) {
+  if (!unread.empty() && !options_.allow_unused_parameters)
+    throw ValueError(str(
+        "MappingModel: the target's forward never read the generated parameter(s) ", bracket_list(unread),
+        " through Module::param(), so it ran on the target's own frozen tensors and the latents get no gradient "
+        "from them. A layer that keeps register_parameter's return value in a member and computes with it does "
+        "this: read parameters through param(\"name\") in forward, not a stored Tensor member. If forward "
+        "genuinely does not use them, set MappingOptions::allow_unused_parameters = true"));
+  parameters_read_checked_ = true;
+}
+
 void MappingModel::plan_streaming() {
   MN_CHECK(dynamic_cast<const nn::Sequential*>(target_.get()) != nullptr, ValueError,
            "stream_layers: expected an nn::Sequential target (layers that run one after another), got a ",
@@ -112,6 +123,8 @@ ForwardResult MappingModel::forward(const Tensor& input, const LatentOverrides& 
 ForwardResult MappingModel::forward_streamed(const Tensor& input, const LatentOverrides& latents) {
   generator_->check_overrides(latents);
   const auto& groups = generator_->groups();
+  // Unread generated parameters of the first forward, over all segments (see check_parameters_read).
+  auto unread = parameters_read_checked_ ? nullptr : std::make_shared<std::vector<std::string>>();
   Tensor x = input;
   for (const StreamStep& step : stream_plan_) {
     // The segment's carried buffers as they are now (per layer, local names): both runs start from them.
@@ -131,7 +144,7 @@ ForwardResult MappingModel::forward_streamed(const Tensor& input, const LatentOv
     // in = {segment input, latents of its groups}: generate the first layer's parameters, run the
     // segment, drop them. Only the first run writes buffers back; the recomputation in backward repeats
     // the segment without effect on the model.
-    auto segment = [this, s, buffers, first](const autograd::TensorList& in) -> autograd::TensorList {
+    auto segment = [this, s, buffers, first, unread](const autograd::TensorList& in) -> autograd::TensorList {
       const auto& gs = generator_->groups();
       LatentOverrides own;
       for (size_t k = 0; k < s->groups.size(); ++k) own[gs[s->groups[k]].name] = in[k + 1];
@@ -141,6 +154,7 @@ ForwardResult MappingModel::forward_streamed(const Tensor& input, const LatentOv
         for (const auto& [name, t] : part.items()) generated[name.substr(s->layers.front().prefix.size())] = t;
       }
       const bool write_back = options_.write_back_buffers && *first;
+      const bool check_reads = unread != nullptr && *first;
       *first = false;
       Tensor y = in[0];
       for (size_t l = 0; l < s->layers.size(); ++l) {
@@ -152,6 +166,8 @@ ForwardResult MappingModel::forward_streamed(const Tensor& input, const LatentOv
         {
           nn::FunctionalCallGuard guard(*s->layers[l].module, tensors, call);
           y = s->layers[l].module->forward(y);
+          if (check_reads)
+            for (const std::string& name : guard.unread_parameters()) unread->push_back(s->layers[l].prefix + name);
         }
         if (write_back) keep_buffers(s->layers[l].prefix, updated);
       }
@@ -159,6 +175,7 @@ ForwardResult MappingModel::forward_streamed(const Tensor& input, const LatentOv
     };
     x = autograd::checkpoint(segment, in)[0];
   }
+  if (unread) check_parameters_read(*unread);
   ForwardResult result;
   result.predictions = x;
   result.streamed = true;
@@ -181,6 +198,7 @@ ForwardResult MappingModel::forward_with(const std::function<Tensor(nn::Module&)
   {
     nn::FunctionalCallGuard guard(*target_, tensors, call);
     result.predictions = run(*target_);
+    if (!parameters_read_checked_) check_parameters_read(guard.unread_parameters());
   }
   if (options_.write_back_buffers) keep_buffers("", updated);
   result.latent_vectors = generator_->named_latents();

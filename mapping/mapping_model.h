@@ -41,6 +41,12 @@ struct MappingOptions {
   // outputs. ForwardResult::generated_parameters stays empty (not kept), so the smoothness loss, which
   // differentiates them, refuses such a model.
   bool stream_layers = false;
+  // The first forward checks that the target read every generated parameter through Module::param()
+  // (a layer that computes with a Tensor member kept from register_parameter runs on its own frozen
+  // tensor and the latents get no gradient from it): an unread parameter is a ValueError naming it.
+  // Set this when the target genuinely leaves some parameters unused (PyTorch DDP's
+  // find_unused_parameters case); they are still generated.
+  bool allow_unused_parameters = false;
 };
 
 struct ForwardResult {
@@ -101,6 +107,10 @@ class MappingModel {
 
  private:
   void check_target() const;
+  // The first-forward check of allow_unused_parameters: throws naming `unread` unless it is empty or
+  // the option allows it; once a forward has passed it, later ones skip it.
+  void check_parameters_read(const std::vector<std::string>& unread);
+  bool parameters_read_checked_ = false;
   // stream_layers: the target's top-level layers cut into segments, each a layer with generated
   // parameters and the parameter-free layers after it (leading parameter-free layers: a segment of
   // their own), with the generator groups of its first layer.

@@ -6,24 +6,35 @@
 
 namespace mn::nn {
 
-namespace {
+namespace detail {
 
-struct Frame {
-  std::unordered_map<const Module*, std::unordered_map<std::string, Tensor>> table;
-  std::vector<std::pair<std::string, std::pair<const Module*, std::string>>> buffer_names;  // for write-out
+struct Override {
+  Tensor value;
+  bool read = false;  // a parameter looked up through Module::param() under this frame
 };
 
-thread_local std::vector<Frame*> g_frames;
+struct Frame {
+  std::unordered_map<const Module*, std::unordered_map<std::string, Override>> table;
+  std::vector<std::pair<std::string, std::pair<const Module*, std::string>>> buffer_names;  // for write-out
+  std::vector<std::pair<std::string, std::pair<const Module*, std::string>>> parameter_names;  // for unread_parameters
+};
 
+}  // namespace detail
+
+namespace {
+using detail::Frame;
+thread_local std::vector<Frame*> g_frames;
 }  // namespace
 
 namespace detail {
-Tensor* find_override(const Module* module, const std::string& name) {
+Tensor* find_override(const Module* module, const std::string& name, bool mark_read) {
   for (auto it = g_frames.rbegin(); it != g_frames.rend(); ++it) {
     auto m = (*it)->table.find(module);
     if (m == (*it)->table.end()) continue;
     auto t = m->second.find(name);
-    if (t != m->second.end()) return &t->second;
+    if (t == m->second.end()) continue;
+    if (mark_read) t->second.read = true;
+    return &t->second.value;
   }
   return nullptr;
 }
@@ -52,7 +63,8 @@ FunctionalCallGuard::FunctionalCallGuard(const Module& module, const std::map<st
                full, "', got ", t.sizes());
       MN_CHECK(t.dtype() == value.dtype(), TypeError, "functional_call: expected dtype ", value.dtype(), " for '",
                full, "', got ", t.dtype());
-      entries[name] = t;
+      entries[name].value = t;
+      frame->parameter_names.push_back({full, {m.get(), name}});
       used.insert(full);
     }
     for (const auto& [name, value] : m->own_buffers()) {
@@ -62,10 +74,10 @@ FunctionalCallGuard::FunctionalCallGuard(const Module& module, const std::map<st
       if (it != tensors.end()) {
         MN_CHECK(it->second.sizes() == value.sizes(), ValueError, "functional_call: expected shape ", value.sizes(),
                  " for buffer '", full, "', got ", it->second.sizes());
-        entries[name] = it->second;
+        entries[name].value = it->second;
         used.insert(full);
       } else if (options.clone_buffers) {
-        entries[name] = value.detach().clone();
+        entries[name].value = value.detach().clone();
       }
       frame->buffer_names.push_back({full, {m.get(), name}});
     }
@@ -76,7 +88,15 @@ FunctionalCallGuard::FunctionalCallGuard(const Module& module, const std::map<st
   if (!missing.empty() || !unexpected.empty())
     throw KeyError(str("functional_call on ", module.type_name(), ": names do not match the module's parameters; missing=",
                        bracket_list(missing), ", unexpected=", bracket_list(unexpected)));
+  frame_ = frame.get();
   g_frames.push_back(frame.release());
+}
+
+std::vector<std::string> FunctionalCallGuard::unread_parameters() const {
+  std::vector<std::string> unread;
+  for (const auto& [full, where] : frame_->parameter_names)
+    if (!frame_->table.at(where.first).at(where.second).read) unread.push_back(full);
+  return unread;
 }
 
 FunctionalCallGuard::~FunctionalCallGuard() {
@@ -87,7 +107,7 @@ FunctionalCallGuard::~FunctionalCallGuard() {
       auto m = frame->table.find(where.first);
       if (m == frame->table.end()) continue;
       auto t = m->second.find(where.second);
-      if (t != m->second.end()) (*options_.buffers_out)[full] = t->second;
+      if (t != m->second.end()) (*options_.buffers_out)[full] = t->second.value;
     }
 }
 

@@ -8,6 +8,7 @@
 #include <functional>
 #include <map>
 #include <string>
+#include <vector>
 
 #include "nn/module.h"
 
@@ -19,6 +20,10 @@ struct FunctionalCallOptions {
   StateDict* buffers_out = nullptr;  // if set, receives the call's (possibly updated) buffers
 };
 
+namespace detail {
+struct Frame;  // one guard's overrides (functional_call.cpp)
+}
+
 // RAII guard: while alive, `module` (and its descendants) read the given tensors. `tensors` maps
 // dotted names (as in named_parameters / named_buffers) to values; shapes must match.
 class FunctionalCallGuard {
@@ -29,9 +34,16 @@ class FunctionalCallGuard {
   FunctionalCallGuard(const FunctionalCallGuard&) = delete;
   FunctionalCallGuard& operator=(const FunctionalCallGuard&) = delete;
 
+  // Dotted names of the supplied parameters that no Module::param() call has read under this guard
+  // so far (for this guard's frame, so a nested call that supplies the same module shadows it). A
+  // layer that kept register_parameter's return value in a member and computes with that never asks,
+  // so its forward ran on the module's own tensor instead of the supplied one.
+  std::vector<std::string> unread_parameters() const;
+
  private:
   const Module& module_;
   FunctionalCallOptions options_;
+  detail::Frame* frame_ = nullptr;  // this guard's entry on the thread's stack of overrides
 };
 
 // Runs body() under a FunctionalCallGuard and returns its result.
@@ -48,8 +60,9 @@ Tensor functional_call(Module& module, const std::map<std::string, Tensor>& tens
                        const FunctionalCallOptions& options = {});
 
 namespace detail {
-// Lookup used by Module: the override for (module, local name) in the innermost frame, or nullptr.
-Tensor* find_override(const Module* module, const std::string& name);
+// Lookup used by Module: the override for (module, local name) in the innermost frame that has one,
+// or nullptr. mark_read records that a parameter was read (Module::param), see unread_parameters().
+Tensor* find_override(const Module* module, const std::string& name, bool mark_read = false);
 bool functional_call_active();
 }  // namespace detail
 

@@ -62,7 +62,7 @@ void Module::add_child(const std::string& name, std::shared_ptr<Module> module) 
 
 Tensor Module::param(const std::string& name) const {
   if (detail::functional_call_active())
-    if (Tensor* t = detail::find_override(this, name)) return *t;
+    if (Tensor* t = detail::find_override(this, name, /*mark_read=*/true)) return *t;
   if (const Tensor* t = find_in(params_, name)) return *t;
   throw KeyError(str(type_name_, " has no parameter '", name, "'"));
 }

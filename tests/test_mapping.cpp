@@ -371,6 +371,55 @@ TEST_CASE("mapping: conv and LSTM targets route gradients to every latent; tied 
   CHECK_THROWS_WITH_AS(MappingModel(tied, o), doctest::Contains("0.weight = 1.weight"), ValueError);
 }
 
+namespace {
+// The libtorch idiom this library cannot follow: the weight kept in a member and used directly, so a
+// functional call (which overrides param()) never reaches it.
+class MemberWeightLinear : public nn::Module {
+ public:
+  MemberWeightLinear() : nn::Module("MemberWeightLinear") {
+    weight_ = register_parameter("weight", randn({2, 3}));
+    register_parameter("bias", zeros({2}));
+  }
+  Tensor forward(const Tensor& x) override { return nn::functional::linear(x, weight_, param("bias")); }
+
+ private:
+  Tensor weight_;
+};
+}  // namespace
+
+TEST_CASE("mapping: a target that computes with a stored parameter member is refused at its first forward") {
+  manual_seed(8);
+  auto net = std::make_shared<nn::Sequential>(
+      std::vector<nn::ModulePtr>{std::make_shared<MemberWeightLinear>(), std::make_shared<nn::ReLU>()});
+  const Tensor x = randn({4, 3});
+  for (bool streamed : {false, true}) {
+    INFO("stream_layers " << streamed);
+    MappingOptions o;
+    o.latent_dim = 4;
+    o.stream_layers = streamed;
+    MappingModel model(net, o);
+    // Every forward until one passes checks again: a caught error does not switch the check off.
+    for (int attempt = 0; attempt < 2; ++attempt) {
+      const std::string message = mn::testing::error_message([&] { model.forward(x); });
+      CHECK(mn::testing::contains(message, "[0.weight]"));
+      CHECK(mn::testing::contains(message, "param(\"name\")"));
+      CHECK(mn::testing::contains(message, "allow_unused_parameters"));
+      CHECK_THROWS_AS(model.forward(x), ValueError);
+    }
+    // Declared unused: the forward runs (on the member) and the bias still trains the latent.
+    o.allow_unused_parameters = true;
+    MappingModel allowed(net, o);
+    sum(allowed.forward(x).predictions).backward();
+    for (auto& [n, z] : allowed.named_latents()) CHECK(z.grad().defined());
+  }
+  // forward_with runs the same check.
+  MappingOptions o;
+  o.latent_dim = 4;
+  MappingModel model(net, o);
+  CHECK_THROWS_WITH_AS(model.forward_with([&](nn::Module& m) { return m.forward(x); }),
+                       doctest::Contains("[0.weight]"), ValueError);
+}
+
 TEST_CASE("mapping: stream_layers generates layer by layer: same results, one layer's parameters in memory") {
   namespace F = mn::nn::functional;
   Generator g(31);
