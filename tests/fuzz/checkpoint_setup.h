@@ -53,7 +53,9 @@ inline std::unique_ptr<CheckpointRun> make_checkpoint_run(const CheckpointSetup&
   Generator data_gen(5);
   Tensor images = randn({2, 1, 28, 28}, {}, &data_gen);
   Tensor labels = from_vector(std::vector<int64_t>{3, 7}, {2});
-  run->loader = std::make_unique<data::DataLoader>(images, labels, data::DataLoaderOptions{2, false, 0, false});
+  data::DataLoaderOptions loader_options;
+  loader_options.batch_size = 2;
+  run->loader = std::make_unique<data::DataLoader>(images, labels, loader_options);
 
   mapping::TrainerConfig config;
   config.max_epochs = 2;

@@ -39,10 +39,9 @@ if [[ $# -gt 0 && $1 != -* ]]; then
   target=$1
   shift
 fi
-# The engine sources each target builds instrumented (the others come from the shared archive).
-targets=(safetensors checkpoint)
-safetensors_sources=(nn/safetensors.cpp)
-checkpoint_sources=(nn/safetensors.cpp mapping/checkpoint.cpp mapping/trainer.cpp nn/optim.cpp kernels/cpu/optim.cpp)
+# The engine sources built instrumented, in both fuzzers (only the checkpoint fuzzer reaches all of
+# them; an object cannot leave the shared archive for one fuzzer only, as the archive refers to it).
+instrumented_sources=(nn/safetensors.cpp mapping/checkpoint.cpp mapping/trainer.cpp nn/optim.cpp kernels/cpu/optim.cpp)
 # Per target: seed corpus, default inputs, largest input.
 case $target in
   safetensors) corpus=$here/corpus default_runs=20000 max_len=4096 ;;
@@ -106,27 +105,18 @@ fi
 # ---- build ----
 mkdir -p "$build"
 build=$(cd "$build" && pwd)
-# Every engine source but those some target instruments: one archive serves both fuzzers (each links
-# only the members it needs).
-all_instrumented=()
-for t in "${targets[@]}"; do
-  declare -n sources=${t}_sources
-  for f in "${sources[@]}"; do
-    [[ " ${all_instrumented[*]} " == *" $f "* ]] || all_instrumented+=("$f")
-  done
-  unset -n sources
-done
+# Every other engine source goes into one archive, shared by both fuzzers.
 engine_objects=()
 for dir in core kernels kernels/cpu autograd autograd/functions nn nn/data nn/functional nn/layers mapping; do
   for f in "$root/$dir"/*.cpp; do
     [[ -e "$f" ]] || continue
     f=${f#"$root"/}
-    [[ " ${all_instrumented[*]} " == *" $f "* ]] && continue
+    [[ " ${instrumented_sources[*]} " == *" $f "* ]] && continue
     engine_objects+=("engine/${f%.cpp}.o")
   done
 done
 instrumented_objects=()
-for f in "${all_instrumented[@]}"; do
+for f in "${instrumented_sources[@]}"; do
   instrumented_objects+=("instrumented/${f%.cpp}.o")
 done
 
@@ -145,17 +135,11 @@ makefile_new="$build/Makefile.new"
   echo "LIBS := libengine.a \$(OPENMP_LINK) -lz"
   echo "ENGINE_OBJS := ${engine_objects[*]}"
   echo "INSTRUMENTED_OBJS := ${instrumented_objects[*]}"
-  for t in "${targets[@]}"; do
-    declare -n sources=${t}_sources
-    objs=()
-    for f in "${sources[@]}"; do
-      objs+=("instrumented/${f%.cpp}.o")
-    done
-    unset -n sources
-    echo "fuzz_$t: harness/fuzz_$t.o ${objs[*]} libengine.a"
-    printf '\t$(LINK) harness/fuzz_%s.o %s $(LIBS) -o $@\n' "$t" "${objs[*]}"
-  done
   cat <<'MAKEFILE'
+fuzz_%: harness/fuzz_%.o $(INSTRUMENTED_OBJS) libengine.a
+	$(LINK) $< $(INSTRUMENTED_OBJS) $(LIBS) -o $@
+# Keep the objects that pattern rules chain through (make would delete them as intermediates).
+.SECONDARY:
 # Depends on the Makefile so that a source file leaving the engine also leaves the archive.
 libengine.a: $(ENGINE_OBJS) Makefile
 	rm -f $@
