@@ -50,8 +50,9 @@ mn::Tensor reshaped(const mn::Tensor& t, const std::vector<int64_t>& dims) {
   int64_t numel = 1;
   for (int64_t d : dims) numel *= d;
   const mn::Shape shape(dims);
-  if (t.dtype() == mn::DType::i64) return mn::from_vector(resized(t.to_vector<int64_t>(), numel), shape);
-  return mn::from_vector(resized(t.to_vector<float>(), numel), shape);
+  mn::Tensor out = t.dtype() == mn::DType::i64 ? mn::from_vector(resized(t.to_vector<int64_t>(), numel), shape)
+                                                : mn::from_vector(resized(t.to_vector<float>(), numel), shape);
+  return dims.empty() ? out.reshape({}) : out;  // from_vector reads an empty shape as [numel]
 }
 
 // A new shape for a tensor: 0-d, a dimension dropped, added or resized. Small, so the file stays small.
