@@ -441,8 +441,10 @@ PassThroughAllocator::PassThroughAllocator(std::unique_ptr<RawBackend> backend)
 Allocation PassThroughAllocator::allocate(size_t bytes, StreamId stream) {
   if (bytes == 0) return {};
   std::lock_guard<std::mutex> lock(mutex_);
+  // Statistics count the rounded size, as the caching allocator would; the memory itself is exactly
+  // `bytes`, so a sanitizer (the reason to turn caching off) reports an access one byte past a tensor.
   const size_t rounded = bytes > kMaxRequestBytes ? bytes : round_allocation_size(bytes);
-  void* ptr = bytes > kMaxRequestBytes ? nullptr : backend_->raw_alloc(rounded);
+  void* ptr = bytes > kMaxRequestBytes ? nullptr : backend_->raw_alloc(bytes);
   if (ptr == nullptr) {
     ++stats_.num_ooms;
     throw MemoryError(out_of_memory_message(*backend_, stats_, bytes, rounded, rounded, stream));
@@ -468,7 +470,7 @@ void PassThroughAllocator::free(const Allocation& a) {
     backend_->event_synchronize(event);
     backend_->release_event(event);
   }
-  backend_->raw_free(record->ptr, record->size);
+  backend_->raw_free(record->ptr, record->requested_size);
   const auto size = static_cast<int64_t>(record->size);
   stats_.allocation.decrease(1);
   stats_.segment.decrease(1);

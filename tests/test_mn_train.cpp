@@ -425,6 +425,7 @@ TEST_CASE("mn-train: --resume refuses optimizer state that does not fit its para
     CHECK(r.all().find(checkpoint) != std::string::npos);
     CHECK(r.all().find("'state.0.exp_avg' has shape []") != std::string::npos);
     CHECK(read_bytes(checkpoint) == before);
+  }
 }
 
 TEST_CASE("mn-train: a latent dim whose sizes overflow int64 is a clear error, not a wrapped guard or bad_alloc") {
