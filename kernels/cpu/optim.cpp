@@ -15,7 +15,9 @@ void adam_cpu(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const Ada
   float* va = v.data<float>();
   const int64_t n = param.numel();
   const AdamCoefficients k = adam_coefficients(p);
-#pragma omp parallel for schedule(static) if (n > 65536)
+  // firstprivate: each thread's own copy of the coefficients, so that the stores to w, m and v (floats
+  // like them) cannot alias them and the loop vectorises (with -fno-math-errno for sqrt; CMakeLists).
+#pragma omp parallel for schedule(static) if (n > 65536) firstprivate(k)
   for (int64_t i = 0; i < n; ++i) adam_update(w[i], g[i], ma[i], va[i], k);
 }
 
@@ -26,7 +28,7 @@ void sgd_cpu(Tensor& param, const Tensor& grad, Tensor& buf, const SgdParams& p)
   float* b = buf.defined() ? buf.data<float>() : nullptr;
   const int64_t n = param.numel();
   const SgdCoefficients k = sgd_coefficients(p);
-#pragma omp parallel for schedule(static) if (n > 65536)
+#pragma omp parallel for schedule(static) if (n > 65536) firstprivate(k)
   for (int64_t i = 0; i < n; ++i) sgd_update(w[i], g[i], b != nullptr ? b + i : nullptr, k);
 }
 
