@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 #include <set>
 #include <sstream>
+#include <type_traits>
 
 #include "autograd/node.h"
 #include "nn/safetensors.h"
@@ -41,6 +42,16 @@ json shape_json(const Shape& shape) {
 // NaN / inf have no JSON spelling: null stands for "not finite" and reads back as NaN.
 json finite_or_null(double v) { return std::isfinite(v) ? json(v) : json(nullptr); }
 double number_or_nan(const json& v) { return v.is_null() ? std::numeric_limits<double>::quiet_NaN() : v.get<double>(); }
+
+// A whole number from the metadata. nlohmann's get<int64_t>() also converts a float, and one outside
+// int64's range (a damaged "2e32") is undefined behaviour; this refuses anything but an integer in range.
+template <class T>
+T whole_number(const json& v) {
+  const bool fits = std::is_signed_v<T> ? v.is_number_integer() && (v.is_number_unsigned() ? v.get<uint64_t>() <= uint64_t(INT64_MAX) : true)
+                                        : v.is_number_unsigned();
+  if (!fits) throw ValueError(str("expected a whole number", std::is_signed_v<T> ? "" : " >= 0", " in range, got ", v.dump()));
+  return v.get<T>();
+}
 
 json history_json(const History& history) {
   json out = json::object();
@@ -89,7 +100,7 @@ json trainer_state_json(const TrainerState& s, std::optional<double> optimizer_l
 
 TrainerState parse_trainer_state(const json& j) {
   TrainerState s;
-  s.epoch = j.at("epoch").get<int64_t>();
+  s.epoch = whole_number<int64_t>(j.at("epoch"));
   s.should_stop = j.at("should_stop").get<bool>();
   s.scheduler_epoch = j.value("scheduler_epoch", int64_t{0});
   if (j.contains("scheduler_state")) s.scheduler_state = parse_scalar_state(j.at("scheduler_state"));
@@ -102,10 +113,10 @@ TrainerState parse_trainer_state(const json& j) {
         s.history.append(key, number_or_nan(v));
   if (j.contains("rng")) {
     const json& r = j.at("rng");
-    s.rng.trainer_seed = r.at("trainer_seed").get<uint64_t>();
-    s.rng.trainer_offset = r.at("trainer_offset").get<uint64_t>();
-    s.rng.global_seed = r.at("global_seed").get<uint64_t>();
-    s.rng.global_offset = r.at("global_offset").get<uint64_t>();
+    s.rng.trainer_seed = whole_number<uint64_t>(r.at("trainer_seed"));
+    s.rng.trainer_offset = whole_number<uint64_t>(r.at("trainer_offset"));
+    s.rng.global_seed = whole_number<uint64_t>(r.at("global_seed"));
+    s.rng.global_offset = whole_number<uint64_t>(r.at("global_offset"));
   }
   return s;
 }
@@ -185,13 +196,13 @@ Loaded read(const std::string& path) {
                                : "";
   });
   section("strategy", [&] { info.strategy = metadata_json(path, file, "strategy").get<std::string>(); });
-  section("seed", [&] { info.seed = metadata_json(path, file, "seed").get<uint64_t>(); });
+  section("seed", [&] { info.seed = whole_number<uint64_t>(metadata_json(path, file, "seed")); });
   section("parameter_scaling",
           [&] { info.parameter_scaling = metadata_json(path, file, "parameter_scaling").get<bool>(); });
   section("spec", [&] {
     for (const json& item : metadata_json(path, file, "spec")) {
       Shape shape;
-      for (const json& d : item.at(1)) shape.push_back(d.get<int64_t>());
+      for (const json& d : item.at(1)) shape.push_back(whole_number<int64_t>(d));
       info.spec.emplace_back(item.at(0).get<std::string>(), shape);
     }
   });
@@ -201,7 +212,7 @@ Loaded read(const std::string& path) {
       const std::string name = item.at(0).get<std::string>();
       out.groups.emplace_back(name, item.at(1).get<std::vector<std::string>>());
       MN_CHECK(dims.contains(name), ValueError, "group '", name, "' has no entry in 'latent_dims'");
-      info.latent_dims.emplace_back(name, dims.at(name).get<int64_t>());
+      info.latent_dims.emplace_back(name, whole_number<int64_t>(dims.at(name)));
     }
   });
   section("mapper", [&] { out.mapper = metadata_json(path, file, "mapper"); });
