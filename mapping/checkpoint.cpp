@@ -11,6 +11,7 @@
 
 #include "autograd/node.h"
 #include "nn/safetensors.h"
+#include "nn/train/state_json.h"
 
 namespace mn::mapping {
 
@@ -39,87 +40,8 @@ json shape_json(const Shape& shape) {
   return dims;
 }
 
-// NaN / inf have no JSON spelling: null stands for "not finite" and reads back as NaN.
-json finite_or_null(double v) { return std::isfinite(v) ? json(v) : json(nullptr); }
-double number_or_nan(const json& v) { return v.is_null() ? std::numeric_limits<double>::quiet_NaN() : v.get<double>(); }
-
-// A whole number from the metadata. nlohmann's get<int64_t>() also converts a float, and one outside
-// int64's range (a damaged "2e32") is undefined behaviour; this refuses anything but an integer in range.
-template <class T>
-T whole_number(const json& v) {
-  const bool fits = std::is_signed_v<T> ? v.is_number_integer() && (v.is_number_unsigned() ? v.get<uint64_t>() <= uint64_t(INT64_MAX) : true)
-                                        : v.is_number_unsigned();
-  if (!fits) throw ValueError(str("expected a whole number", std::is_signed_v<T> ? "" : " >= 0", " in range, got ", v.dump()));
-  return v.get<T>();
-}
-
-json history_json(const History& history) {
-  json out = json::object();
-  for (const auto& [key, values] : history.values()) {
-    json list = json::array();
-    for (double v : values) list.push_back(finite_or_null(v));
-    out[key] = std::move(list);
-  }
-  return out;
-}
-
-json scalar_state_json(const std::map<std::string, double>& state) {
-  json out = json::object();
-  for (const auto& [key, value] : state) out[key] = finite_or_null(value);
-  return out;
-}
-
-std::map<std::string, double> parse_scalar_state(const json& j) {
-  std::map<std::string, double> out;
-  for (const auto& [key, value] : j.items()) out[key] = number_or_nan(value);
-  return out;
-}
-
-json trainer_state_json(const TrainerState& s, std::optional<double> optimizer_lr) {
-  json j;
-  j["epoch"] = s.epoch;
-  j["should_stop"] = s.should_stop;
-  j["scheduler_epoch"] = s.scheduler_epoch;
-  // The optimizer's own state holds the lr as an f32 tensor; this keeps the exact double so a resumed
-  // run continues with bit-identical updates.
-  if (optimizer_lr) j["optimizer_lr"] = *optimizer_lr;
-  if (!s.scheduler_state.empty()) j["scheduler_state"] = scalar_state_json(s.scheduler_state);
-  if (s.scheduler_step_metric) j["scheduler_step_metric"] = finite_or_null(*s.scheduler_step_metric);
-  if (!s.callback_states.empty()) {
-    json callbacks = json::object();
-    for (const auto& [key, state] : s.callback_states) callbacks[key] = scalar_state_json(state);
-    j["callbacks"] = std::move(callbacks);
-  }
-  j["history"] = history_json(s.history);
-  j["rng"] = {{"trainer_seed", s.rng.trainer_seed},
-              {"trainer_offset", s.rng.trainer_offset},
-              {"global_seed", s.rng.global_seed},
-              {"global_offset", s.rng.global_offset}};
-  return j;
-}
-
-TrainerState parse_trainer_state(const json& j) {
-  TrainerState s;
-  s.epoch = whole_number<int64_t>(j.at("epoch"));
-  s.should_stop = j.at("should_stop").get<bool>();
-  s.scheduler_epoch = j.value("scheduler_epoch", int64_t{0});
-  if (j.contains("scheduler_state")) s.scheduler_state = parse_scalar_state(j.at("scheduler_state"));
-  if (j.contains("scheduler_step_metric")) s.scheduler_step_metric = number_or_nan(j.at("scheduler_step_metric"));
-  if (j.contains("callbacks"))
-    for (const auto& [key, state] : j.at("callbacks").items()) s.callback_states[key] = parse_scalar_state(state);
-  if (j.contains("history"))
-    for (const auto& [key, values] : j.at("history").items())
-      for (const json& v : values)
-        s.history.append(key, number_or_nan(v));
-  if (j.contains("rng")) {
-    const json& r = j.at("rng");
-    s.rng.trainer_seed = whole_number<uint64_t>(r.at("trainer_seed"));
-    s.rng.trainer_offset = whole_number<uint64_t>(r.at("trainer_offset"));
-    s.rng.global_seed = whole_number<uint64_t>(r.at("global_seed"));
-    s.rng.global_offset = whole_number<uint64_t>(r.at("global_offset"));
-  }
-  return s;
-}
+using train::detail::parse_trainer_state;
+using train::detail::whole_number;
 
 // The mapper as far as the model can tell: whether it is the default one (alpha known) and each
 // group's description (kind, dims, modulation), which a different factory would change.
@@ -230,9 +152,6 @@ Loaded read(const std::string& path) {
     for (const auto& entry : file.tensors)
       if (starts_with(entry.name, kOptimizerPrefix))
         s.optimizer[entry.name.substr(std::string(kOptimizerPrefix).size())] = entry.tensor;
-    // The optimizer's state holds its lr as an f32 tensor; load_state() puts the exact value in after
-    // it, before the scheduler resumes (whose pending step may scale it).
-    if (state.contains("optimizer_lr")) s.learning_rate = state.at("optimizer_lr").get<double>();
     info.trainer_state = std::move(s);
   });
   for (const auto& [group, dim] : info.latent_dims) {
@@ -443,7 +362,9 @@ void save_checkpoint(const std::string& path, const MappingModel& model, const C
   }
   if (extras.trainer_state) {
     const TrainerState& s = *extras.trainer_state;
-    metadata["trainer_state"] = encode(trainer_state_json(s, extras.optimizer_lr));
+    TrainerState state = s;
+    if (extras.optimizer_lr) state.learning_rate = extras.optimizer_lr;
+    metadata["trainer_state"] = encode(train::detail::trainer_state_json(state));
     for (const auto& [key, t] : s.optimizer) tensors.emplace_back(kOptimizerPrefix + key, t.detach());
   }
   for (const auto& [name, t] : extras.loss_parameters) tensors.emplace_back(kLossPrefix + name, t.detach());

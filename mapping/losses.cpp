@@ -21,13 +21,7 @@ void require_defined(const Tensor& t, const char* loss, const char* field) {
   MN_CHECK(t.defined(), ValueError, loss, " requires ", field, " in the training context, got an undefined tensor");
 }
 
-LossOutput task_output(Tensor value) {
-  LossOutput out;
-  out.set_metric("task", value);
-  out.components["task"] = value;
-  out.total = std::move(value);
-  return out;
-}
+using train::task_output;
 
 // Latents that can carry a gradient, with the count of their values (the smoothness normaliser).
 std::vector<Tensor> differentiable_latents(const TrainingContext& c, int64_t& total_numel) {
@@ -64,34 +58,6 @@ TrainingContext make_training_context(const ForwardResult& result, const Tensor&
   return c;
 }
 
-// ---- deferred metrics ----
-
-namespace {
-thread_local bool t_defer_metrics = false;
-}  // namespace
-
-DeferredMetrics::DeferredMetrics() : previous_(t_defer_metrics) { t_defer_metrics = true; }
-DeferredMetrics::~DeferredMetrics() { t_defer_metrics = previous_; }
-bool DeferredMetrics::active() { return t_defer_metrics; }
-
-void LossOutput::set_metric(const std::string& name, const Tensor& value, double divisor) {
-  MN_CHECK(value.defined() && value.numel() == 1, ValueError, "metric '", name,
-           "' needs a one-element tensor, got ", value.defined() ? value.sizes().str() : std::string("none"));
-  metrics.erase(name);
-  pending_metrics[name] = PendingMetric{value.detach(), divisor};
-  if (!DeferredMetrics::active()) read_metrics();
-}
-
-void LossOutput::read_metrics() {
-  if (pending_metrics.empty()) return;
-  std::vector<Tensor> values;
-  for (const auto& [name, m] : pending_metrics) values.push_back(m.value.reshape(Shape{}).to(DType::f32));
-  const std::vector<float> host = stack(values, 0).to_vector<float>();  // one transfer
-  size_t i = 0;
-  for (const auto& [name, m] : pending_metrics) metrics[name] = static_cast<double>(host[i++]) / m.divisor;
-  pending_metrics.clear();
-}
-
 // ---- task losses ----
 
 ClassificationLoss::ClassificationLoss(double label_smoothing) : label_smoothing_(label_smoothing) {
@@ -104,22 +70,7 @@ LossOutput ClassificationLoss::compute(const TrainingContext& c) const {
   require_defined(c.targets, "ClassificationLoss", "targets");
   MN_CHECK(c.predictions.dim() == 1 || c.predictions.dim() == 2, ValueError,
            "ClassificationLoss expects logits of shape [N, C] (or [C]), got ", c.predictions.sizes());
-  // Integer-valued float labels are accepted; class indices are what cross-entropy reads.
-  const Tensor targets = c.targets.dtype() == DType::i64 ? c.targets : c.targets.detach().to(DType::i64);
-  LossOutput out = task_output(F::cross_entropy(c.predictions, targets, label_smoothing_));
-  {
-    autograd::NoGradGuard no_grad;
-    const Tensor predicted = argmax(c.predictions.detach(), -1);
-    MN_CHECK(predicted.numel() == targets.numel(), ValueError, "ClassificationLoss: ", predicted.numel(),
-             " predictions but ", targets.numel(), " targets");
-    // Counted on the device (exact in f32 below 2^24 rows), divided on the host in double.
-    if (predicted.numel() == 0)
-      out.metrics["accuracy"] = 0.0;
-    else
-      out.set_metric("accuracy", sum(eq(predicted, targets.reshape(predicted.sizes()))),
-                     static_cast<double>(predicted.numel()));
-  }
-  return out;
+  return train::classification_loss(c.predictions, c.targets, label_smoothing_);
 }
 
 LossOutput RegressionLoss::compute(const TrainingContext& c) const {
@@ -128,7 +79,7 @@ LossOutput RegressionLoss::compute(const TrainingContext& c) const {
   // Silent broadcasting ([N, 1] against [N]) is a classic source of wrong losses: refuse it.
   MN_CHECK(c.predictions.sizes() == c.targets.sizes(), ValueError, "RegressionLoss: predictions have shape ",
            c.predictions.sizes(), " but targets have shape ", c.targets.sizes(), "; they must match");
-  return task_output(F::mse_loss(c.predictions, c.targets));
+  return train::regression_loss(c.predictions, c.targets);
 }
 
 TaskLoss::TaskLoss(Function fn, std::string name) : fn_(std::move(fn)), name_(std::move(name)) {

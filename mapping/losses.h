@@ -34,6 +34,7 @@
 
 #include "core/tensor.h"
 #include "mapping/parameter_spec.h"
+#include "nn/train/loss.h"
 
 namespace mn {
 class Generator;
@@ -63,36 +64,9 @@ struct TrainingContext {
 // Predictions, latents and generated parameters of a forward pass, plus the targets.
 TrainingContext make_training_context(const ForwardResult& result, const Tensor& targets);
 
-struct LossOutput {
-  Tensor total;  // scalar; undefined only for a term reported absent (see SmoothnessLoss)
-  std::map<std::string, Tensor> components;
-  std::map<std::string, double> metrics;
-
-  // A metric computed on the device: metrics[name] = value / divisor. Read at once, or, inside a
-  // DeferredMetrics scope, kept in pending_metrics until read_metrics() (one host read for all of
-  // them, after the step: no synchronisation per metric, and a compiled step stays capturable).
-  struct PendingMetric {
-    Tensor value;  // one element, detached
-    double divisor = 1.0;
-  };
-  std::map<std::string, PendingMetric> pending_metrics;
-  void set_metric(const std::string& name, const Tensor& value, double divisor = 1.0);
-  bool has_metric(const std::string& name) const { return metrics.count(name) || pending_metrics.count(name); }
-  void read_metrics();
-};
-
-// While alive on this thread, LossOutput::set_metric keeps device metrics pending (the trainer uses it).
-class DeferredMetrics {
- public:
-  DeferredMetrics();
-  ~DeferredMetrics();
-  DeferredMetrics(const DeferredMetrics&) = delete;
-  DeferredMetrics& operator=(const DeferredMetrics&) = delete;
-  static bool active();
-
- private:
-  bool previous_;
-};
+// What a loss returns and the deferral of device metrics are the generic trainer's (nn/train/loss.h).
+using train::DeferredMetrics;
+using train::LossOutput;
 
 class Loss {
  public:

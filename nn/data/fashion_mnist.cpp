@@ -59,6 +59,22 @@ std::vector<std::string> fashion_mnist_classes() {
   return {"T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot"};
 }
 
+Dataset Dataset::head(int64_t n) const {
+  if (n <= 0 || n >= size()) return *this;
+  return {images.narrow(0, 0, n).contiguous(), labels.narrow(0, 0, n).contiguous()};
+}
+
+Dataset Dataset::select(const Tensor& indices) const {
+  MN_CHECK(indices.defined() && indices.dtype() == DType::i64 && indices.dim() == 1, ValueError,
+           "Dataset::select: indices must be a 1-d i64 tensor, got ",
+           indices.defined() ? str(dtype_name(indices.dtype()), " ", indices.sizes()) : std::string("none"));
+  return {index_select(images, 0, indices.to(images.device())), index_select(labels, 0, indices.to(labels.device()))};
+}
+
+Dataset Dataset::to(Device device) const {
+  return {images.device() == device ? images : images.to(device), labels.device() == device ? labels : labels.to(device)};
+}
+
 Tensor normalize(const Tensor& images, double mean, double stddev) {
   MN_CHECK(std::isfinite(mean), ValueError, "normalize: mean must be finite, got ", mean);
   MN_CHECK(std::isfinite(stddev) && stddev > 0.0, ValueError, "normalize: stddev must be positive and finite, got ",

@@ -14,6 +14,12 @@ struct Dataset {
   Tensor images;
   Tensor labels;
   int64_t size() const { return labels.defined() ? labels.size(0) : 0; }
+  // The first n samples (contiguous copies); all of them when n <= 0 or n >= size().
+  Dataset head(int64_t n) const;
+  // The samples at `indices` (i64, any device), in that order, on this set's device.
+  Dataset select(const Tensor& indices) const;
+  // Images and labels on `device` (the same tensors when they are there already).
+  Dataset to(Device device) const;
 };
 
 // Per-pixel statistics of the training split (after scaling to [0, 1]).

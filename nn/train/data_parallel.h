@@ -5,12 +5,10 @@
 //   auto ddp = mn::dist::wrap_ddp(model);          // any nn::Module
 //   trainer.set_data_parallel(&ddp);               // no_sync for accumulation, metrics over all ranks
 #include <cstdint>
-#include <map>
-#include <string>
+
+#include "nn/train/history.h"
 
 namespace mn::train {
-
-using Metrics = std::map<std::string, double>;
 
 class DataParallel {
  public:

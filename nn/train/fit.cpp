@@ -1,0 +1,217 @@
+// Trainer: the fit loop, its training and validation passes, callbacks and the scheduler step.
+#include <algorithm>
+
+#include "autograd/node.h"
+#include "nn/train/trainer.h"
+
+namespace mn::train {
+
+namespace optim = nn::optim;
+using data::Batch;
+using data::DataLoader;
+
+namespace {
+
+int64_t batch_samples(const Batch& batch) {
+  return batch.inputs.defined() && batch.inputs.dim() > 0 ? batch.inputs.size(0) : 1;
+}
+
+// Sample-weighted means of a pass's loss metrics.
+struct EpochAverages {
+  double task = 0.0, total = 0.0, accuracy = 0.0;
+  int64_t samples = 0, accuracy_samples = 0;
+
+  void add(const LossOutput& out, int64_t n) {
+    const double total_value = out.metrics.count("total") ? out.metrics.at("total") : out.total.detach().item();
+    const auto task_it = out.metrics.find("task");
+    task += (task_it != out.metrics.end() ? task_it->second : total_value) * static_cast<double>(n);
+    total += total_value * static_cast<double>(n);
+    samples += n;
+    if (const auto acc = out.metrics.find("accuracy"); acc != out.metrics.end()) {
+      accuracy += acc->second * static_cast<double>(n);
+      accuracy_samples += n;
+    }
+  }
+  Metrics finish(const char* task_key, const char* total_key, const char* accuracy_key) const {
+    Metrics m;
+    m[task_key] = task / static_cast<double>(samples);
+    m[total_key] = total / static_cast<double>(samples);
+    if (accuracy_samples > 0) m[accuracy_key] = accuracy / static_cast<double>(accuracy_samples);
+    return m;
+  }
+};
+
+// Sets a pointer for the lifetime of a scope.
+class ActiveLoader {
+ public:
+  ActiveLoader(const DataLoader*& slot, const DataLoader& loader) : slot_(slot), previous_(slot) { slot_ = &loader; }
+  ~ActiveLoader() { slot_ = previous_; }
+
+ private:
+  const DataLoader*& slot_;
+  const DataLoader* previous_;
+};
+
+}  // namespace
+
+void Trainer::check_interrupt() {
+  if (interrupt_requested_.exchange(false)) throw TrainingInterrupted("training interrupted by request");
+}
+
+template <class Hook>
+void Trainer::fire(const char* hook, Hook&& call) {
+  if (!callbacks_enabled_) return;
+  // Checkpoint writers last (Callback::saves_checkpoints), otherwise in registration order.
+  for (const bool writers : {false, true})
+    for (const auto& callback : callbacks_) {
+      if (callback->saves_checkpoints() != writers) continue;
+      try {
+        call(*callback);
+      } catch (const TrainingInterrupted&) {
+        throw;
+      } catch (const std::exception& e) {
+        throw RuntimeError(str("Callback '", callback->name(), "' failed during ", hook, ": ", e.what()));
+      }
+    }
+}
+
+// ---- passes ----
+
+Metrics Trainer::fit_epoch(DataLoader& loader) {
+  ActiveLoader active(active_loader_, loader);
+  module_.train();
+  optimizer_->zero_grad();
+  pending_batches_ = 0;
+  nonfinite_steps_ = 0;
+  EpochAverages averages;
+  int64_t index = 0;
+  const int64_t batches = loader.size(), k = config_.accumulation_steps;
+  const int64_t first_step = current_epoch_ * batches;
+  for (const Batch& batch : loader) {
+    check_interrupt();
+    fire("on_batch_start", [&](Callback& cb) { cb.on_batch_start(*this, index); });
+    // The window's last micro-batch: a full window's k-th, or the epoch's last batch.
+    window_last_batch_ = std::min(index - index % k + k, batches) - 1;
+    const StepPosition position{index, first_step + index};
+    const LossOutput out = train_step(batch, k, &position);
+    fire("on_batch_end", [&](Callback& cb) { cb.on_batch_end(*this, index, out); });
+    averages.add(out, batch_samples(batch));
+    ++index;
+    if (should_stop_) break;
+  }
+  window_last_batch_ = -1;
+  MN_CHECK(index > 0, ValueError, trainer_name(), ": the training loader yielded no batches (", loader.num_samples(),
+           " samples, batch_size ", loader.options().batch_size, ")");
+  finish_accumulation_window();
+  if (nonfinite_steps_ > 1) {
+    log_warning(str("warning: ", trainer_name(), ": ", nonfinite_steps_, " of ", index, " steps of epoch ", current_epoch_ + 1,
+                    " were not finite"));
+  }
+  last_pass_samples_ = averages.samples;
+  return averages.finish(history_keys::kTrainTaskLoss, history_keys::kTrainTotalLoss, history_keys::kTrainAccuracy);
+}
+
+Metrics Trainer::evaluate(DataLoader& loader) {
+  ActiveLoader active(active_loader_, loader);
+  const bool was_training = module_.is_training();
+  module_.eval();
+  EpochAverages averages;
+  try {
+    autograd::NoGradGuard no_grad;
+    for (const Batch& batch : loader) {
+      check_interrupt();
+      LossOutput out;
+      {
+        DeferredMetrics defer;
+        out = compute_loss(batch);
+      }
+      out.read_metrics();
+      averages.add(out, batch_samples(batch));
+    }
+  } catch (...) {
+    module_.train(was_training);
+    throw;
+  }
+  module_.train(was_training);
+  MN_CHECK(averages.samples > 0, ValueError, trainer_name(), ": the validation loader yielded no batches");
+  last_pass_samples_ = averages.samples;
+  return averages.finish(history_keys::kValTaskLoss, history_keys::kValTotalLoss, history_keys::kValAccuracy);
+}
+
+// The metric a scheduler step uses: ReduceLROnPlateau watches val_total_loss (train_total_loss without
+// validation); time-based schedules ignore it.
+double Trainer::scheduler_metric(const Metrics& metrics) const {
+  if (dynamic_cast<optim::ReduceLROnPlateau*>(scheduler_.get()) == nullptr) return 0.0;
+  auto it = metrics.find(history_keys::kValTotalLoss);
+  if (it == metrics.end()) it = metrics.find(history_keys::kTrainTotalLoss);
+  MN_CHECK(it != metrics.end(), RuntimeError, "ReduceLROnPlateau needs '", history_keys::kValTotalLoss, "' or '",
+           history_keys::kTrainTotalLoss, "' in the epoch's metrics");
+  return it->second;
+}
+
+void Trainer::step_scheduler() {
+  if (!scheduler_step_pending_) return;
+  scheduler_step_pending_ = false;
+  if (scheduler_) scheduler_->step(pending_scheduler_metric_);
+}
+
+Metrics Trainer::reduce(Metrics local) const {
+  return metrics_reducer_ ? metrics_reducer_(local, last_pass_samples_) : local;
+}
+
+History Trainer::fit(bool auto_lr_find) {
+  if (auto_lr_find) {
+    const LRFinderOptions& o = config_.lr_finder;
+    const LRFinderResult sweep = lr_find(o);
+    const double suggested = sweep.suggestion(o.method);
+    log(str("LR finder: setting the learning rate to ", suggested, " (", o.method, ")"));
+    set_learning_rate(suggested);
+  }
+  should_stop_ = false;  // a stop that ended an earlier fit (or came with a checkpoint) is history
+  interrupt_requested_.store(false);
+  log(str("fit: epochs ", epoch_ + 1, "..", config_.max_epochs, ", loss = ", describe_loss(), ", optimizer ",
+          optimizer_->name(), " lr ", learning_rate(), config_.accumulation_steps > 1
+              ? str(", accumulation ", config_.accumulation_steps) : std::string()));
+
+  try {
+    fire("on_fit_start", [&](Callback& cb) { cb.on_fit_start(*this); });
+    for (int64_t epoch = epoch_; epoch < config_.max_epochs; ++epoch) {
+      current_epoch_ = epoch;
+      if (should_stop_) break;
+      check_interrupt();
+      fire("on_epoch_start", [&](Callback& cb) { cb.on_epoch_start(*this, epoch); });
+      const double epoch_lr = learning_rate();
+      train_loader_.set_epoch(static_cast<uint64_t>(epoch));
+      Metrics metrics = reduce(fit_epoch(train_loader_));
+      if (val_loader_ != nullptr) {
+        fire("on_validation_start", [&](Callback& cb) { cb.on_validation_start(*this); });
+        const Metrics val = reduce(evaluate(*val_loader_));
+        fire("on_validation_end", [&](Callback& cb) { cb.on_validation_end(*this, val); });
+        metrics.insert(val.begin(), val.end());
+      }
+      metrics[history_keys::kLearningRate] = epoch_lr;
+      for (const auto& [key, value] : metrics) history_.append(key, value);
+      epoch_ = epoch + 1;
+      scheduler_step_pending_ = true;
+      pending_scheduler_metric_ = scheduler_metric(metrics);
+      fire("on_epoch_end", [&](Callback& cb) { cb.on_epoch_end(*this, epoch, metrics); });
+      step_scheduler();
+    }
+  } catch (const TrainingInterrupted& e) {
+    log(str("Training interrupted at epoch ", current_epoch_ + 1, ": ", e.what()));
+    optimizer_->zero_grad();  // a half-accumulated window belongs to no epoch
+    pending_batches_ = 0;
+    step_scheduler();  // when pending: the recorded epoch completed
+  } catch (...) {
+    try {
+      fire("on_fit_end", [&](Callback& cb) { cb.on_fit_end(*this); });
+    } catch (...) {
+      // the original error is the one to report
+    }
+    throw;
+  }
+  fire("on_fit_end", [&](Callback& cb) { cb.on_fit_end(*this); });
+  return history_;
+}
+
+}  // namespace mn::train

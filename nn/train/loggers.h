@@ -1,0 +1,103 @@
+#pragma once
+// Callbacks that write files: per-epoch metrics as CSV or JSON lines, periodic checkpoints, and a
+// one-line epoch summary on a stream.
+//
+// The metric files keep the rows of the epochs a resumed trainer already has (trainer.epoch() at
+// fit start) and drop later ones, which the resumed fit redoes; the file is rewritten atomically at
+// fit start and a row is appended at every epoch's end.
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <map>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "nn/train/callback.h"
+#include "nn/train/checkpoint.h"
+
+namespace mn::train {
+
+// Base of the metric files: keeps the first trainer.epoch() records on fit start, appends one per epoch.
+class EpochFileLogger : public Callback {
+ public:
+  explicit EpochFileLogger(std::string path);
+  void on_fit_start(Trainer& trainer) override;
+  void on_epoch_start(Trainer& trainer, int64_t epoch) override;
+  void on_epoch_end(Trainer& trainer, int64_t epoch, const Metrics& metrics) override;
+  const std::string& path() const { return path_; }
+
+ protected:
+  virtual std::string header() const = 0;  // "" for none; without its newline
+  virtual std::string record(int64_t epoch, double seconds, const Metrics& metrics) const = 0;  // one line
+
+ private:
+  std::string path_;
+  std::chrono::steady_clock::time_point start_;
+};
+
+// Columns: epoch (1-based), seconds (the epoch's training and validation time), then one column per
+// (header, metric key); a metric absent from an epoch is written as nan.
+class CsvLogger : public EpochFileLogger {
+ public:
+  using Columns = std::vector<std::pair<std::string, std::string>>;
+  // train_loss, train_accuracy, test_loss, test_accuracy, lr: the task losses and accuracies of the
+  // training and validation passes (mn-train's and mn_demo's metrics.csv).
+  static Columns default_columns();
+  explicit CsvLogger(std::string path, Columns columns = default_columns());
+  std::string name() const override { return "CsvLogger"; }
+
+ protected:
+  std::string header() const override;
+  std::string record(int64_t epoch, double seconds, const Metrics& metrics) const override;
+
+ private:
+  Columns columns_;
+};
+
+// One JSON object per line: {"epoch": e, "seconds": s, <every metric>: value}; NaN and infinities null.
+class JsonLogger : public EpochFileLogger {
+ public:
+  explicit JsonLogger(std::string path);
+  std::string name() const override { return "JsonLogger"; }
+
+ protected:
+  std::string header() const override { return ""; }
+  std::string record(int64_t epoch, double seconds, const Metrics& metrics) const override;
+};
+
+// Saves trainer.save_checkpoint(path) every `every_n_epochs` epochs and after the last one, and when
+// the fit ends (early stopping, an interrupt, an error) after a completed epoch not saved yet. Runs
+// after the other callbacks, so the checkpoint holds their state of that epoch.
+class ModelCheckpoint : public Callback {
+ public:
+  explicit ModelCheckpoint(std::string path, int64_t every_n_epochs = 1, CheckpointMetadata metadata = {});
+  std::string name() const override { return "ModelCheckpoint"; }
+  bool saves_checkpoints() const override { return true; }
+  void on_fit_start(Trainer& trainer) override;
+  void on_epoch_end(Trainer& trainer, int64_t epoch, const Metrics& metrics) override;
+  void on_fit_end(Trainer& trainer) override;
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+  int64_t every_n_epochs_;
+  CheckpointMetadata metadata_;
+  int64_t saved_epoch_ = 0;  // trainer.epoch() at the last save (or at fit start)
+};
+
+// "epoch e/E: train loss 0.4321 acc 0.8450, test acc 0.8512 (3.2 s)" after every epoch (test values
+// when the epoch validated), flushed, on a C stream (stdout by default).
+class EpochSummary : public Callback {
+ public:
+  explicit EpochSummary(std::FILE* out = stdout) : out_(out) {}
+  std::string name() const override { return "EpochSummary"; }
+  void on_epoch_start(Trainer& trainer, int64_t epoch) override;
+  void on_epoch_end(Trainer& trainer, int64_t epoch, const Metrics& metrics) override;
+
+ private:
+  std::FILE* out_;
+  std::chrono::steady_clock::time_point start_;
+};
+
+}  // namespace mn::train
