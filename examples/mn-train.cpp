@@ -144,9 +144,11 @@ void check_resumable(const std::string& path, const Options& o, int world_size) 
              "it was not written by mn-train. Start a new run without --resume, or use another --out");
     config = saved.config;
   }
+  MN_CHECK(!config.empty(), ValueError, "--resume: ", path,
+           " lacks the metadata key 'config' (the options of the run), so it was not written by mn-train");
   json saved;
   try {
-    saved = config.empty() ? json::object() : json::parse(config);
+    saved = json::parse(config);
   } catch (const json::exception& e) {
     throw IOError(str("--resume: ", path, ": metadata 'config' is not JSON: ", e.what()));
   }

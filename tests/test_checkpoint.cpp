@@ -546,8 +546,8 @@ TEST_CASE("checkpoint: trainer state resumes a fit bit for bit") {
     std::string path;
     explicit SaveThenStop(std::string p) : path(std::move(p)) {}
     bool saves_checkpoints() const override { return true; }
-    void on_epoch_end(MappingTrainer& trainer, int64_t epoch, const Metrics&) override {
-      save_checkpoint(path, trainer.model(), checkpoint_extras(trainer, {{"stage", "2 of 3"}}));
+    void on_epoch_end(train::Trainer& trainer, int64_t epoch, const Metrics&) override {
+      trainer.save_checkpoint(path, {.metadata = {{"stage", "2 of 3"}}});
       if (epoch == 1) throw TrainingInterrupted("killed");
     }
   };

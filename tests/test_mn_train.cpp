@@ -342,7 +342,7 @@ TEST_CASE("mn-train: --resume refuses a checkpoint with no trainer state or dama
   const safetensors::File original = safetensors::load(dckpt.string());
   safetensors::NamedTensors tensors;
   for (const auto& e : original.tensors) tensors.emplace_back(e.name, e.tensor);
-  for (const char* key : {"epoch", "history", "optimizer_lr", "config"}) {
+  for (const char* key : {"format", "schema_version", "trainer_state", "config"}) {
     for (bool remove : {true, false}) {
       INFO("key " << key << (remove ? " removed" : " not JSON"));
       safetensors::StringMap meta = original.metadata;

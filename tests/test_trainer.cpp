@@ -70,33 +70,33 @@ std::shared_ptr<MappingLoss> full_mapping_loss() {
 class Recorder : public Callback {
  public:
   std::vector<std::string> events;
-  void on_fit_start(MappingTrainer&) override { events.push_back("fit_start"); }
-  void on_fit_end(MappingTrainer&) override { events.push_back("fit_end"); }
-  void on_epoch_start(MappingTrainer&, int64_t e) override { events.push_back("epoch_start " + std::to_string(e)); }
-  void on_epoch_end(MappingTrainer&, int64_t e, const Metrics&) override {
+  void on_fit_start(train::Trainer&) override { events.push_back("fit_start"); }
+  void on_fit_end(train::Trainer&) override { events.push_back("fit_end"); }
+  void on_epoch_start(train::Trainer&, int64_t e) override { events.push_back("epoch_start " + std::to_string(e)); }
+  void on_epoch_end(train::Trainer&, int64_t e, const Metrics&) override {
     events.push_back("epoch_end " + std::to_string(e));
   }
-  void on_batch_start(MappingTrainer&, int64_t b) override { events.push_back("batch_start " + std::to_string(b)); }
-  void on_batch_end(MappingTrainer&, int64_t b, const LossOutput&) override {
+  void on_batch_start(train::Trainer&, int64_t b) override { events.push_back("batch_start " + std::to_string(b)); }
+  void on_batch_end(train::Trainer&, int64_t b, const LossOutput&) override {
     events.push_back("batch_end " + std::to_string(b));
   }
-  void on_validation_start(MappingTrainer&) override { events.push_back("val_start"); }
-  void on_validation_end(MappingTrainer&, const Metrics&) override { events.push_back("val_end"); }
+  void on_validation_start(train::Trainer&) override { events.push_back("val_start"); }
+  void on_validation_end(train::Trainer&, const Metrics&) override { events.push_back("val_end"); }
 };
 
 class BrokenCallback : public Callback {
  public:
-  void on_epoch_start(MappingTrainer&, int64_t) override { throw ValueError("intentional error"); }
+  void on_epoch_start(train::Trainer&, int64_t) override { throw ValueError("intentional error"); }
 };
 
 class InterruptAt : public Callback {
  public:
   explicit InterruptAt(int64_t epoch) : epoch_(epoch) {}
   bool fit_ended = false;
-  void on_epoch_end(MappingTrainer&, int64_t e, const Metrics&) override {
+  void on_epoch_end(train::Trainer&, int64_t e, const Metrics&) override {
     if (e >= epoch_) throw TrainingInterrupted();
   }
-  void on_fit_end(MappingTrainer&) override { fit_ended = true; }
+  void on_fit_end(train::Trainer&) override { fit_ended = true; }
 
  private:
   int64_t epoch_;
@@ -294,7 +294,7 @@ TEST_CASE("trainer: the perturbed forward sees the same inputs; alignment reads 
   });
   struct Capture : Callback {
     Metrics metrics;
-    void on_batch_end(MappingTrainer&, int64_t, const LossOutput& out) override { metrics = out.metrics; }
+    void on_batch_end(train::Trainer&, int64_t, const LossOutput& out) override { metrics = out.metrics; }
   };
   auto capture = std::make_shared<Capture>();
   trainer.add_callback(capture);
@@ -326,7 +326,7 @@ TEST_CASE("trainer: early stopping stops a run long before max_epochs; the stop 
 
   // A stop requested at the end of epoch 1 lets epoch 1 finish and prevents epoch 2.
   struct StopAfter : Callback {
-    void on_epoch_end(MappingTrainer& t, int64_t e, const Metrics&) override {
+    void on_epoch_end(train::Trainer& t, int64_t e, const Metrics&) override {
       if (e == 1) t.set_should_stop(true);
     }
   };
@@ -444,7 +444,7 @@ TEST_CASE("trainer: an interrupt returns the partial history and still ends the 
 
   // interrupt() (e.g. from a signal handler) stops at the next batch boundary.
   struct InterruptMidEpoch : Callback {
-    void on_batch_end(MappingTrainer& t, int64_t batch, const LossOutput&) override {
+    void on_batch_end(train::Trainer& t, int64_t batch, const LossOutput&) override {
       if (t.current_epoch() == 1 && batch == 0) t.interrupt();
     }
   };

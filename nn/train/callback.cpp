@@ -137,7 +137,7 @@ void ProgressCallback::on_epoch_end(Trainer&, int64_t, const Metrics& metrics) {
 
 void ProgressCallback::on_fit_end(Trainer&) {
   if (!progress_) return;
-  progress_->finish("interrupted");
+  progress_->finish("stopped");
   progress_.reset();
 }
 

@@ -107,7 +107,7 @@ class ProgressCallback : public Callback {
   void on_epoch_start(Trainer& trainer, int64_t epoch) override;
   void on_batch_end(Trainer& trainer, int64_t batch, const LossOutput& output) override;
   void on_epoch_end(Trainer& trainer, int64_t epoch, const Metrics& metrics) override;
-  void on_fit_end(Trainer& trainer) override;  // an interrupted epoch's line ends "interrupted"
+  void on_fit_end(Trainer& trainer) override;  // an epoch cut short ends its line with "stopped"
 
  private:
   int64_t plain_every_;

@@ -98,7 +98,7 @@ TEST_CASE("MappingTrainer: the metrics reducer sees each pass's sample count and
 
   struct Seen : mapping::Callback {
     std::vector<mapping::Metrics> epochs;
-    void on_epoch_end(mapping::MappingTrainer&, int64_t, const mapping::Metrics& m) override { epochs.push_back(m); }
+    void on_epoch_end(train::Trainer&, int64_t, const mapping::Metrics& m) override { epochs.push_back(m); }
   };
   auto seen = std::make_shared<Seen>();
   mapping::TrainerConfig config;
