@@ -41,7 +41,8 @@ if [[ $# -gt 0 && $1 != -* ]]; then
 fi
 # The engine sources built instrumented, in both fuzzers (only the checkpoint fuzzer reaches all of
 # them; an object cannot leave the shared archive for one fuzzer only, as the archive refers to it).
-instrumented_sources=(nn/safetensors.cpp mapping/checkpoint.cpp mapping/trainer.cpp nn/optim.cpp kernels/cpu/optim.cpp)
+instrumented_sources=(nn/safetensors.cpp mapping/checkpoint.cpp mapping/trainer.cpp nn/train/state.cpp nn/train/trainer.cpp
+                     nn/optim.cpp kernels/cpu/optim.cpp)
 # Per target: seed corpus, default inputs, largest input.
 case $target in
   safetensors) corpus=$here/corpus default_runs=20000 max_len=4096 ;;
@@ -107,7 +108,7 @@ mkdir -p "$build"
 build=$(cd "$build" && pwd)
 # Every other engine source goes into one archive, shared by both fuzzers.
 engine_objects=()
-for dir in core kernels kernels/cpu autograd autograd/functions nn nn/data nn/functional nn/layers mapping; do
+for dir in core kernels kernels/cpu autograd autograd/functions nn nn/data nn/functional nn/layers nn/train mapping; do
   for f in "$root/$dir"/*.cpp; do
     [[ -e "$f" ]] || continue
     f=${f#"$root"/}
