@@ -85,7 +85,7 @@ void mapped_cnn2_step(benchmark::State& state, Device device, bool compiled = fa
   o.strategy = "layerwise";
   o.device = device;
   mapping::MappingModel model(mapping::make_target("cnn2"), o);
-  nn::optim::Adam adam(model.parameters(), nn::optim::AdamOptions{1e-2});
+  nn::optim::Adam adam(model.parameters(), nn::optim::AdamOptions{.lr = 1e-2});
   const int64_t batch = 256;
   Tensor x = images({batch, 1, 28, 28}, device), y = labels(batch, device);
   auto backward = [&](const std::vector<Tensor>& in) {
@@ -121,7 +121,7 @@ void BM_CNN2_DirectStep_CUDA(benchmark::State& state) {
   manual_seed(0);
   auto net = mapping::make_target("cnn2");
   net->to(kGpu);
-  nn::optim::Adam adam(net->parameters(), nn::optim::AdamOptions{1e-3});
+  nn::optim::Adam adam(net->parameters(), nn::optim::AdamOptions{.lr = 1e-3});
   const int64_t batch = state.range(0);
   Tensor x = images({batch, 1, 28, 28}, kGpu), y = labels(batch, kGpu);
   timed_steps(state, kGpu, [&] {

@@ -43,7 +43,7 @@ Tensor labels(int64_t n) {
 static void direct_step(benchmark::State& state, const std::string& target, Shape input) {
   manual_seed(0);
   auto net = mapping::make_target(target);
-  nn::optim::Adam adam(net->parameters(), nn::optim::AdamOptions{1e-3});
+  nn::optim::Adam adam(net->parameters(), nn::optim::AdamOptions{.lr = 1e-3});
   input[0] = state.range(0);
   Tensor x = randn(input), y = labels(input[0]);
   for (auto _ : state) {
@@ -68,7 +68,7 @@ static void mapped_step(benchmark::State& state, const std::string& target, int6
   o.strategy = "layerwise";
   o.stream_layers = stream;
   mapping::MappingModel model(mapping::make_target(target), o);
-  nn::optim::Adam adam(model.parameters(), nn::optim::AdamOptions{1e-2});
+  nn::optim::Adam adam(model.parameters(), nn::optim::AdamOptions{.lr = 1e-2});
   Tensor x = randn(input), y = labels(input[0]);
   auto step = [&] {
     Tensor loss = F::cross_entropy(model.forward(x).predictions, y);
@@ -148,12 +148,12 @@ static void BM_MappedStepBound(benchmark::State& state) {
   const mn_bench::Bandwidth& bw = mn_bench::measured_bandwidth(mn_bench::max_threads());
   manual_seed(0);
   auto direct_net = mapping::make_target(c.target);
-  nn::optim::Adam direct_adam(direct_net->parameters(), nn::optim::AdamOptions{1e-3});
+  nn::optim::Adam direct_adam(direct_net->parameters(), nn::optim::AdamOptions{.lr = 1e-3});
   mapping::MappingOptions o;
   o.latent_dim = c.latent;
   o.strategy = "layerwise";
   mapping::MappingModel model(mapping::make_target(c.target), o);
-  nn::optim::Adam adam(model.parameters(), nn::optim::AdamOptions{1e-2});
+  nn::optim::Adam adam(model.parameters(), nn::optim::AdamOptions{.lr = 1e-2});
   Tensor x = randn(c.input), y = labels(c.input[0]);
   auto direct_step = [&] {
     Tensor loss = F::cross_entropy(direct_net->forward(x), y);
@@ -224,8 +224,8 @@ static void BM_CompiledStep(benchmark::State& state) {
   mapping::MappingModel eager_model(mapping::make_target(c.target), o);
   manual_seed(0);
   mapping::MappingModel compiled_model(mapping::make_target(c.target), o);
-  nn::optim::Adam eager_adam(eager_model.parameters(), nn::optim::AdamOptions{1e-2});
-  nn::optim::Adam compiled_adam(compiled_model.parameters(), nn::optim::AdamOptions{1e-2});
+  nn::optim::Adam eager_adam(eager_model.parameters(), nn::optim::AdamOptions{.lr = 1e-2});
+  nn::optim::Adam compiled_adam(compiled_model.parameters(), nn::optim::AdamOptions{.lr = 1e-2});
   Tensor x = randn(c.input), y = labels(c.input[0]);
   auto body = [](mapping::MappingModel& model) {
     return [&model](const std::vector<Tensor>& in) {

@@ -6,7 +6,8 @@ find_package(ZLIB REQUIRED)
 find_package(benchmark QUIET)
 
 # Eigen must not start its own BLAS threads beside OpenMP: we use Eigen's own GEMM, parallelised with
-# OpenMP, and never link a threaded OpenBLAS (see engine notes: the two fight over the cores).
+# OpenMP, and never link a threaded OpenBLAS, whose threads would compete with OpenMP's for the same
+# cores (each pool assumes it has them all).
 
 # ---- CUDA (AUTO: on when a CUDA compiler is found) ----
 set(MN_CUDA_ENABLED OFF)

@@ -70,7 +70,7 @@ class ProcessGroup {
   int size_;
 };
 
-// Backends this build offers: "gloo" always, "nccl" with CUDA.
+// Backends this build offers: "gloo" when built with Gloo, "nccl" when built with CUDA and NCCL.
 std::vector<std::string> available_backends();
 bool is_backend_available(const std::string& backend);
 // Throws RuntimeError for a backend this build cannot offer ("backend 'mpi' is not available in this

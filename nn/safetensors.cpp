@@ -1,4 +1,6 @@
-// safetensors reader and writer. Byte format: engine-anchors §6.5 (huggingface/safetensors).
+// safetensors reader and writer, in the byte format of huggingface/safetensors: an 8-byte little-endian
+// header length, a JSON header mapping each tensor name to its dtype, shape and data_offsets (plus an
+// optional "__metadata__" map of strings), then the tensors' little-endian bytes back to back.
 // The reader trusts nothing in the file: every length, offset and shape product is checked, with
 // overflow-safe arithmetic, before a byte of the buffer is touched.
 #include "nn/safetensors.h"

@@ -53,7 +53,7 @@ MappingOptions options(const std::string& strategy, int64_t latent_dim, uint64_t
 
 // A few Adam steps on random regression data, so the latents differ from their initial values.
 void train_a_little(MappingModel& model, const Tensor& x, const Tensor& y, int steps = 5) {
-  nn::optim::Adam adam(model.parameters(), nn::optim::AdamOptions{0.05});
+  nn::optim::Adam adam(model.parameters(), nn::optim::AdamOptions{.lr = 0.05});
   for (int i = 0; i < steps; ++i) {
     Tensor loss = nn::functional::mse_loss(model.forward(x).predictions, y);
     adam.zero_grad();
@@ -534,7 +534,7 @@ TEST_CASE("checkpoint: trainer state resumes a fit bit for bit") {
 
   // Straight: 3 epochs.
   auto straight = make();
-  data::DataLoader straight_loader(inputs, targets, {8, true, 3, false});
+  data::DataLoader straight_loader(inputs, targets, {.batch_size = 8, .shuffle = true, .seed = 3});
   MappingTrainer straight_trainer(*straight, straight_loader, nullptr, loss(), config, {stopper()});
   straight_trainer.fit();
   REQUIRE(straight_trainer.should_stop());
@@ -553,14 +553,14 @@ TEST_CASE("checkpoint: trainer state resumes a fit bit for bit") {
   };
   {
     auto first = make();
-    data::DataLoader loader(inputs, targets, {8, true, 3, false});
+    data::DataLoader loader(inputs, targets, {.batch_size = 8, .shuffle = true, .seed = 3});
     MappingTrainer trainer(*first, loader, nullptr, loss(), config,
                            {std::make_shared<SaveThenStop>(path), stopper()});
     trainer.fit();
     REQUIRE(trainer.epoch() == 2);
   }
   auto resumed = make();
-  data::DataLoader loader(inputs, targets, {8, true, 3, false});
+  data::DataLoader loader(inputs, targets, {.batch_size = 8, .shuffle = true, .seed = 3});
   MappingTrainer trainer(*resumed, loader, nullptr, loss(), config, {stopper()});
   const CheckpointInfo info = load_checkpoint(path, *resumed, &trainer);
   REQUIRE(info.trainer_state.has_value());
@@ -602,7 +602,7 @@ TEST_CASE("checkpoint: optimizer state that does not fit the trainer's parameter
   config.learning_rate = 0.01;
   auto loss = std::make_shared<MappingLoss>(std::make_shared<RegressionLoss>());
   MappingModel model(mlp_target(4, 6, 2), options("layerwise", 6));
-  data::DataLoader loader(inputs, targets, {8, true, 3, false});
+  data::DataLoader loader(inputs, targets, {.batch_size = 8, .shuffle = true, .seed = 3});
   MappingTrainer trainer(model, loader, nullptr, loss, config);
   trainer.fit();
   save_checkpoint(path, model, checkpoint_extras(trainer));

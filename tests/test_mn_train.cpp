@@ -13,6 +13,7 @@
 #include "core/error.h"
 #include "nn/data/fashion_mnist.h"
 #include "nn/safetensors.h"
+#include "tests/mn_train_exe.h"
 #include "tests/run_command.h"
 #include "tests/temp_dir.h"
 
@@ -25,35 +26,8 @@ namespace {
 using mn::testing::read_bytes;
 using mn::testing::TempDir;
 
-std::string mn_train_exe() {
-  if (const char* env = std::getenv("MN_TRAIN_EXE"); env != nullptr && *env) return env;
-  std::error_code ec;
-  const fs::path self = fs::read_symlink("/proc/self/exe", ec);
-  if (ec) return "";
-  const fs::path candidate = self.parent_path().parent_path() / "examples" / "mn-train";
-  return fs::exists(candidate) ? candidate.string() : "";
-}
-
-bool have_data() {
-  const fs::path root = data::default_fashion_mnist_root();
-  return fs::exists(root / "train-images-idx3-ubyte.gz") || fs::exists(root / "train-images-idx3-ubyte");
-}
-
 // Skips (with a message) unless both the binary and the data are there.
-bool ready(std::string& exe) {
-  exe = mn_train_exe();
-  if (exe.empty()) {
-    MESSAGE("skipped: mn-train not built next to the tests (build target mn-train, or set MN_TRAIN_EXE)");
-    return false;
-  }
-  if (!have_data()) {
-    MESSAGE("skipped: Fashion-MNIST not found in "
-            << data::default_fashion_mnist_root()
-            << " (install dataset-fashion-mnist or set MN_FASHION_MNIST_DIR)");
-    return false;
-  }
-  return true;
-}
+bool ready(std::string& exe) { return mn::testing::mn_train_ready(exe); }
 
 using mn::testing::CommandResult;
 

@@ -14,7 +14,7 @@ using mn::testing::tensor;
 
 TEST_CASE("optim: SGD with momentum, dampening, nesterov and weight decay") {
   Tensor p = param({1.0f, -2.0f});
-  SGD sgd({p}, SGDOptions{0.1, 0.9, 0.0, 0.0, false});
+  SGD sgd({p}, SGDOptions{.lr = 0.1, .momentum = 0.9, .dampening = 0.0, .weight_decay = 0.0, .nesterov = false});
   p.set_grad(tensor({1, 1}));
   sgd.step();  // buf = g; p -= 0.1 * g
   check_close(p, {0.9f, -2.1f});
@@ -23,16 +23,16 @@ TEST_CASE("optim: SGD with momentum, dampening, nesterov and weight decay") {
   check_close(p, {0.71f, -2.29f});
 
   Tensor q = param({1.0f});
-  SGD nesterov({q}, SGDOptions{0.1, 0.5, 0.0, 0.1, true});
+  SGD nesterov({q}, SGDOptions{.lr = 0.1, .momentum = 0.5, .dampening = 0.0, .weight_decay = 0.1, .nesterov = true});
   q.set_grad(tensor({2}));
   nesterov.step();  // g = 2 + 0.1*1 = 2.1; buf = 2.1; g' = 2.1 + 0.5*2.1 = 3.15
   check_close(q, {1.0f - 0.315f});
-  CHECK_THROWS_AS(SGD({param({1})}, SGDOptions{0.1, 0.0, 0.0, 0.0, true}), ValueError);
+  CHECK_THROWS_AS(SGD({param({1})}, SGDOptions{.lr = 0.1, .nesterov = true}), ValueError);
 }
 
 TEST_CASE("optim: Adam and AdamW first steps by hand") {
   Tensor p = param({1.0f});
-  Adam adam({p}, AdamOptions{0.1, 0.9, 0.999, 1e-8, 0.0});
+  Adam adam({p}, AdamOptions{.lr = 0.1, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8, .weight_decay = 0.0});
   p.set_grad(tensor({0.5f}));
   adam.step();  // m_hat = g, v_hat = g^2 -> step = lr * g/|g| = 0.1
   check_close(p, {0.9f}, 1e-6);
@@ -54,7 +54,7 @@ TEST_CASE("optim: Adam and AdamW first steps by hand") {
   a.set_grad(tensor({1.0f}));
   adam_l2.step();
   check_close(a, {1.9f}, 1e-6);
-  CHECK_THROWS_AS(Adam({param({1})}, AdamOptions{0.1, 1.5, 0.999, 1e-8, 0}), ValueError);
+  CHECK_THROWS_AS(Adam({param({1})}, AdamOptions{.lr = 0.1, .beta1 = 1.5}), ValueError);
 }
 
 TEST_CASE("optim: parameters without gradients are skipped; state round trip resumes exactly") {
@@ -136,7 +136,7 @@ TEST_CASE("optim: load_state_dict checks every state tensor against its paramete
   refused({{"momentum", scalar_tensor(0.9)}}, {"'momentum'"});
   // Another optimizer's state.
   Tensor c = param({1, 2, 3});
-  SGD sgd({c}, SGDOptions{0.1, 0.9});
+  SGD sgd({c}, SGDOptions{.lr = 0.1, .momentum = 0.9});
   c.set_grad(tensor({1, 1, 1}));
   sgd.step();
   const std::string message = error_message([&] { adam.load_state_dict(sgd.state_dict()); });
@@ -170,7 +170,7 @@ TEST_CASE("optim: the kernels check their operands before touching memory") {
 
 TEST_CASE("optim: options.lr is the learning rate; set_lr, lr(), schedulers and state_dict share it") {
   Tensor p = param({1.0f});
-  SGD sgd({p}, SGDOptions{0.1});
+  SGD sgd({p}, SGDOptions{.lr = 0.1});
   sgd.options.lr = 0.5;  // used to be ignored: step() read a private copy
   CHECK(sgd.lr() == 0.5);
   p.set_grad(tensor({1.0f}));
@@ -181,7 +181,7 @@ TEST_CASE("optim: options.lr is the learning rate; set_lr, lr(), schedulers and 
   CHECK(sgd.state_dict().at("lr").item() == 0.25);
 
   Tensor q = param({1.0f});
-  Adam adam({q}, AdamOptions{0.1});
+  Adam adam({q}, AdamOptions{.lr = 0.1});
   adam.options.lr = 0.2;
   q.set_grad(tensor({3.0f}));
   adam.step();  // the first Adam step moves by lr
@@ -205,7 +205,7 @@ TEST_CASE("optim: options.lr is the learning rate; set_lr, lr(), schedulers and 
 
 TEST_CASE("optim: schedulers") {
   Tensor p = param({1});
-  SGD sgd({p}, SGDOptions{1.0});
+  SGD sgd({p}, SGDOptions{.lr = 1.0});
   StepLR step(sgd, 2, 0.5);
   std::vector<double> lrs;
   for (int i = 0; i < 5; ++i) {
@@ -214,20 +214,20 @@ TEST_CASE("optim: schedulers") {
   }
   CHECK(lrs == std::vector<double>{1.0, 0.5, 0.5, 0.25, 0.25});
 
-  SGD sgd2({p}, SGDOptions{1.0});
+  SGD sgd2({p}, SGDOptions{.lr = 1.0});
   CosineAnnealingLR cosine(sgd2, 4, 0.0);
   cosine.step();
   CHECK(sgd2.lr() == doctest::Approx(0.5 * (1 + std::cos(M_PI / 4))));
   for (int i = 0; i < 3; ++i) cosine.step();
   CHECK(sgd2.lr() == doctest::Approx(0.0));
 
-  SGD sgd3({p}, SGDOptions{1.0});
+  SGD sgd3({p}, SGDOptions{.lr = 1.0});
   ExponentialLR expo(sgd3, 0.9);
   expo.step();
   expo.step();
   CHECK(sgd3.lr() == doctest::Approx(0.81));
 
-  SGD sgd4({p}, SGDOptions{1.0});
+  SGD sgd4({p}, SGDOptions{.lr = 1.0});
   ReduceLROnPlateau::Options po;
   po.patience = 1;
   ReduceLROnPlateau plateau(sgd4, po);
@@ -246,7 +246,7 @@ TEST_CASE("optim: scheduler state_dict resumes the schedule; bad state is refuse
   ReduceLROnPlateau::Options po;
   po.patience = 2;
   po.cooldown = 1;
-  SGD a_opt({p}, SGDOptions{1.0}), b_opt({p}, SGDOptions{1.0});
+  SGD a_opt({p}, SGDOptions{.lr = 1.0}), b_opt({p}, SGDOptions{.lr = 1.0});
   ReduceLROnPlateau a(a_opt, po), b(b_opt, po);
   CHECK(a.state_dict().count("best") == 0);  // nothing seen yet
   for (double m : {1.0, 0.9, 0.95, 0.95}) a.step(m);
@@ -264,7 +264,7 @@ TEST_CASE("optim: scheduler state_dict resumes the schedule; bad state is refuse
   }
   CHECK(a_opt.lr() < 1.0);
   // Time-based: the epoch, and with it the lr.
-  SGD c_opt({p}, SGDOptions{1.0}), d_opt({p}, SGDOptions{1.0});
+  SGD c_opt({p}, SGDOptions{.lr = 1.0}), d_opt({p}, SGDOptions{.lr = 1.0});
   StepLR c(c_opt, 2, 0.5), d(d_opt, 2, 0.5);
   for (int i = 0; i < 5; ++i) c.step();
   d.load_state_dict(c.state_dict());

@@ -157,23 +157,27 @@ TEST_CASE("parity: SGD, Adam and AdamW trajectories; schedulers") {
       check_near(p, f.at(name + "_step" + std::to_string(i)), 2e-6, name + " step " + std::to_string(i));
     });
   };
-  run("sgd", [](Tensor p) { return std::make_unique<SGD>(std::vector<Tensor>{p}, SGDOptions{0.1}); });
+  run("sgd", [](Tensor p) { return std::make_unique<SGD>(std::vector<Tensor>{p}, SGDOptions{.lr = 0.1}); });
   run("sgd_momentum", [](Tensor p) {
-    return std::make_unique<SGD>(std::vector<Tensor>{p}, SGDOptions{0.1, 0.9, 0.1, 0.01, false});
+    return std::make_unique<SGD>(std::vector<Tensor>{p},
+        SGDOptions{.lr = 0.1, .momentum = 0.9, .dampening = 0.1, .weight_decay = 0.01, .nesterov = false});
   });
   run("sgd_nesterov", [](Tensor p) {
-    return std::make_unique<SGD>(std::vector<Tensor>{p}, SGDOptions{0.1, 0.9, 0.0, 0.01, true});
+    return std::make_unique<SGD>(std::vector<Tensor>{p},
+        SGDOptions{.lr = 0.1, .momentum = 0.9, .dampening = 0.0, .weight_decay = 0.01, .nesterov = true});
   });
   run("adam", [](Tensor p) {
-    return std::make_unique<Adam>(std::vector<Tensor>{p}, AdamOptions{0.01, 0.8, 0.95, 1e-6, 0.1});
+    return std::make_unique<Adam>(std::vector<Tensor>{p},
+        AdamOptions{.lr = 0.01, .beta1 = 0.8, .beta2 = 0.95, .eps = 1e-6, .weight_decay = 0.1});
   });
   run("adamw", [](Tensor p) {
-    return std::make_unique<AdamW>(std::vector<Tensor>{p}, AdamOptions{0.01, 0.9, 0.99, 1e-8, 0.1});
+    return std::make_unique<AdamW>(std::vector<Tensor>{p},
+        AdamOptions{.lr = 0.01, .beta1 = 0.9, .beta2 = 0.99, .eps = 1e-8, .weight_decay = 0.1});
   });
 
   auto lrs = [&](auto make) {
     Tensor p = zeros({1}).requires_grad_(true);
-    SGD opt({p}, SGDOptions{0.1});
+    SGD opt({p}, SGDOptions{.lr = 0.1});
     auto sched = make(opt);
     std::vector<float> out;
     for (int i = 0; i < 8; ++i) {
@@ -188,7 +192,7 @@ TEST_CASE("parity: SGD, Adam and AdamW trajectories; schedulers") {
   check_near(lrs([](Optimizer& o) { return std::make_unique<CosineAnnealingLR>(o, 5, 0.01); }), f.at("lr_cosine"),
              1e-6, "cosine");
   Tensor p = zeros({1}).requires_grad_(true);
-  SGD opt({p}, SGDOptions{0.1});
+  SGD opt({p}, SGDOptions{.lr = 0.1});
   ReduceLROnPlateau::Options po;
   po.patience = 1;
   po.factor = 0.5;
@@ -243,10 +247,12 @@ TEST_CASE("parity: Adam and AdamW with beta2 = 0.9999 stay within PyTorch-f32's 
     });
   };
   run("adam", [](Tensor p) {
-    return std::make_unique<Adam>(std::vector<Tensor>{p}, AdamOptions{0.1, 0.9, 0.9999, 1e-8, 0.0});
+    return std::make_unique<Adam>(std::vector<Tensor>{p},
+        AdamOptions{.lr = 0.1, .beta1 = 0.9, .beta2 = 0.9999, .eps = 1e-8, .weight_decay = 0.0});
   });
   run("adamw", [](Tensor p) {
-    return std::make_unique<AdamW>(std::vector<Tensor>{p}, AdamOptions{0.1, 0.9, 0.9999, 1e-8, 1e-2});
+    return std::make_unique<AdamW>(std::vector<Tensor>{p},
+        AdamOptions{.lr = 0.1, .beta1 = 0.9, .beta2 = 0.9999, .eps = 1e-8, .weight_decay = 1e-2});
   });
 }
 

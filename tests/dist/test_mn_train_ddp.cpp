@@ -93,8 +93,8 @@ TEST_CASE("MappingTrainer: the metrics reducer sees each pass's sample count and
   options.latent_dim = 4;
   mapping::MappingModel model(std::make_shared<nn::Linear>(3, 2), options);
   Generator gen(5);
-  data::DataLoader train(randn({10, 3}, {}, &gen), randn({10, 2}, {}, &gen), {4, false, 0, false});
-  data::DataLoader val(randn({6, 3}, {}, &gen), randn({6, 2}, {}, &gen), {4, false, 0, false});
+  data::DataLoader train(randn({10, 3}, {}, &gen), randn({10, 2}, {}, &gen), {.batch_size = 4});
+  data::DataLoader val(randn({6, 3}, {}, &gen), randn({6, 2}, {}, &gen), {.batch_size = 4});
 
   struct Seen : mapping::Callback {
     std::vector<mapping::Metrics> epochs;

@@ -191,7 +191,7 @@ TEST_CASE("cuda mapping: MappingModel::to moves a CPU model to the device and ba
   const Tensor want = reference.forward(x).predictions;
   check_close(moved.forward(x.to(kGpu)).predictions, want, 1e-5, 1e-4, "predictions after to(cuda)");
   // An optimizer built after the move trains the device latents.
-  nn::optim::Adam adam(moved.parameters(), nn::optim::AdamOptions{1e-2});
+  nn::optim::Adam adam(moved.parameters(), nn::optim::AdamOptions{.lr = 1e-2});
   Tensor loss = F::cross_entropy(moved.forward(x.to(kGpu)).predictions, batch_labels(8, 13).to(kGpu));
   loss.backward();
   adam.step();
@@ -315,8 +315,8 @@ TEST_CASE("cuda mapping: on the scaling guide's spec (L = 64) lazy_layerwise < l
 TEST_CASE("cuda mapping: Adam steps on CUDA follow the CPU ones and a short training loop lowers the loss") {
   MappingModel cpu = cnn2_model("layerwise", 64, kCPU);
   MappingModel gpu = cnn2_model("layerwise", 64, kGpu);
-  nn::optim::Adam cpu_adam(cpu.parameters(), nn::optim::AdamOptions{1e-2});
-  nn::optim::Adam gpu_adam(gpu.parameters(), nn::optim::AdamOptions{1e-2});
+  nn::optim::Adam cpu_adam(cpu.parameters(), nn::optim::AdamOptions{.lr = 1e-2});
+  nn::optim::Adam gpu_adam(gpu.parameters(), nn::optim::AdamOptions{.lr = 1e-2});
   const Tensor x = batch_images(64, 21), y = batch_labels(64, 22);
   const Tensor x_gpu = x.to(kGpu), y_gpu = y.to(kGpu);
   auto step = [](MappingModel& m, nn::optim::Adam& adam, const Tensor& xs, const Tensor& ys) {
@@ -348,8 +348,8 @@ TEST_CASE("cuda mapping: Adam steps on CUDA follow the CPU ones and a short trai
 TEST_CASE("cuda mapping: a compiled training step replays on the device like the eager one") {
   MappingModel eager = cnn2_model("layerwise", 64, kGpu);
   MappingModel compiled = cnn2_model("layerwise", 64, kGpu);
-  nn::optim::Adam eager_adam(eager.parameters(), nn::optim::AdamOptions{1e-2});
-  nn::optim::Adam compiled_adam(compiled.parameters(), nn::optim::AdamOptions{1e-2});
+  nn::optim::Adam eager_adam(eager.parameters(), nn::optim::AdamOptions{.lr = 1e-2});
+  nn::optim::Adam compiled_adam(compiled.parameters(), nn::optim::AdamOptions{.lr = 1e-2});
   const Tensor x = batch_images(64, 31).to(kGpu), y = batch_labels(64, 32).to(kGpu);
   auto body = [](MappingModel& m) {
     return [&m](const std::vector<Tensor>& in) {
@@ -439,14 +439,14 @@ TEST_CASE("cuda mapping: trainer on the device, checkpoint written from device t
   const std::string path = dir / "checkpoint.safetensors";
 
   auto straight = make();
-  data::DataLoader straight_loader(inputs, targets, {16, true, 3, false});
+  data::DataLoader straight_loader(inputs, targets, {.batch_size = 16, .shuffle = true, .seed = 3});
   MappingTrainer straight_trainer(*straight, straight_loader, nullptr, loss(), config);
   straight_trainer.fit();
 
   std::vector<Tensor> written;  // the device latents at save time, on the host
   {
     auto first = make();
-    data::DataLoader loader(inputs, targets, {16, true, 3, false});
+    data::DataLoader loader(inputs, targets, {.batch_size = 16, .shuffle = true, .seed = 3});
     TrainerConfig one = config;
     one.max_epochs = 1;
     MappingTrainer trainer(*first, loader, nullptr, loss(), one);
@@ -455,7 +455,7 @@ TEST_CASE("cuda mapping: trainer on the device, checkpoint written from device t
     for (const Tensor& z : first->parameters()) written.push_back(z.detach().to(kCPU));
   }
   auto resumed = make();
-  data::DataLoader loader(inputs, targets, {16, true, 3, false});
+  data::DataLoader loader(inputs, targets, {.batch_size = 16, .shuffle = true, .seed = 3});
   MappingTrainer trainer(*resumed, loader, nullptr, loss(), config);
   load_checkpoint(path, *resumed, &trainer);
   for (const Tensor& z : resumed->parameters()) CHECK(z.device() == kGpu);
