@@ -3,7 +3,8 @@
 //   #include "mapping/mapping_networks.h"
 // Tensors, the caching allocator, RNG and threads; the autograd engine and recomputation
 // (autograd::checkpoint); nn modules, layers, functional ops, optimizers, mn::compile, safetensors,
-// data loading (DataLoader, Fashion-MNIST) and Progress; the mapping-network API (specs, mappers,
+// data loading (DataLoader, Fashion-MNIST) and Progress; the trainer of any module (train::Trainer,
+// callbacks, file loggers, checkpoints, Ctrl-C); the mapping-network API (specs, mappers,
 // generators, MappingModel, losses, trainer, checkpoints, profilers, built-in targets); and data
 // parallel training (dist: stores, process groups, the DDP wrapper, DistributedSampler).
 // dist/ is built in every configuration; only its backends depend on the build: the "gloo" process
@@ -34,6 +35,10 @@
 #include "nn/optim.h"
 #include "nn/progress.h"  // mn::Progress
 #include "nn/safetensors.h"
+#include "nn/train/checkpoint.h"  // save/read/load_module_checkpoint
+#include "nn/train/interrupt.h"   // StopOnSigint
+#include "nn/train/loggers.h"     // CsvLogger, JsonLogger, ModelCheckpoint, EpochSummary
+#include "nn/train/trainer.h"     // train::Trainer, callbacks, history, objectives, TrainerConfig
 
 #include "mapping/checkpoint.h"
 #include "mapping/generator.h"

@@ -268,7 +268,7 @@ void mapping_api(const fs::path& dir) {
   const mn::mapping::History history = trainer.fit();
   CHECK(history.epochs() == 2);
   CHECK(history.contains(mn::mapping::history_keys::kValAccuracy));
-  CHECK(trainer.validate(val).count(mn::mapping::history_keys::kValAccuracy) == 1);
+  CHECK(trainer.evaluate(val).count(mn::mapping::history_keys::kValAccuracy) == 1);
 
   const std::string checkpoint = (dir / "mapped.safetensors").string();
   mn::mapping::save_checkpoint(checkpoint, model, trainer);
@@ -282,7 +282,7 @@ void mapping_api(const fs::path& dir) {
   // interrupt(): the next fit stops at its first batch boundary with the history it has.
   trainer.set_max_epochs(3);
   struct InterruptAtFirstBatch : mn::mapping::Callback {
-    void on_batch_start(mn::mapping::MappingTrainer& t, int64_t) override { t.interrupt(); }
+    void on_batch_start(mn::train::Trainer& t, int64_t) override { t.interrupt(); }
   };
   mn::mapping::MappingTrainer interrupted(model, train, &val, loss, config,
                                           {std::make_shared<InterruptAtFirstBatch>()});
@@ -299,6 +299,41 @@ void mapping_api(const fs::path& dir) {
       model.compile_guard());
   model.zero_grad();
   CHECK(std::isfinite(step({inputs, targets})[0].item()));
+}
+
+// ---- train: the trainer of any module, its callbacks, loggers and checkpoints ----
+void train_api(const fs::path& dir) {
+  fs::create_directories(dir);
+  mn::manual_seed(6);
+  auto net = small_net();
+  mn::Tensor inputs = mn::randn({16, 4});
+  mn::Tensor targets = mn::from_vector(std::vector<int64_t>{0, 1, 2, 0, 1, 2, 0, 1, 2, 0, 1, 2, 0, 1, 2, 0});
+  mn::data::DataLoader train(inputs, targets, {.batch_size = 4, .shuffle = true, .seed = 2});
+  mn::data::DataLoader val(inputs, targets, {.batch_size = 8});
+  const std::string checkpoint = (dir / "module.safetensors").string();
+  auto sigint = std::make_shared<mn::train::StopOnSigint>();
+  mn::train::Trainer trainer(
+      *net, train, &val, mn::train::classification(),
+      {.max_epochs = 2, .learning_rate = 1e-2, .scheduler = "step", .gradient_clip_norm = 1.0, .accumulation_steps = 2},
+      {sigint, std::make_shared<mn::train::CsvLogger>((dir / "metrics.csv").string()),
+       std::make_shared<mn::train::JsonLogger>((dir / "metrics.jsonl").string()),
+       std::make_shared<mn::train::ModelCheckpoint>(checkpoint, 1),
+       std::make_shared<mn::train::EpochSummary>(stderr), std::make_shared<mn::train::MetricLogger>(100),
+       std::make_shared<mn::train::EarlyStopping>(mn::train::history_keys::kValTotalLoss, 3)});
+  const mn::train::History history = trainer.fit();
+  CHECK(history.epochs() == 2 && !sigint->interrupted());
+  CHECK(std::isfinite(history.last(mn::train::history_keys::kValAccuracy)));
+  CHECK(fs::exists(dir / "metrics.csv") && fs::exists(dir / "metrics.jsonl"));
+  CHECK(mn::train::read_module_checkpoint(checkpoint).trainer_state->epoch == 2);
+  auto again = small_net();
+  mn::train::Trainer resumed(*again, train, &val, mn::train::classification(0.1), {.max_epochs = 2});
+  resumed.load_checkpoint(checkpoint);
+  CHECK(same(again->parameters()[0], net->parameters()[0]));
+  CHECK(resumed.lr_find(mn::train::LRFinderOptions{.num_iterations = 4}).lrs.size() == 4);
+  const mn::train::Objective l1 = mn::train::task_loss(
+      [](const mn::Tensor& p, const mn::Tensor& t) { return F::mse_loss(p, t); }, "mse");
+  CHECK(l1.name == "mse" && mn::train::regression().name == "RegressionLoss");
+  CHECK(mn::train::classification_loss(net->forward(inputs), targets).metrics.count("accuracy") == 1);
 }
 
 // ---- dist: stores, backends, sampler, the DDP entry points ----
@@ -355,6 +390,7 @@ int main() {
     data_api(scratch.path);
     compile_api();
     mapping_api(scratch.path);
+    train_api(scratch.path / "train");
     dist_api();
   } catch (const std::exception& e) {
     std::fprintf(stderr, "umbrella_api: unexpected exception: %s\n", e.what());
