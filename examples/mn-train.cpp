@@ -3,10 +3,12 @@
 // target frozen, its parameters generated from trainable latents by the MappingTrainer).
 //
 //   mn-train --target cnn2 --strategy layerwise --latent-dim 672 --epochs 10 --out runs/cnn2-lwt
-//   mn-train --target cnn2 --strategy layerwise --latent-dim 672 --epochs 15 --out runs/cnn2-lwt --resume
+//   mn-train --out runs/cnn2-lwt --resume --epochs 15
 //
-// --resume continues the run to --epochs in total; the options that define the run (target, strategy,
-// latent dim, batch size, optimizer, seed, limit, loss, scheduler) must be the ones it started with.
+// --resume continues the run in --out from its checkpoint: the options that define the run (target,
+// strategy, latent dim, batch size, optimizer, lr, seed, limit, loss, scheduler) and its --epochs come
+// from the checkpoint, so `mn-train --out DIR --resume` is enough; a flag given with --resume must
+// agree with the run (--epochs may differ: the run then continues to that many epochs in total).
 // Every epoch writes DIR/metrics.csv and DIR/checkpoint.safetensors (atomically), and DIR/curves.png
 // when gnuplot is installed. --resume continues from the checkpoint's epoch with the stored latents,
 // optimizer state, history and random-number positions, so 1 + 1 epochs give the same latents as 2.
@@ -67,6 +69,7 @@
 #include "mapping/trainer.h"
 #include "nn/data/dataloader.h"
 #include "nn/data/fashion_mnist.h"
+#include "nn/safetensors.h"
 #include "nn/train/interrupt.h"
 #include "nn/train/loggers.h"
 #include "nn/train/trainer.h"
@@ -103,6 +106,7 @@ struct Options {
   bool compile = false;
   std::string backend;  // empty: one process
   std::string on_nonfinite = "error";  // a NaN/inf loss or gradient: stop (error) or warn and train on
+  std::string export_path;  // the target's weights after training; empty: OUT/weights.safetensors
   bool direct() const { return strategy == "direct"; }
 };
 
@@ -115,9 +119,24 @@ struct DistInfo {
   bool main() const { return rank == 0; }
 };
 
-// The options that must agree between a run and its resumption (the others may change).
-// batch_size is the global batch (per-rank batch x ranks): a run may resume with another rank count.
-json run_identity(const Options& o, int world_size) {
+// The options that define a run, with their flags: a resumed run takes them from its checkpoint
+// (giving one with another value is an error), so `--out DIR --resume` alone continues it. batch_size
+// is the global batch (per-rank batch x ranks): a run may resume with another rank count.
+struct RunOption {
+  const char* key;
+  const char* flag;
+};
+constexpr RunOption kRunOptions[] = {{"target", "--target"},         {"mlp_hidden", "--mlp-hidden"},
+                                     {"strategy", "--strategy"},     {"latent_dim", "--latent-dim"},
+                                     {"batch_size", "--batch-size"}, {"optimizer", "--optimizer"},
+                                     {"seed", "--seed"},             {"mapping_loss", "--mapping-loss"},
+                                     {"limit", "--limit"},           {"scheduler", "--scheduler"},
+                                     {"lr", "--lr"}};
+
+double effective_lr(const Options& o) { return o.lr > 0 ? o.lr : (o.direct() ? 1e-3 : 1e-2); }
+
+// What the checkpoint's config records: the run options and the planned --epochs.
+json run_config(const Options& o, int world_size) {
   return {{"target", o.target},
           {"mlp_hidden", o.target == "mlp" ? json(o.mlp_hidden) : json(nullptr)},
           {"strategy", o.strategy},
@@ -127,15 +146,20 @@ json run_identity(const Options& o, int world_size) {
           {"seed", o.seed},
           {"mapping_loss", o.mapping_loss},
           {"limit", o.limit},
-          {"scheduler", o.scheduler}};
+          {"scheduler", o.scheduler},
+          {"lr", effective_lr(o)},
+          {"epochs", o.epochs}};
 }
 
-// --resume: the checkpoint must hold a run to continue, and that run must be this one.
-void check_resumable(const std::string& path, const Options& o, int world_size) {
+// The config of the run saved at `path` (either checkpoint format), after the checks that it holds a
+// run mn-train can continue.
+json saved_run_config(const std::string& path) {
+  MN_CHECK(fs::exists(path), IOError, "--resume: checkpoint not found: ", path,
+           " (--out names the run's directory); start without --resume");
+  const safetensors::File file = safetensors::load(path);
+  const auto format = file.metadata.find("format");
   std::string config;
-  if (o.direct()) {
-    config = train::read_module_checkpoint(path).metadata.config;
-  } else {
+  if (format != file.metadata.end() && format->second == json("mapping_networks.checkpoint").dump()) {
     const mapping::CheckpointInfo saved = mapping::read_checkpoint(path);
     // Without the trainer's state there is no epoch to continue from: resuming would silently start over
     // at epoch 0 and rewrite metrics.csv.
@@ -143,6 +167,8 @@ void check_resumable(const std::string& path, const Options& o, int world_size) 
              " holds latents but no trainer state (epoch, optimizer, history), so there is no run to continue; "
              "it was not written by mn-train. Start a new run without --resume, or use another --out");
     config = saved.config;
+  } else {
+    config = train::read_module_checkpoint(path).metadata.config;
   }
   MN_CHECK(!config.empty(), ValueError, "--resume: ", path,
            " lacks the metadata key 'config' (the options of the run), so it was not written by mn-train");
@@ -152,13 +178,54 @@ void check_resumable(const std::string& path, const Options& o, int world_size) 
   } catch (const json::exception& e) {
     throw IOError(str("--resume: ", path, ": metadata 'config' is not JSON: ", e.what()));
   }
-  const json now = run_identity(o, world_size);
-  std::string differences;
-  for (const auto& [key, value] : now.items())
-    if (!saved.contains(key) || saved.at(key) != value)
-      differences += str("\n  ", key, ": checkpoint ", saved.contains(key) ? saved.at(key).dump() : "absent", ", now ",
-                         value.dump());
-  MN_CHECK(differences.empty(), ValueError, "--resume: ", path, " belongs to a different run:", differences);
+  MN_CHECK(saved.is_object(), IOError, "--resume: ", path, ": metadata 'config' is not a JSON object");
+  return saved;
+}
+
+// --resume: the run's options come from its checkpoint. A flag given on the command line must agree
+// with the run (an error names each flag that does not, with both values); --epochs may extend the run
+// (default: the epochs it was started with).
+void adopt_saved_run(Options& o, const CLI::App& app, const json& saved, int world_size, const std::string& path) {
+  const json now = run_config(o, world_size);
+  std::string conflicts;
+  try {
+    for (const RunOption& option : kRunOptions) {
+      if (!saved.contains(option.key)) continue;  // older checkpoints do not record lr
+      const json& value = saved.at(option.key);
+      if (app.count(option.flag) > 0) {
+        if (value != now.at(option.key))
+          conflicts += str("\n  ", option.flag, ": the run has ", value.dump(), ", the command line ",
+                           now.at(option.key).dump());
+        continue;
+      }
+      const std::string key = option.key;
+      if (key == "target") o.target = value.get<std::string>();
+      else if (key == "mlp_hidden" && !value.is_null()) o.mlp_hidden = value.get<std::vector<int64_t>>();
+      else if (key == "strategy") o.strategy = value.get<std::string>();
+      else if (key == "latent_dim" && !value.is_null()) o.latent_dim = value.get<int64_t>();
+      else if (key == "optimizer") o.optimizer = value.get<std::string>();
+      else if (key == "seed") o.seed = value.get<uint64_t>();
+      else if (key == "mapping_loss") o.mapping_loss = value.get<bool>();
+      else if (key == "limit") o.limit = value.get<int64_t>();
+      else if (key == "scheduler") o.scheduler = value.get<std::string>();
+      else if (key == "lr") o.lr = value.get<double>();
+      else if (key == "batch_size") {
+        const int64_t global = value.get<int64_t>();
+        MN_CHECK(global > 0 && global % world_size == 0, ValueError, "--resume: ", path, ": the run's global batch ",
+                 global, " does not split over ", world_size, " ranks; give --batch-size");
+        o.batch_size = global / world_size;
+      }
+    }
+    if (app.count("--epochs") == 0) {
+      MN_CHECK(saved.contains("epochs"), ValueError, "--resume: ", path,
+               " does not record how many epochs the run was started with; give --epochs");
+      o.epochs = saved.at("epochs").get<int64_t>();
+    }
+  } catch (const json::exception& e) {
+    throw IOError(str("--resume: ", path, ": metadata 'config' is malformed: ", e.what()));
+  }
+  MN_CHECK(conflicts.empty(), ValueError, "--resume: ", path, " continues a run whose options differ from the "
+           "command line (leave them out to use the run's):", conflicts);
 }
 
 // --out must take files before any training: otherwise the first epoch's work is lost when its
@@ -204,6 +271,7 @@ struct Summary {
   std::string compile_report;  // --compile: CompiledFunction::explain()
   bool interrupted = false;    // Ctrl-C stopped it
   bool evaluated_only = false; // no epoch trained in this invocation: test_accuracy measured at the end
+  std::string exported;        // where the weights went ("" when they were not written)
 };
 
 std::vector<std::pair<std::string, std::vector<std::string>>> weight_bias_groups(const nn::Module& target) {
@@ -231,7 +299,7 @@ data::Dataset test_shard(const data::Dataset& test, const DistInfo& dist) {
 train::TrainerConfig trainer_config(const Options& o) {
   train::TrainerConfig c{.max_epochs = o.epochs,
                          .optimizer = o.optimizer,
-                         .learning_rate = o.lr > 0 ? o.lr : (o.direct() ? 1e-3 : 1e-2),
+                         .learning_rate = effective_lr(o),
                          .scheduler = o.scheduler,
                          .seed = o.direct() ? std::nullopt : std::optional<uint64_t>(o.seed),
                          .compile = o.compile,
@@ -246,7 +314,6 @@ train::TrainerConfig trainer_config(const Options& o) {
 Summary run(const Options& o, Device device, const data::Dataset& train_set, const data::Dataset& test,
               const fs::path& out_dir, bool tty, const DistInfo& dist) {
   const std::string checkpoint = (out_dir / "checkpoint.safetensors").string();
-  if (o.resume) check_resumable(checkpoint, o, dist.world_size);
 
   manual_seed(o.seed);
   auto target = mapping::make_target(o.target, {o.mlp_hidden});
@@ -287,7 +354,7 @@ Summary run(const Options& o, Device device, const data::Dataset& train_set, con
     if (tty) callbacks.push_back(std::make_shared<train::ProgressCallback>());
     else callbacks.push_back(std::make_shared<train::EpochSummary>());
     callbacks.push_back(std::make_shared<train::ModelCheckpoint>(
-        checkpoint, 1, train::CheckpointMetadata{{{"program", "mn-train"}}, run_identity(o, dist.world_size).dump()}));
+        checkpoint, 1, train::CheckpointMetadata{{{"program", "mn-train"}}, run_config(o, dist.world_size).dump()}));
   }
   std::unique_ptr<train::Trainer> trainer;
   if (o.direct()) {
@@ -356,6 +423,19 @@ Summary run(const Options& o, Device device, const data::Dataset& train_set, con
     s.test_accuracy = m.at(train::history_keys::kValAccuracy);
     s.evaluated_only = true;
   }
+  // The target's weights alone, under its own names (what torch's load_state_dict(strict=True) takes):
+  // generated from the latents for a mapped run. Not after an interrupt, whose weights are those of
+  // an unfinished epoch (the checkpoint holds the last completed one).
+  if (dist.main() && !s.interrupted) {
+    s.exported = o.export_path.empty() ? (out_dir / "weights.safetensors").string() : o.export_path;
+    if (o.direct()) {
+      safetensors::NamedTensors weights;
+      for (const auto& [name, t] : target->state_dict()) weights.emplace_back(name, t.detach());
+      safetensors::save(s.exported, weights, {{"format", "pt"}});
+    } else {
+      mapping::export_generated_parameters(s.exported, *model);
+    }
+  }
   return s;
 }
 
@@ -396,7 +476,10 @@ int main(int argc, char** argv) {
   app.add_option("--out", o.out, "directory for metrics.csv, checkpoint.safetensors and curves.png")
       ->capture_default_str();
   app.add_option("--data", o.data, "Fashion-MNIST directory")->capture_default_str();
-  app.add_flag("--resume", o.resume, "continue from OUT/checkpoint.safetensors");
+  app.add_flag("--resume", o.resume,
+               "continue the run in --out from its checkpoint, with the run's options (flags given must agree)");
+  app.add_option("--export", o.export_path,
+                 "write the target's trained weights (only them, PyTorch names) here; default OUT/weights.safetensors");
   app.add_flag("--mapping-loss", o.mapping_loss, "add the stability, smoothness and alignment regularisers");
   app.add_flag("--allow-large", o.allow_large, "allow fixed projections above 1e8 elements");
   app.add_flag("--stream-layers", o.stream_layers,
@@ -460,6 +543,10 @@ int main(int argc, char** argv) {
       dist.world_size = env.world_size;
       dist.backend = o.backend;
     }
+    if (o.resume) {
+      const std::string checkpoint = (fs::path(o.out) / "checkpoint.safetensors").string();
+      adopt_saved_run(o, app, saved_run_config(checkpoint), dist.world_size, checkpoint);
+    }
     if (device.is_cuda())
       MN_CHECK(cuda_available() && device.index < cuda_device_count(), DeviceError, "--device ", o.device,
                ": CUDA is not available here (built without CUDA, or no usable GPU); use --device cpu");
@@ -489,6 +576,7 @@ int main(int argc, char** argv) {
                 {"cpu_threads", get_num_threads()},
                 {"interrupted", s.interrupted}};
       if (!s.compile_report.empty()) j["compiled"] = s.compile_report;
+      if (!s.exported.empty()) j["weights"] = s.exported;
       if (dist.active) {
         j["world_size"] = dist.world_size;
         j["backend"] = dist.backend;
@@ -502,11 +590,18 @@ int main(int argc, char** argv) {
       std::printf("test accuracy %.2f%%, train accuracy %.2f%% after %lld epochs (%.1f s); %s\n",
                   100.0 * s.test_accuracy, 100.0 * s.train_accuracy, static_cast<long long>(s.epochs),
                   s.seconds, (out_dir / "metrics.csv").c_str());
+      if (!s.exported.empty()) std::printf("weights: %s\n", s.exported.c_str());
       if (!s.compile_report.empty()) std::printf("%s", s.compile_report.c_str());
     }
     if (s.interrupted) {
-      std::fprintf(stderr, "mn-train: interrupted (SIGINT) after %lld epochs; --resume continues from %s\n",
-                   static_cast<long long>(s.epochs), (out_dir / "checkpoint.safetensors").c_str());
+      // What was saved: the checkpoint of the last completed epoch, if any epoch ever completed.
+      if (s.epochs > 0)
+        std::fprintf(stderr, "mn-train: interrupted (SIGINT); %s holds epoch %lld, and `mn-train --out %s --resume` "
+                     "continues from there\n", (out_dir / "checkpoint.safetensors").c_str(),
+                     static_cast<long long>(s.epochs), out_dir.c_str());
+      else
+        std::fprintf(stderr, "mn-train: interrupted (SIGINT) in the first epoch: nothing was saved; start the run "
+                     "again without --resume\n");
       return 130;
     }
   } catch (const std::exception& e) {

@@ -2,6 +2,7 @@
 // writes, and --resume (1 + 1 epochs give the same latents as 2 straight). The binary is looked up
 // next to this test executable (<build>/examples/mn-train) or in $MN_TRAIN_EXE; the cases are skipped
 // with a message when it or the data set is missing.
+#include <algorithm>
 #include <doctest/doctest.h>
 #include <sys/stat.h>
 
@@ -417,4 +418,66 @@ TEST_CASE("mn-train: a latent dim whose sizes overflow int64 is a clear error, n
     CHECK(r.all().find("int64") != std::string::npos);
     CHECK(r.all().find("bad_alloc") == std::string::npos);
   }
+}
+
+TEST_CASE("mn-train: --resume takes the run's options from its checkpoint; flags must agree with them") {
+  std::string exe;
+  if (!ready(exe)) return;
+  TempDir dir("mn_train_resume_config");
+  // Options that all differ from the defaults, so a resume that fell back to a default would diverge.
+  const std::string run_options =
+      "--target mlp --mlp-hidden 16 --strategy grouped --latent-dim 8 --batch-size 64 --limit 256 --seed 3 "
+      "--optimizer adamw --lr 0.02 --mapping-loss";
+  const json straight = summary(run(exe, str(run_options, " --epochs 2 --threads 1 --json --out ", dir / "straight")));
+  REQUIRE(summary(run(exe, str(run_options, " --epochs 1 --threads 1 --json --out ", dir / "split")))["epochs"] == 1);
+  // Only --out, --resume and the new total: everything else comes from the checkpoint.
+  const json resumed = summary(run(exe, str("--out ", dir / "split", " --resume --epochs 2 --threads 1 --json")));
+  CHECK(resumed["epochs"] == 2);
+  CHECK(resumed["test_accuracy"] == straight["test_accuracy"]);
+  CHECK(resumed["target"] == "mlp");
+  CHECK(resumed["strategy"] == "grouped");
+  check_same_tensors((fs::path(dir / "straight") / "checkpoint.safetensors").string(),
+                     (fs::path(dir / "split") / "checkpoint.safetensors").string(), "latent/");
+
+  // Without --epochs the run goes to the epochs it was started with: here it has them all, so it
+  // only evaluates.
+  const json again = summary(run(exe, str("--out ", dir / "straight", " --resume --threads 1 --json")));
+  CHECK(again["epochs"] == 2);
+  CHECK(again["test_accuracy"] == straight["test_accuracy"]);
+
+  // A flag that contradicts the run names the flag and both values; one that agrees is fine.
+  const CommandResult conflict =
+      run(exe, str("--out ", dir / "straight", " --resume --batch-size 32 --optimizer adam --target mlp"));
+  CHECK(conflict.status != 0);
+  INFO(conflict.all());
+  CHECK(conflict.all().find("--batch-size: the run has 64, the command line 32") != std::string::npos);
+  CHECK(conflict.all().find("--optimizer: the run has \"adamw\", the command line \"adam\"") != std::string::npos);
+  CHECK(conflict.all().find("--target") == std::string::npos);
+}
+
+TEST_CASE("mn-train: the target's weights are exported alone, for mapped and direct runs") {
+  std::string exe;
+  if (!ready(exe)) return;
+  TempDir dir("mn_train_export");
+  for (const char* strategy : {"layerwise --latent-dim 8", "direct"}) {
+    INFO("strategy " << strategy);
+    const fs::path out = dir / (std::string(strategy) == "direct" ? "direct" : "mapped");
+    const json j = summary(
+        run(exe, str("--target mlp --mlp-hidden 16 --strategy ", strategy, " --epochs 1 --json ", kSmall, " --out ", out)));
+    REQUIRE(j.contains("weights"));
+    CHECK(j["weights"] == (out / "weights.safetensors").string());
+    const safetensors::File weights = safetensors::load((out / "weights.safetensors").string());
+    std::vector<std::string> names;
+    for (const auto& e : weights.tensors) names.push_back(e.name);
+    std::sort(names.begin(), names.end());
+    // The mlp target's state dict, under its own names: nothing from the optimizer or the mapping.
+    CHECK(names == std::vector<std::string>{"1.bias", "1.weight", "3.bias", "3.weight"});
+    if (std::string(strategy) == "direct")
+      check_same_tensors((out / "weights.safetensors").string(), (out / "checkpoint.safetensors").string(), "");
+  }
+  // --export FILE puts them elsewhere.
+  const fs::path file = fs::path(dir / "elsewhere") / "w.safetensors";
+  summary(run(exe, str("--target mlp --mlp-hidden 16 --strategy direct --epochs 1 --json ", kSmall, " --out ", dir / "x",
+                       " --export ", file)));
+  CHECK(fs::exists(file));
 }
