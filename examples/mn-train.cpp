@@ -351,8 +351,8 @@ Summary run(const Options& o, Device device, const data::Dataset& train_set, con
   if (!dist.active) callbacks.push_back(sigint);
   if (dist.main()) {
     callbacks.push_back(std::make_shared<train::CsvLogger>((out_dir / "metrics.csv").string()));
-    if (tty) callbacks.push_back(std::make_shared<train::ProgressCallback>());
-    else callbacks.push_back(std::make_shared<train::EpochSummary>());
+    callbacks.push_back(std::make_shared<train::ProgressCallback>());  // a bar, or plain lines in logs
+    if (!tty) callbacks.push_back(std::make_shared<train::EpochSummary>());
     callbacks.push_back(std::make_shared<train::ModelCheckpoint>(
         checkpoint, 1, train::CheckpointMetadata{{{"program", "mn-train"}}, run_config(o, dist.world_size).dump()}));
   }

@@ -77,8 +77,8 @@ int main(int argc, char** argv) {
     // metrics.csv per epoch; a progress bar on a terminal, else a line per epoch.
     std::vector<std::shared_ptr<train::Callback>> callbacks{
         std::make_shared<train::CsvLogger>((fs::path(out_dir) / "metrics.csv").string())};
-    if (tty) callbacks.push_back(std::make_shared<train::ProgressCallback>());
-    else callbacks.push_back(std::make_shared<train::EpochSummary>());
+    callbacks.push_back(std::make_shared<train::ProgressCallback>());  // a bar, or plain lines in logs
+    if (!tty) callbacks.push_back(std::make_shared<train::EpochSummary>());
     mapping::MappingTrainer trainer(model, train_loader, &test_loader, std::make_shared<mapping::ClassificationLoss>(),
                                     {.max_epochs = epochs, .learning_rate = lr, .scheduler = "cosine", .seed = seed},
                                     callbacks);

@@ -12,17 +12,24 @@ Progress::Progress(std::string label, int64_t total, int64_t plain_every)
       plain_every_(plain_every > 0 ? plain_every : std::max<int64_t>(1, total / 10)),
       tty_(isatty(STDOUT_FILENO) != 0),
       start_(std::chrono::steady_clock::now()),
-      last_draw_(start_) {}
+      last_draw_(start_),
+      last_plain_time_(start_) {}
 
 double Progress::elapsed_seconds() const {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+}
+
+double Progress::eta_seconds(int64_t done) const {
+  const double elapsed = elapsed_seconds();
+  const double rate = elapsed > 0 ? static_cast<double>(done) / elapsed : 0.0;
+  return rate > 0 ? static_cast<double>(total_ - done) / rate : 0.0;
 }
 
 void Progress::update(int64_t done, const std::string& extra) {
   const auto now = std::chrono::steady_clock::now();
   const double elapsed = elapsed_seconds();
   const double rate = elapsed > 0 ? done / elapsed : 0.0;
-  const double eta = rate > 0 ? (total_ - done) / rate : 0.0;
+  const double eta = eta_seconds(done);
   if (tty_) {
     if (done < total_ && now - last_draw_ < std::chrono::milliseconds(100)) return;
     last_draw_ = now;
@@ -32,10 +39,12 @@ void Progress::update(int64_t done, const std::string& extra) {
                 "========================", width - filled, "", static_cast<long long>(done),
                 static_cast<long long>(total_), rate, eta, extra.c_str());
     std::fflush(stdout);
-  } else if (done / plain_every_ != last_plain_ / plain_every_ || done == total_) {
+  } else if (done / plain_every_ != last_plain_ / plain_every_ || done == total_ ||
+             now - last_plain_time_ >= std::chrono::seconds(30)) {
     last_plain_ = done;
-    std::printf("%s %lld/%lld (%.1f it/s) %s\n", label_.c_str(), static_cast<long long>(done),
-                static_cast<long long>(total_), rate, extra.c_str());
+    last_plain_time_ = now;
+    std::printf("%s %lld/%lld (%.1f it/s, eta %.0fs) %s\n", label_.c_str(), static_cast<long long>(done),
+                static_cast<long long>(total_), rate, eta, extra.c_str());
     std::fflush(stdout);
   }
 }

@@ -117,7 +117,7 @@ void ProgressCallback::on_epoch_start(Trainer& trainer, int64_t epoch) {
                                          trainer.train_loader().size(), plain_every_);
 }
 
-void ProgressCallback::on_batch_end(Trainer&, int64_t batch, const LossOutput& output) {
+void ProgressCallback::on_batch_end(Trainer& trainer, int64_t batch, const LossOutput& output) {
   if (!progress_) return;
   std::ostringstream os;
   // The trainer has read the step's metrics already (one transfer); item() would synchronise again.
@@ -125,19 +125,26 @@ void ProgressCallback::on_batch_end(Trainer&, int64_t batch, const LossOutput& o
   const double loss = total != output.metrics.end() ? total->second
                       : output.total.defined()     ? output.total.detach().item()
                                                    : 0.0;
-  os << std::fixed << std::setprecision(4) << "loss " << loss;
+  const double elapsed = progress_->elapsed_seconds();
+  const double samples = static_cast<double>((batch + 1) * trainer.train_loader().options().batch_size);
+  // The run: this epoch's rest, then the epochs after it at this epoch's pace (validation not counted).
+  const double epoch_seconds = elapsed + progress_->eta_seconds(batch + 1);
+  const double run_eta = progress_->eta_seconds(batch + 1) +
+                         static_cast<double>(trainer.config().max_epochs - trainer.current_epoch() - 1) * epoch_seconds;
+  os << std::fixed << std::setprecision(4) << "loss " << loss << std::setprecision(0) << ", "
+     << (elapsed > 0 ? samples / elapsed : 0.0) << " samples/s, run eta " << run_eta << "s";
   progress_->update(batch + 1, os.str());
 }
 
 void ProgressCallback::on_epoch_end(Trainer&, int64_t, const Metrics& metrics) {
   if (!progress_) return;
-  progress_->finish(format_metrics(metrics));
+  if (progress_->on_terminal()) progress_->finish(format_metrics(metrics));
   progress_.reset();
 }
 
 void ProgressCallback::on_fit_end(Trainer&) {
   if (!progress_) return;
-  progress_->finish("stopped");
+  if (progress_->on_terminal()) progress_->finish("stopped");
   progress_.reset();
 }
 

@@ -97,8 +97,10 @@ class MetricLogger : public Callback {
   std::ostream* out_;
 };
 
-// A progress line per epoch (mn::Progress: redrawn on a terminal, plain lines every `plain_every`
-// batches otherwise).
+// A progress line per epoch (mn::Progress) with the loss, samples per second and the ETA of the epoch
+// and of the run: redrawn on a terminal; otherwise a plain line every `plain_every` batches (default:
+// a tenth of the epoch) and at least every 30 s. Off a terminal the epoch's end prints nothing (pair
+// it with EpochSummary for one line per epoch).
 class ProgressCallback : public Callback {
  public:
   explicit ProgressCallback(int64_t plain_every = 0);
