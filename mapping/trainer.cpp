@@ -488,8 +488,8 @@ ForwardResult MappingTrainer::run_forward(const Batch& batch, const LatentOverri
   Batch on_device = batch;
   if (on_device.inputs.defined() && on_device.inputs.device() != device) on_device.inputs = batch.inputs.to(device);
   if (batch_forward_)
-    return model_.forward_with([&](nn::Module& target) { return batch_forward_(target, on_device); }, latents);
-  return model_.forward(on_device.inputs, latents);
+    return model_.run_with([&](nn::Module& target) { return batch_forward_(target, on_device); }, latents);
+  return model_.run(on_device.inputs, latents);
 }
 
 TrainingContext MappingTrainer::build_context(const Batch& batch, const ForwardResult& result) {
