@@ -2,10 +2,13 @@
 // Data-parallel training of any nn::Module (PyTorch's DistributedDataParallel):
 //
 //   mn::dist::setup_ddp(rank, world_size, "gloo");        // env:// reads MASTER_ADDR / MASTER_PORT
+//   auto net = std::make_shared<mn::nn::Sequential>(std::vector<mn::nn::ModulePtr>{
+//       std::make_shared<mn::nn::Linear>(784, 128), std::make_shared<mn::nn::ReLU>(),
+//       std::make_shared<mn::nn::Linear>(128, 10)});    // or a mapping::MappingModel
 //   auto ddp = mn::dist::wrap_ddp(*net);                   // broadcasts rank 0's parameters and buffers
 //   mn::nn::optim::Adam opt(ddp.parameters(), {.lr = 3e-4});
-//   for (batch ...) {
-//     Tensor logits = ddp.forward(batch.inputs);
+//   for (const auto& batch : loader) {                     // loader: this rank's shard (DistributedSampler)
+//     mn::Tensor logits = ddp.forward(batch.inputs);
 //     mn::nn::functional::cross_entropy(logits, batch.targets).backward();  // grads averaged here
 //     opt.step();
 //     opt.zero_grad();
