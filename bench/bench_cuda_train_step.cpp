@@ -89,7 +89,7 @@ void mapped_cnn2_step(benchmark::State& state, Device device, bool compiled = fa
   const int64_t batch = 256;
   Tensor x = images({batch, 1, 28, 28}, device), y = labels(batch, device);
   auto backward = [&](const std::vector<Tensor>& in) {
-    F::cross_entropy(model.forward(in[0]).predictions, in[1]).backward();
+    F::cross_entropy(model.run(in[0]).predictions, in[1]).backward();
     return std::vector<Tensor>{};
   };
   CompiledFunction compiled_backward(backward, model.compile_guard(), {.fullgraph = true});

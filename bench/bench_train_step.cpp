@@ -71,7 +71,7 @@ static void mapped_step(benchmark::State& state, const std::string& target, int6
   nn::optim::Adam adam(model.parameters(), nn::optim::AdamOptions{.lr = 1e-2});
   Tensor x = randn(input), y = labels(input[0]);
   auto step = [&] {
-    Tensor loss = F::cross_entropy(model.forward(x).predictions, y);
+    Tensor loss = F::cross_entropy(model.run(x).predictions, y);
     adam.zero_grad();
     loss.backward();
     adam.step();
@@ -162,7 +162,7 @@ static void BM_MappedStepBound(benchmark::State& state) {
     direct_adam.step();
   };
   auto mapped = [&] {
-    Tensor loss = F::cross_entropy(model.forward(x).predictions, y);
+    Tensor loss = F::cross_entropy(model.run(x).predictions, y);
     adam.zero_grad();
     loss.backward();
     adam.step();
@@ -229,7 +229,7 @@ static void BM_CompiledStep(benchmark::State& state) {
   Tensor x = randn(c.input), y = labels(c.input[0]);
   auto body = [](mapping::MappingModel& model) {
     return [&model](const std::vector<Tensor>& in) {
-      Tensor loss = F::cross_entropy(model.forward(in[0]).predictions, in[1]);
+      Tensor loss = F::cross_entropy(model.run(in[0]).predictions, in[1]);
       loss.backward();
       return std::vector<Tensor>{loss.detach()};
     };

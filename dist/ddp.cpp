@@ -57,29 +57,33 @@ uint64_t hash_shape(const Shape& shape, uint64_t h) {
 
 }  // namespace
 
-mapping::MappingTrainer::MetricsReducer average_metrics(Device device, ProcessGroup* group) {
-  return [device, group](const mapping::Metrics& local, int64_t samples) {
-    ProcessGroup* pg = group;
-    std::shared_ptr<ProcessGroup> default_group;
-    if (pg == nullptr) {
-      default_group = default_process_group();  // refuses when setup_ddp was not called
-      pg = default_group.get();
-    }
-    MN_CHECK(samples >= 0, ValueError, "average_metrics: samples must be >= 0, got ", samples);
-    std::vector<float> values;
-    for (const auto& [key, value] : local) values.push_back(static_cast<float>(value * static_cast<double>(samples)));
-    values.push_back(static_cast<float>(samples));
-    Tensor sums = from_vector(values, Shape{static_cast<int64_t>(values.size())});
-    if (pg->backend() == "nccl") sums = sums.to(device);
-    pg->allreduce(sums, ReduceOp::Sum)->wait();
-    const std::vector<float> total = sums.to(kCPU).to_vector<float>();
-    MN_CHECK(total.size() == values.size(), RuntimeError, "average_metrics: the all-reduce returned ", total.size(),
-             " values for ", values.size());
-    const double all_samples = total.back();
-    mapping::Metrics out;
-    size_t i = 0;
-    for (const auto& [key, value] : local) out[key] = static_cast<double>(total[i++]) / all_samples;
-    return out;
+namespace {
+
+train::Metrics reduce_metrics(ProcessGroup& pg, Device device, const train::Metrics& local, int64_t samples) {
+  MN_CHECK(samples >= 0, ValueError, "average_metrics: samples must be >= 0, got ", samples);
+  std::vector<float> values;
+  for (const auto& [key, value] : local) values.push_back(static_cast<float>(value * static_cast<double>(samples)));
+  values.push_back(static_cast<float>(samples));
+  Tensor sums = from_vector(values, Shape{static_cast<int64_t>(values.size())});
+  if (pg.backend() == "nccl") sums = sums.to(device);
+  pg.allreduce(sums, ReduceOp::Sum)->wait();
+  const std::vector<float> total = sums.to(kCPU).to_vector<float>();
+  MN_CHECK(total.size() == values.size(), RuntimeError, "average_metrics: the all-reduce returned ", total.size(),
+           " values for ", values.size());
+  const double all_samples = total.back();
+  train::Metrics out;
+  size_t i = 0;
+  for (const auto& [key, value] : local) out[key] = static_cast<double>(total[i++]) / all_samples;
+  return out;
+}
+
+}  // namespace
+
+std::function<train::Metrics(const train::Metrics&, int64_t)> average_metrics(Device device, ProcessGroup* group) {
+  return [device, group](const train::Metrics& local, int64_t samples) {
+    if (group != nullptr) return reduce_metrics(*group, device, local, samples);
+    std::shared_ptr<ProcessGroup> default_group = default_process_group();  // refuses without setup_ddp
+    return reduce_metrics(*default_group, device, local, samples);
   };
 }
 
@@ -220,12 +224,11 @@ int get_world_size() {
 
 class Reducer : public std::enable_shared_from_this<Reducer> {
  public:
-  Reducer(std::vector<std::pair<std::string, Tensor>> latents, std::shared_ptr<ProcessGroup> group,
-          const DdpOptions& options)
+  Reducer(const nn::NamedTensors& params, std::shared_ptr<ProcessGroup> group, const DdpOptions& options)
       : group_(std::move(group)) {
-    for (auto& [name, latent] : latents) {
+    for (const auto& [name, param] : params) {
       names_.push_back(name);
-      latents_.push_back(latent);
+      params_.push_back(param);
     }
     assign_buckets(options);
   }
@@ -233,21 +236,20 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // Registered after construction (hooks hold a weak reference, so a destroyed wrapper leaves only no-ops).
   void register_hooks() {
     std::weak_ptr<Reducer> weak = weak_from_this();
-    for (size_t i = 0; i < latents_.size(); ++i)
-      latents_[i].register_post_accumulate_grad_hook([weak, i](const Tensor& leaf) {
+    for (size_t i = 0; i < params_.size(); ++i)
+      params_[i].register_post_accumulate_grad_hook([weak, i](const Tensor& leaf) {
         if (auto reducer = weak.lock()) reducer->on_gradient(i, leaf);
       });
   }
 
-  // Before each forward: the latents must still be the model's, and a backward interrupted by an error
-  // must not leave half a reduction behind.
-  void prepare_for_forward(const std::vector<Tensor>& model_latents) {
-    MN_CHECK(model_latents.size() == latents_.size(), RuntimeError, "the model now has ", model_latents.size(),
-             " latents but was wrapped with ", latents_.size(), "; wrap it again after changing it");
-    for (size_t i = 0; i < latents_.size(); ++i)
-      MN_CHECK(
-          model_latents[i].same(latents_[i]), RuntimeError, "latent '", names_[i],
-          "' was replaced after wrap_ddp (did model.to() run after wrapping?); move the model first, then wrap");
+  // Before a forward through the wrapper: the parameters must still be the module's, and a backward
+  // interrupted by an error must not leave half a reduction behind.
+  void prepare_for_forward(const nn::NamedTensors& module_params) {
+    MN_CHECK(module_params.size() == params_.size(), RuntimeError, "the module now has ", module_params.size(),
+             " parameters that require grad but was wrapped with ", params_.size(), "; wrap it again after changing it");
+    for (size_t i = 0; i < params_.size(); ++i)
+      MN_CHECK(module_params[i].second.same(params_[i]), RuntimeError, "parameter '", names_[i],
+               "' was replaced after wrap_ddp (did module.to() run after wrapping?); move the module first, then wrap");
     if (in_backward_) abandon_backward();
   }
 
@@ -263,17 +265,19 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
     std::vector<std::vector<std::string>> out;
     for (const Bucket& b : buckets_) {
       out.emplace_back();
-      for (size_t index : b.latents) out.back().push_back(names_[index]);
+      for (size_t index : b.params) out.back().push_back(names_[index]);
     }
     return out;
   }
 
+  std::vector<Tensor> parameters() const { return params_; }
+  int64_t allreduce_count() const { return allreduce_count_; }
   ProcessGroup& group() const { return *group_; }
 
  private:
   struct Bucket {
-    Tensor contents;              // flat f32 on the latents' device
-    std::vector<size_t> latents;  // latent indices in slot order
+    Tensor contents;             // flat f32 on the parameters' device
+    std::vector<size_t> params;  // parameter indices in slot order
     size_t pending = 0;
     WorkPtr work;
   };
@@ -283,9 +287,10 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   };
 
   void assign_buckets(const DdpOptions& options) {
-    MN_CHECK(!latents_.empty(), ValueError, "DistributedDataParallel: the model has no latents to synchronise");
-    const Device device = latents_.front().device();
-    slots_.resize(latents_.size());
+    MN_CHECK(!params_.empty(), ValueError,
+             "DistributedDataParallel: the module has no parameters that require grad, nothing to synchronise");
+    const Device device = params_.front().device();
+    slots_.resize(params_.size());
     Bucket current;
     size_t current_bytes = 0;
     auto close = [&] {
@@ -294,33 +299,31 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
       current = Bucket{};
       current_bytes = 0;
     };
-    for (size_t k = latents_.size(); k-- > 0;) {  // reverse: the last latents' grads arrive first
-      const Tensor& z = latents_[k];
-      MN_CHECK(z.dtype() == DType::f32, TypeError, "latent '", names_[k], "' is ", dtype_name(z.dtype()),
-               "; DDP reduces f32 latents");
-      MN_CHECK(z.device() == device, DeviceError, "latent '", names_[k], "' is on ", z.device(), " but latent '",
-               names_.front(), "' is on ", device, "; DDP needs the whole model on one device");
+    for (size_t k = params_.size(); k-- > 0;) {  // reverse: the last parameters' grads arrive first
+      const Tensor& p = params_[k];
+      MN_CHECK(p.dtype() == DType::f32, TypeError, "parameter '", names_[k], "' is ", dtype_name(p.dtype()),
+               "; DDP reduces f32 parameters");
       slots_[k] = Slot{buckets_.size(), static_cast<int64_t>(current_bytes / sizeof(float))};
-      current.latents.push_back(k);
-      current_bytes += z.nbytes();
+      current.params.push_back(k);
+      current_bytes += p.nbytes();
       const size_t limit = buckets_.empty() ? options.first_bucket_bytes : options.bucket_bytes;
       if (current_bytes >= limit) close();
     }
-    if (!current.latents.empty()) close();
-    for (Bucket& b : buckets_) b.pending = b.latents.size();
-    arrived_.assign(latents_.size(), false);
+    if (!current.params.empty()) close();
+    for (Bucket& b : buckets_) b.pending = b.params.size();
+    arrived_.assign(params_.size(), false);
   }
 
   Tensor slot_view(size_t index) const {
     const Slot& s = slots_[index];
-    return buckets_[s.bucket].contents.narrow(0, s.offset, latents_[index].numel());
+    return buckets_[s.bucket].contents.narrow(0, s.offset, params_[index].numel());
   }
 
-  // grad / world into the latent's slot (zeros when the latent has no grad at all).
+  // grad / world into the parameter's slot (zeros when it has no grad at all).
   void fill_slot(size_t index) {
     autograd::NoGradGuard no_grad;
     Tensor slot = slot_view(index);
-    Tensor grad = latents_[index].grad();
+    Tensor grad = params_[index].grad();
     if (!grad.defined()) {
       slot.zero_();
       return;
@@ -330,16 +333,21 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
 
   void on_gradient(size_t index, const Tensor&) {
     if (!sync_enabled) return;  // no_sync: the engine keeps accumulating into .grad
+    // An earlier backward that failed before its end (its queued callback was dropped unrun): start over.
+    // (A module run directly, e.g. MappingModel::run, never passes through prepare_for_forward.)
+    if (in_backward_ && end_callback_.expired()) abandon_backward();
     if (!in_backward_) {
       MN_CHECK(autograd::backward_in_progress(), RuntimeError,
                "DDP gradient hook ran outside a backward pass (internal error)");
       in_backward_ = true;
+      auto alive = std::make_shared<char>(0);  // lives as long as the queued callback
+      end_callback_ = alive;
       std::weak_ptr<Reducer> weak = weak_from_this();
-      autograd::queue_callback([weak] {
+      autograd::queue_callback([weak, alive] {
         if (auto reducer = weak.lock()) reducer->finish_backward();
       });
     }
-    MN_CHECK(!arrived_[index], RuntimeError, "latent '", names_[index],
+    MN_CHECK(!arrived_[index], RuntimeError, "parameter '", names_[index],
              "' received its gradient twice in one backward pass (internal error)");
     arrived_[index] = true;
     fill_slot(index);
@@ -351,6 +359,7 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   void launch_ready_buckets() {
     while (next_bucket_ < buckets_.size() && buckets_[next_bucket_].pending == 0) {
       Bucket& bucket = buckets_[next_bucket_++];
+      ++allreduce_count_;
       if (capture::recording()) {
         // Inside a compiled step (nn/compile.h) the all-reduce becomes one of the graph's steps, run to
         // completion where it stands: every rank replays the same collectives in the same order.
@@ -363,10 +372,10 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
     }
   }
 
-  // End of backward: latents without a gradient this time contribute their current .grad (or zeros), every
-  // bucket is reduced and the averages become the latents' .grad.
+  // End of backward: parameters without a gradient this time contribute their current .grad (or zeros),
+  // every bucket is reduced and the averages become the parameters' .grad.
   void finish_backward() {
-    for (size_t i = 0; i < latents_.size(); ++i) {
+    for (size_t i = 0; i < params_.size(); ++i) {
       if (arrived_[i]) continue;
       arrived_[i] = true;
       fill_slot(i);
@@ -383,8 +392,8 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
     }
     if (error.empty()) {
       autograd::NoGradGuard no_grad;
-      for (size_t i = 0; i < latents_.size(); ++i)
-        latents_[i].set_grad(slot_view(i).reshape(latents_[i].sizes()).clone());
+      for (size_t i = 0; i < params_.size(); ++i)
+        params_[i].set_grad(slot_view(i).reshape(params_[i].sizes()).clone());
     }
     reset();
     MN_CHECK(error.empty(), RuntimeError, "DDP gradient all-reduce failed: ", error);
@@ -404,22 +413,25 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
 
   void reset() {
     for (Bucket& b : buckets_) {
-      b.pending = b.latents.size();
+      b.pending = b.params.size();
       b.work.reset();
     }
-    arrived_.assign(latents_.size(), false);
+    arrived_.assign(params_.size(), false);
     next_bucket_ = 0;
     in_backward_ = false;
+    end_callback_.reset();
   }
 
   std::shared_ptr<ProcessGroup> group_;
   std::vector<std::string> names_;
-  std::vector<Tensor> latents_;
+  std::vector<Tensor> params_;
   std::vector<Bucket> buckets_;
   std::vector<Slot> slots_;
   std::vector<bool> arrived_;
   size_t next_bucket_ = 0;
   bool in_backward_ = false;
+  std::weak_ptr<char> end_callback_;  // expires when this backward's end callback is gone
+  int64_t allreduce_count_ = 0;
 };
 
 // ---------------------------------------------------------------------------------------------------
@@ -427,25 +439,56 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
 
 namespace {
 
-// Entry 0: the latent layout (names, shapes); entry 1 + g: group g's mapper buffers and scales.
-std::vector<int64_t> model_fingerprint(const mapping::MappingModel& model) {
+// The parameters DDP reduces: those that require grad, in listing order.
+nn::NamedTensors reduced_parameters(const nn::Module& module) {
+  nn::NamedTensors out;
+  for (const auto& [name, p] : module.named_parameters())
+    if (p.requires_grad()) out.emplace_back(name, p);
+  return out;
+}
+
+// Every parameter and buffer, for the broadcast from rank 0.
+std::vector<Tensor> module_state(const nn::Module& module) {
+  std::vector<Tensor> out;
+  for (const auto& [name, p] : module.named_parameters()) out.push_back(p);
+  for (const auto& [name, b] : module.named_buffers()) out.push_back(b);
+  return out;
+}
+
+// The state that is compared, not sent: every submodule's replica_state() groups, with the submodule's
+// path in the description.
+nn::NamedTensorGroups replica_groups(const nn::Module& module) {
+  nn::NamedTensorGroups out;
+  for (const auto& [prefix, m] : module.named_modules())
+    for (auto& [description, tensors] : m->replica_state())
+      out.emplace_back(prefix.empty() ? description : str(description, " (in module '", prefix, "')"),
+                       std::move(tensors));
+  return out;
+}
+
+// Entry 0: the layout (names, shapes, dtypes; requires_grad for parameters); entry 1 + g: group g of the
+// replica state.
+std::vector<int64_t> module_fingerprint(const nn::Module& module, const nn::NamedTensorGroups& replica) {
   std::vector<int64_t> out;
   uint64_t layout = kFnvOffset;
-  for (const auto& [name, z] : model.named_latents()) {
+  auto add = [&](const std::string& name, const Tensor& t, uint64_t flag) {
     layout = hash_string(name, layout);
-    layout = hash_shape(z.sizes(), layout);
-  }
+    layout = hash_shape(t.sizes(), layout);
+    const uint64_t words[2] = {static_cast<uint64_t>(t.dtype()), flag};
+    layout = hash_bytes(words, sizeof(words), layout);
+  };
+  for (const auto& [name, p] : module.named_parameters()) add(name, p, p.requires_grad() ? 1 : 0);
+  for (const auto& [name, b] : module.named_buffers()) add(name, b, 2);
   out.push_back(static_cast<int64_t>(mix64(layout)));
-  for (const mapping::Group& g : model.generator().groups()) {
-    uint64_t h = hash_string(g.name, kFnvOffset);
-    for (const Tensor& buffer : g.mapper->buffers()) h = tensor_hash(buffer, h);
-    h = tensor_hash(g.scale, h);
+  for (const auto& [description, tensors] : replica) {
+    uint64_t h = hash_string(description, kFnvOffset);
+    for (const Tensor& t : tensors) h = tensor_hash(t, h);
     out.push_back(static_cast<int64_t>(h));
   }
   return out;
 }
 
-// NCCL only moves CUDA memory: the small construction-time exchanges then go through the model's device.
+// NCCL only moves CUDA memory: the small construction-time exchanges then go through the module's device.
 std::vector<int64_t> allgather_values(ProcessGroup& group, const std::vector<int64_t>& mine, Device device) {
   Tensor input = from_vector(mine, Shape{static_cast<int64_t>(mine.size())}).to(device);
   Tensor output =
@@ -454,42 +497,65 @@ std::vector<int64_t> allgather_values(ProcessGroup& group, const std::vector<int
   return output.to(kCPU).to_vector<int64_t>();
 }
 
-void check_same_model_everywhere(const mapping::MappingModel& model, ProcessGroup& group, bool check_buffers) {
-  const Device device = group.backend() == "nccl" ? model.device() : kCPU;
-  const std::vector<int64_t> mine = model_fingerprint(model);
+void check_same_module_everywhere(const nn::Module& module, Device module_device, ProcessGroup& group,
+                                  bool check_replica_state) {
+  const Device device = group.backend() == "nccl" ? module_device : kCPU;
+  const nn::NamedTensorGroups replica = replica_groups(module);
+  const std::vector<int64_t> mine = module_fingerprint(module, replica);
   const std::vector<int64_t> counts = allgather_values(group, {static_cast<int64_t>(mine.size())}, device);
   for (int r = 1; r < group.size(); ++r)
-    MN_CHECK(counts[r] == counts[0], RuntimeError, "DDP: rank ", r, " has a model with ", counts[r] - 1,
-             " latent groups but rank 0 has ", counts[0] - 1, "; build the same model on every rank");
+    MN_CHECK(counts[r] == counts[0], RuntimeError, "DDP: rank ", r, " has a module with ", counts[r] - 1,
+             " replica-state groups but rank 0 has ", counts[0] - 1, "; build the same module on every rank");
   const std::vector<int64_t> all = allgather_values(group, mine, device);
-  const auto& groups = model.generator().groups();
   const size_t n = mine.size();
   for (int r = 1; r < group.size(); ++r) {
     const int64_t* theirs = all.data() + static_cast<size_t>(r) * n;
     MN_CHECK(theirs[0] == all[0], RuntimeError, "DDP: rank ", r,
-             " has different latent names or shapes than rank 0; build the same model on every rank");
-    if (!check_buffers) continue;
+             " has different parameter or buffer names, shapes or dtypes than rank 0; build the same module on "
+             "every rank");
+    if (!check_replica_state) continue;
     for (size_t g = 1; g < n; ++g)
-      MN_CHECK(theirs[g] == all[g], RuntimeError, "DDP: the mapper buffers of group '", groups[g - 1].name,
-               "' differ between rank 0 and rank ", r, " (hash ", static_cast<uint64_t>(all[g]), " vs ",
-               static_cast<uint64_t>(theirs[g]),
-               "); build the model with the same seed and target initialisation on every rank");
+      MN_CHECK(theirs[g] == all[g], RuntimeError, "DDP: ", replica[g - 1].first, " differ between rank 0 and rank ",
+               r, " (hash ", static_cast<uint64_t>(all[g]), " vs ", static_cast<uint64_t>(theirs[g]),
+               "); build the module the same way (same seeds, same initialisation) on every rank");
   }
 }
 
-// Rank 0's latents become everyone's (one coalesced broadcast).
-void broadcast_latents(mapping::MappingModel& model, ProcessGroup& group) {
-  std::vector<Tensor> latents = model.parameters();
-  std::vector<Tensor> flat;
-  for (const Tensor& z : latents) flat.push_back(z.detach().reshape({z.numel()}));
+// Rank 0's parameters and buffers become everyone's (one coalesced broadcast per dtype).
+void broadcast_state(const std::vector<Tensor>& state, ProcessGroup& group) {
   autograd::NoGradGuard no_grad;
-  Tensor coalesced = cat(flat, 0).contiguous();
-  group.broadcast(coalesced, 0)->wait();
-  int64_t offset = 0;
-  for (Tensor& z : latents) {
-    z.detach().copy_(coalesced.narrow(0, offset, z.numel()).reshape(z.sizes()));
-    offset += z.numel();
+  for (DType dtype : {DType::f32, DType::i64}) {
+    std::vector<Tensor> tensors, flat;
+    for (const Tensor& t : state)
+      if (t.dtype() == dtype && t.numel() > 0) {
+        tensors.push_back(t);
+        flat.push_back(t.detach().reshape({t.numel()}));
+      }
+    if (tensors.empty()) continue;
+    Tensor coalesced = cat(flat, 0).contiguous();
+    group.broadcast(coalesced, 0)->wait();
+    int64_t offset = 0;
+    for (const Tensor& t : tensors) {
+      t.detach().copy_(coalesced.narrow(0, offset, t.numel()).reshape(t.sizes()));
+      offset += t.numel();
+    }
   }
+}
+
+// The device every parameter and buffer is on (kCPU for a module without tensors).
+Device module_device(const nn::Module& module) {
+  std::optional<std::pair<std::string, Device>> first;
+  auto check = [&](const std::string& name, const Tensor& t) {
+    if (!first) {
+      first.emplace(name, t.device());
+      return;
+    }
+    MN_CHECK(t.device() == first->second, DeviceError, "'", name, "' is on ", t.device(), " but '", first->first,
+             "' is on ", first->second, "; DDP needs the whole module on one device");
+  };
+  for (const auto& [name, p] : module.named_parameters()) check(name, p);
+  for (const auto& [name, b] : module.named_buffers()) check(name, b);
+  return first ? first->second : kCPU;
 }
 
 }  // namespace
@@ -497,29 +563,32 @@ void broadcast_latents(mapping::MappingModel& model, ProcessGroup& group) {
 // ---------------------------------------------------------------------------------------------------
 // DistributedDataParallel
 
-DistributedDataParallel::DistributedDataParallel(mapping::MappingModel& model, std::shared_ptr<ProcessGroup> group,
+DistributedDataParallel::DistributedDataParallel(nn::Module& module, std::shared_ptr<ProcessGroup> group,
                                                  DdpOptions options)
-    : model_(&model) {
+    : module_(&module), device_(module_device(module)) {
   MN_CHECK(group != nullptr, RuntimeError, "Process group is not initialized. Call setup_ddp() before wrap_ddp().");
   MN_CHECK(options.first_bucket_bytes > 0 && options.bucket_bytes > 0, ValueError,
            "DDP bucket sizes must be positive, got ", options.first_bucket_bytes, " and ", options.bucket_bytes);
-  const Device device = model.device();
   const bool wants_cuda = group->backend() == "nccl";
-  MN_CHECK(device.is_cuda() == wants_cuda, DeviceError, "the model is on ", device, " but the process group's ",
+  MN_CHECK(device_.is_cuda() == wants_cuda, DeviceError, "the module is on ", device_, " but the process group's ",
            group->backend(), " backend works on ", wants_cuda ? "CUDA" : "CPU", " tensors; use ",
-           wants_cuda ? "gloo for a CPU model" : "nccl for a CUDA model", " or move the model");
-  if (device.is_cpu()) {
+           wants_cuda ? "gloo for a CPU module" : "nccl for a CUDA module", " or move the module");
+  if (device_.is_cpu()) {
     MN_CHECK(options.device_ids.empty(), ValueError, "device_ids must be empty for a CPU model, got ",
              options.device_ids.size(), " id(s) starting with ",
              options.device_ids.empty() ? 0 : options.device_ids[0]);
   } else {
     MN_CHECK(
-        options.device_ids.empty() || (options.device_ids.size() == 1 && options.device_ids[0] == device.index),
-        ValueError, "device_ids must be empty or [", device.index, "] for a model on ", device);
+        options.device_ids.empty() || (options.device_ids.size() == 1 && options.device_ids[0] == device_.index),
+        ValueError, "device_ids must be empty or [", device_.index, "] for a model on ", device_);
   }
-  check_same_model_everywhere(model, *group, options.check_buffers);
-  broadcast_latents(model, *group);
-  reducer_ = std::make_shared<Reducer>(model.named_latents(), std::move(group), options);
+  const nn::NamedTensors reduced = reduced_parameters(module);
+  MN_CHECK(!reduced.empty(), ValueError,
+           "DistributedDataParallel: the ", module.type_name(), " has no parameters that require grad, nothing to "
+           "synchronise");
+  check_same_module_everywhere(module, device_, *group, options.check_buffers);
+  broadcast_state(module_state(module), *group);
+  reducer_ = std::make_shared<Reducer>(reduced, std::move(group), options);
   reducer_->register_hooks();
 }
 
@@ -527,17 +596,12 @@ DistributedDataParallel::~DistributedDataParallel() = default;
 DistributedDataParallel::DistributedDataParallel(DistributedDataParallel&&) noexcept = default;
 DistributedDataParallel& DistributedDataParallel::operator=(DistributedDataParallel&&) noexcept = default;
 
-mapping::ForwardResult DistributedDataParallel::forward(const Tensor& input,
-                                                        const mapping::LatentOverrides& latents) {
-  reducer_->prepare_for_forward(model_->parameters());
-  return model_->forward(input, latents);
+Tensor DistributedDataParallel::forward(const Tensor& input) {
+  reducer_->prepare_for_forward(reduced_parameters(*module_));
+  return module_->forward(input);
 }
 
-mapping::ForwardResult DistributedDataParallel::forward_with(const std::function<Tensor(nn::Module&)>& run,
-                                                             const mapping::LatentOverrides& latents) {
-  reducer_->prepare_for_forward(model_->parameters());
-  return model_->forward_with(run, latents);
-}
+std::vector<Tensor> DistributedDataParallel::parameters() const { return reducer_->parameters(); }
 
 DistributedDataParallel::NoSyncGuard::NoSyncGuard(std::shared_ptr<Reducer> reducer)
     : reducer_(std::move(reducer)), previous_(reducer_->sync_enabled) {
@@ -548,18 +612,32 @@ DistributedDataParallel::NoSyncGuard::~NoSyncGuard() { reducer_->sync_enabled = 
 
 DistributedDataParallel::NoSyncGuard DistributedDataParallel::no_sync() { return NoSyncGuard(reducer_); }
 
+void DistributedDataParallel::set_gradient_sync(bool enabled) { reducer_->sync_enabled = enabled; }
+
+bool DistributedDataParallel::gradient_sync() const { return reducer_->sync_enabled; }
+
+train::Metrics DistributedDataParallel::average_metrics(const train::Metrics& metrics, int64_t samples) {
+  return reduce_metrics(reducer_->group(), device_, metrics, samples);
+}
+
+int DistributedDataParallel::rank() const { return reducer_->group().rank(); }
+
+int DistributedDataParallel::world_size() const { return reducer_->group().size(); }
+
 size_t DistributedDataParallel::bytes_per_step() const { return reducer_->bytes_per_step(); }
 
-std::vector<std::vector<std::string>> DistributedDataParallel::bucket_latent_names() const {
+std::vector<std::vector<std::string>> DistributedDataParallel::bucket_parameter_names() const {
   return reducer_->bucket_names();
 }
 
+int64_t DistributedDataParallel::allreduce_count() const { return reducer_->allreduce_count(); }
+
 ProcessGroup& DistributedDataParallel::process_group() const { return reducer_->group(); }
 
-DistributedDataParallel wrap_ddp(mapping::MappingModel& model, const std::vector<int>& device_ids) {
+DistributedDataParallel wrap_ddp(nn::Module& module, const std::vector<int>& device_ids) {
   DdpOptions options;
   options.device_ids = device_ids;
-  return DistributedDataParallel(model, default_process_group(), options);
+  return DistributedDataParallel(module, default_process_group(), options);
 }
 
 }  // namespace mn::dist

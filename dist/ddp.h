@@ -1,28 +1,42 @@
 #pragma once
-// Data-parallel training of a MappingModel, as in the scaling guide:
+// Data-parallel training of any nn::Module (PyTorch's DistributedDataParallel):
 //
 //   mn::dist::setup_ddp(rank, world_size, "gloo");        // env:// reads MASTER_ADDR / MASTER_PORT
-//   auto ddp = mn::dist::wrap_ddp(model);                  // broadcasts latents, checks mapper buffers
-//   nn::Adam opt(ddp.parameters(), {.lr = 3e-4});
-//   for (batch ...) {
-//     auto result = ddp.forward(batch.inputs);
-//     nn::cross_entropy(result.predictions, batch.targets).backward();  // latent grads averaged here
-//     opt.step(); opt.zero_grad();
+//   auto net = std::make_shared<mn::nn::Sequential>(std::vector<mn::nn::ModulePtr>{
+//       std::make_shared<mn::nn::Linear>(784, 128), std::make_shared<mn::nn::ReLU>(),
+//       std::make_shared<mn::nn::Linear>(128, 10)});    // or a mapping::MappingModel
+//   auto ddp = mn::dist::wrap_ddp(*net);                   // broadcasts rank 0's parameters and buffers
+//   mn::nn::optim::Adam opt(ddp.parameters(), {.lr = 3e-4});
+//   for (const auto& batch : loader) {                     // loader: this rank's shard (DistributedSampler)
+//     mn::Tensor logits = ddp.forward(batch.inputs);
+//     mn::nn::functional::cross_entropy(logits, batch.targets).backward();  // grads averaged here
+//     opt.step();
+//     opt.zero_grad();
 //   }
 //   mn::dist::cleanup_ddp();
 //
-// Only the latents travel (trainable_parameter_count floats per step); the mapper buffers are a pure
-// function of the seed, so construction only compares a hash of them across ranks.
+// What travels: the gradients of the module's parameters that require grad, summed over the ranks and
+// divided by the world size. For a mapping::MappingModel those are exactly its latents
+// (trainable_parameter_count floats per step); call model.run(...) as usual (the reducer's hooks sit on
+// the latents, whoever runs the model), or ddp.forward(x) for the predictions alone.
 //
-// Gradient reduction (PyTorch's Reducer, reduced to what a mapping model needs): the latents are split
+// Construction: every rank must hold the same parameter and buffer names and shapes (compared by hash),
+// then rank 0's parameters and buffers are broadcast to the others. State that is neither and that a
+// module computes with (a MappingModel's fixed mappers: a function of the seed, never sent) is declared
+// through nn::Module::replica_state(); with DdpOptions::check_buffers each named group's hash is compared
+// across the ranks and the first one that differs is an error on every rank. dist knows nothing of
+// mapping: a module above nn implements that virtual.
+//
+// Gradient reduction (PyTorch's Reducer, reduced to what these models need): the parameters are split
 // into buckets in reverse order (grads arrive roughly last-to-first), the first bucket capped at 1 MiB and
-// the others at 25 MiB. Each latent's post-accumulate hook copies grad / world_size into its bucket slot;
-// a bucket's all-reduce (sum) starts once all its grads arrived and every earlier bucket started, so all
-// ranks issue the same collectives in the same order. A callback at the end of backward waits for the
-// buckets and writes the averages back into .grad. The engine sums every use of a latent before its
+// the others at 25 MiB. Each parameter's post-accumulate hook copies grad / world_size into its bucket
+// slot; a bucket's all-reduce (sum) starts once all its grads arrived and every earlier bucket started, so
+// all ranks issue the same collectives in the same order. A callback at the end of backward waits for the
+// buckets and writes the averages back into .grad. The engine sums every use of a parameter before its
 // AccumulateGrad runs, so two forwards (clean and perturbed) before one backward still fire each hook once.
-// A latent that got no gradient in a backward contributes its current .grad (or zeros), so the ranks
-// never wait on each other for it.
+// A parameter that got no gradient in a backward contributes its current .grad (or zeros), so the ranks
+// never wait on each other for it. With gradient sync off (no_sync(), set_gradient_sync(false)) backward
+// only accumulates locally; the next synchronised backward reduces the accumulated sum.
 #include <chrono>
 #include <functional>
 #include <memory>
@@ -30,8 +44,8 @@
 #include <vector>
 
 #include "dist/process_group.h"
-#include "mapping/mapping_model.h"
-#include "mapping/trainer.h"
+#include "nn/module.h"
+#include "nn/train/data_parallel.h"
 
 namespace mn::dist {
 
@@ -62,36 +76,36 @@ struct DdpOptions {
   size_t first_bucket_bytes = size_t{1} << 20;  // 1 MiB
   size_t bucket_bytes = size_t{25} << 20;       // 25 MiB
   std::vector<int> device_ids;                  // CUDA: the model's device; CPU: must be empty
-  bool check_buffers = true;                    // compare mapper-buffer hashes across ranks at construction
+  // Compare the hashes of every module's replica_state() groups (a MappingModel's mapper buffers and
+  // scales) across the ranks at construction.
+  bool check_buffers = true;
 };
 
 class Reducer;
 
-class DistributedDataParallel {
+class DistributedDataParallel : public train::DataParallel {
  public:
-  // The model must outlive the wrapper and keep its latents (move it to its device before wrapping).
-  DistributedDataParallel(mapping::MappingModel& model, std::shared_ptr<ProcessGroup> group,
-                          DdpOptions options = {});
-  ~DistributedDataParallel();
+  // The module must outlive the wrapper and keep its parameters (move it to its device before wrapping:
+  // to() replaces them). Its parameters must all be on one device; those that require grad must be f32.
+  DistributedDataParallel(nn::Module& module, std::shared_ptr<ProcessGroup> group, DdpOptions options = {});
+  ~DistributedDataParallel() override;
   DistributedDataParallel(DistributedDataParallel&&) noexcept;
   DistributedDataParallel& operator=(DistributedDataParallel&&) noexcept;
   DistributedDataParallel(const DistributedDataParallel&) = delete;
   DistributedDataParallel& operator=(const DistributedDataParallel&) = delete;
 
-  mapping::MappingModel& module() { return *model_; }
-  const mapping::MappingModel& module() const { return *model_; }
+  nn::Module& module() { return *module_; }
+  const nn::Module& module() const { return *module_; }
 
-  mapping::ForwardResult forward(const Tensor& input, const mapping::LatentOverrides& latents = {});
-  mapping::ForwardResult operator()(const Tensor& input, const mapping::LatentOverrides& latents = {}) {
-    return forward(input, latents);
-  }
-  mapping::ForwardResult forward_with(const std::function<Tensor(nn::Module&)>& run,
-                                      const mapping::LatentOverrides& latents = {});
-  // The trainable tensors (the model's latents), for the optimizer.
-  std::vector<Tensor> parameters() const { return model_->parameters(); }
+  // The module's forward, after checking that its parameters are still the wrapped ones.
+  Tensor forward(const Tensor& input);
+  Tensor operator()(const Tensor& input) { return forward(input); }
+  // The reduced tensors (the module's parameters that require grad), for the optimizer.
+  std::vector<Tensor> parameters() const;
 
   // While alive, backward passes only accumulate into .grad locally (no communication); the first
-  // backward after it reduces the accumulated sum. For gradient accumulation over micro-batches.
+  // backward after it reduces the accumulated sum. For gradient accumulation over micro-batches; the
+  // RAII form of set_gradient_sync(false).
   class NoSyncGuard {
    public:
     explicit NoSyncGuard(std::shared_ptr<Reducer> reducer);
@@ -105,29 +119,42 @@ class DistributedDataParallel {
   };
   [[nodiscard]] NoSyncGuard no_sync();
 
-  // Bytes all-reduced per synchronised step: the latents only (4 bytes per latent value).
+  // ---- train::DataParallel (nn/train/data_parallel.h) ----
+  void set_gradient_sync(bool enabled) override;
+  bool gradient_sync() const override;
+  // Each metric becomes the sum over the ranks of metric x samples divided by the samples of all ranks
+  // (average_metrics below, on this wrapper's group and the module's device).
+  train::Metrics average_metrics(const train::Metrics& metrics, int64_t samples) override;
+  int rank() const override;
+  int world_size() const override;
+
+  // Bytes all-reduced per synchronised step: the reduced parameters only (4 bytes per value).
   size_t bytes_per_step() const;
-  // Latent names per bucket, in launch order (bucket 0 holds the last latents).
-  std::vector<std::vector<std::string>> bucket_latent_names() const;
+  // Parameter names per bucket, in launch order (bucket 0 holds the last parameters).
+  std::vector<std::vector<std::string>> bucket_parameter_names() const;
+  // Gradient all-reduces started since construction (one per bucket per synchronised backward).
+  int64_t allreduce_count() const;
   ProcessGroup& process_group() const;
 
  private:
-  mapping::MappingModel* model_;
+  nn::Module* module_;
+  Device device_;
   std::shared_ptr<Reducer> reducer_;
 };
 
-// Wraps `model` for the default group (setup_ddp first). device_ids: empty for a CPU model; for a CUDA
-// model at most the model's own device index.
-DistributedDataParallel wrap_ddp(mapping::MappingModel& model, const std::vector<int>& device_ids = {});
+// Wraps `module` for the default group (setup_ddp first). device_ids: empty for a CPU module; for a CUDA
+// module at most its own device index.
+DistributedDataParallel wrap_ddp(nn::Module& module, const std::vector<int>& device_ids = {});
 
-// A MappingTrainer metrics reducer for data-parallel training (trainer.set_metrics_reducer): each
-// metric becomes the sum over the ranks of metric x samples, divided by the samples of all ranks, so
-// every rank records the means over all the samples of the pass, whatever each rank's share. Every rank
-// must report the same metric names. The sums travel as f32 (accuracies x samples are whole numbers,
-// exact up to 2^24 samples), on `device` (NCCL needs the model's GPU). group: nullptr = the default
-// group of setup_ddp, looked up at each call; else a group that outlives the reducer.
+// A metrics reducer for data-parallel training: each metric becomes the sum over the ranks of
+// metric x samples, divided by the samples of all ranks, so every rank records the means over all the
+// samples of the pass, whatever each rank's share. Every rank must report the same metric names. The
+// sums travel as f32 (accuracies x samples are whole numbers, exact up to 2^24 samples), on `device`
+// (NCCL needs the model's GPU). group: nullptr = the default group of setup_ddp, looked up at each call;
+// else a group that outlives the reducer. DistributedDataParallel::average_metrics is the same on its group.
 //   trainer.set_metrics_reducer(mn::dist::average_metrics(model.device()));
-mapping::MappingTrainer::MetricsReducer average_metrics(Device device, ProcessGroup* group = nullptr);
+std::function<train::Metrics(const train::Metrics&, int64_t)> average_metrics(Device device,
+                                                                               ProcessGroup* group = nullptr);
 
 // 64-bit hash of a tensor's dtype, shape and bytes (copied to the CPU when needed); equal values on
 // every rank mean byte-identical tensors.

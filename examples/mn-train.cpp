@@ -23,12 +23,12 @@
 // kills at once. Data-parallel ranks keep the default (the launcher stops them all), as does a process
 // started with SIGINT ignored (e.g. a background job of a non-interactive shell).
 //
-// Data-parallel training (mapped strategies): start one process per rank with mn-run and add --backend,
+// Data-parallel training (any strategy): start one process per rank with mn-run and add --backend,
 //
 //   mn-run --nproc-per-node 2 mn-train --backend gloo --target cnn2 --strategy layerwise --latent-dim 672
 //
 // Each rank reads RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT (env://), builds the same
-// model, wraps it for DDP (only the latents' gradients are all-reduced) and trains on its
+// model, wraps it for DDP (a mapped run all-reduces only the latents' gradients, a direct one the target's) and trains on its
 // DistributedSampler shard of every epoch's shuffle; --batch-size is per rank, so the global batch is
 // --batch-size x WORLD_SIZE. Rank r's shard of an epoch holds positions r, r + W, r + 2W, ... of the
 // permutation a single process would use, so W ranks with batch B see, step for step, the samples of one
@@ -372,13 +372,13 @@ Summary run(const Options& o, Device device, const data::Dataset& train_set, con
       std::printf("resumed %s at epoch %lld\n", checkpoint.c_str(), static_cast<long long>(trainer->epoch()));
   }
 
-  // Wrapped after the move and the resume: the wrapper broadcasts rank 0's latents, checks that every
-  // rank built the same mappers and hooks the latents' gradients; the trainer averages its metrics
-  // over the ranks.
+  // Wrapped after the move and the resume: the wrapper broadcasts rank 0's trainable tensors (the
+  // latents of a mapped run, the target's parameters of a direct one), checks that every rank built the
+  // same mappers and hooks the gradients; the trainer averages its metrics over the ranks.
   std::optional<dist::DistributedDataParallel> ddp;
   if (dist.active) {
-    ddp.emplace(dist::wrap_ddp(*model));
-    trainer->set_metrics_reducer(dist::average_metrics(device));
+    ddp.emplace(dist::wrap_ddp(o.direct() ? static_cast<nn::Module&>(*target) : *model));
+    trainer->set_data_parallel(&*ddp);
   }
 
   const int64_t trainable = o.direct() ? target->parameter_count() : model->trainable_parameter_count();
@@ -419,7 +419,7 @@ Summary run(const Options& o, Device device, const data::Dataset& train_set, con
     // Nothing trained in this invocation (--epochs 0, or the run already has them all): the test
     // accuracy is measured now instead of read from a history that may be empty.
     train::Metrics m = trainer->evaluate(test_loader);
-    if (ddp) m = dist::average_metrics(device)(m, my_test.size());
+    if (ddp) m = ddp->average_metrics(m, my_test.size());
     s.test_accuracy = m.at(train::history_keys::kValAccuracy);
     s.evaluated_only = true;
   }
@@ -514,9 +514,6 @@ int main(int argc, char** argv) {
     if (!o.backend.empty()) {
       MN_CHECK(o.backend == "gloo" || o.backend == "nccl", ValueError, "--backend '", o.backend,
                "' is not supported; use gloo (CPU) or nccl (CUDA), or leave --backend out for one process");
-      MN_CHECK(o.strategy != "direct", ValueError,
-               "--backend: data-parallel training needs a mapped strategy; the DDP wrapper synchronises a "
-               "MappingModel's latents, and --strategy direct trains a plain module (not supported)");
       if (o.backend == "nccl") {
         MN_CHECK(dist::is_backend_available("nccl"), RuntimeError,
                  "--backend nccl needs a CUDA build with NCCL, and this build has no CUDA; use --backend gloo "

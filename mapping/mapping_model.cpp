@@ -24,21 +24,20 @@ GeneratorOptions generator_options(const MappingOptions& o) {
 }  // namespace
 
 MappingModel::MappingModel(std::shared_ptr<nn::Module> target, MappingOptions options)
-    : target_(std::move(target)), options_(std::move(options)) {
+    : nn::Module("MappingModel"), target_(std::move(target)), options_(std::move(options)) {
   MN_CHECK(options_.latent_dim > 0, ValueError, "latent_dim must be positive, got ", options_.latent_dim);
   MN_CHECK(target_ != nullptr, ValueError, "MappingModel: target module is null");
   check_target();
   generator_ = make_generator(options_.strategy, ParameterSpec::from_module(*target_), options_.latent_dim,
                               generator_options(options_), options_.groups, options_.group_latent_dims);
   if (options_.parameter_scaling) generator_->initialize_parameter_scaling(*target_);
-  for (auto& [n, t] : target_->named_buffers()) buffers_[n] = t.detach().clone();
-  if (options_.stream_layers) plan_streaming();
-  if (!options_.device.is_cpu()) to(options_.device);
+  finish_construction();
 }
 
-MappingModel::MappingModel(std::shared_ptr<nn::Module> target, std::unique_ptr<ParameterGenerator> generator,
-                           MappingOptions options)
-    : target_(std::move(target)), options_(std::move(options)), generator_(std::move(generator)) {
+MappingModel::MappingModel(WithGenerator, std::shared_ptr<nn::Module> target,
+                           std::unique_ptr<ParameterGenerator> generator, MappingOptions options)
+    : nn::Module("MappingModel"), target_(std::move(target)), options_(std::move(options)),
+      generator_(std::move(generator)) {
   MN_CHECK(target_ != nullptr && generator_ != nullptr, ValueError, "MappingModel: target and generator are required");
   check_target();
   const ParameterSpec spec = ParameterSpec::from_module(*target_);
@@ -48,10 +47,14 @@ MappingModel::MappingModel(std::shared_ptr<nn::Module> target, std::unique_ptr<P
   options_.strategy = generator_->strategy();
   options_.latent_dim = generator_->groups().front().latent_dim;
   if (options_.parameter_scaling && !generator_->scaling_initialized()) generator_->initialize_parameter_scaling(*target_);
-  for (auto& [n, t] : target_->named_buffers()) buffers_[n] = t.detach().clone();
-  if (options_.stream_layers) plan_streaming();
   // The generator decides the device: carried buffers (and the target) go beside it.
   options_.device = generator_->device();
+  finish_construction();
+}
+
+void MappingModel::finish_construction() {
+  for (auto& [n, t] : target_->named_buffers()) buffers_[n] = t.detach().clone();
+  if (options_.stream_layers) plan_streaming();
   if (!options_.device.is_cpu()) to(options_.device);
 }
 
@@ -115,12 +118,12 @@ void MappingModel::plan_streaming() {
   }
 }
 
-ForwardResult MappingModel::forward(const Tensor& input, const LatentOverrides& latents) {
-  if (options_.stream_layers) return forward_streamed(input, latents);
-  return forward_with([&](nn::Module& m) { return m.forward(input); }, latents);
+ForwardResult MappingModel::run(const Tensor& input, const LatentOverrides& latents) {
+  if (options_.stream_layers) return run_streamed(input, latents);
+  return run_with([&](nn::Module& m) { return m.forward(input); }, latents);
 }
 
-ForwardResult MappingModel::forward_streamed(const Tensor& input, const LatentOverrides& latents) {
+ForwardResult MappingModel::run_streamed(const Tensor& input, const LatentOverrides& latents) {
   generator_->check_overrides(latents);
   const auto& groups = generator_->groups();
   // Unread generated parameters of the first forward, over all segments (see check_parameters_read).
@@ -183,9 +186,9 @@ ForwardResult MappingModel::forward_streamed(const Tensor& input, const LatentOv
   return result;
 }
 
-ForwardResult MappingModel::forward_with(const std::function<Tensor(nn::Module&)>& run, const LatentOverrides& latents) {
+ForwardResult MappingModel::run_with(const std::function<Tensor(nn::Module&)>& fn, const LatentOverrides& latents) {
   MN_CHECK(!options_.stream_layers, ValueError,
-           "forward_with runs the target as a whole; a model with stream_layers runs through forward(input)");
+           "run_with runs the target as a whole; a model with stream_layers runs through run(input)");
   ForwardResult result;
   result.generated_parameters = generator_->generate_parameters(latents);
   std::map<std::string, Tensor> tensors = result.generated_parameters.to_map();
@@ -197,7 +200,7 @@ ForwardResult MappingModel::forward_with(const std::function<Tensor(nn::Module&)
   call.buffers_out = options_.write_back_buffers ? &updated : nullptr;
   {
     nn::FunctionalCallGuard guard(*target_, tensors, call);
-    result.predictions = run(*target_);
+    result.predictions = fn(*target_);
     if (!parameters_read_checked_) check_parameters_read(guard.unread_parameters());
   }
   if (options_.write_back_buffers) keep_buffers("", updated);
@@ -216,7 +219,11 @@ void MappingModel::keep_buffers(const std::string& prefix, const nn::StateDict& 
 }
 
 void MappingModel::set_buffers(const nn::StateDict& buffers) {
-  buffers_.clear();
+  std::vector<std::string> expected, given;
+  for (const auto& [name, t] : buffers_) expected.push_back(name);
+  for (const auto& [name, t] : buffers) given.push_back(name);
+  MN_CHECK(given == expected, KeyError, "MappingModel::set_buffers: expected the target's buffers ",
+           bracket_list(expected), ", got ", bracket_list(given));
   for (const auto& [name, t] : buffers) buffers_[name] = t.detach().clone();
 }
 
@@ -226,8 +233,21 @@ double MappingModel::compression_ratio() const {
   return static_cast<double>(target_parameter_count()) / static_cast<double>(trainable);
 }
 
-void MappingModel::zero_grad() {
-  for (auto& [n, z] : generator_->named_latents()) z.set_grad(Tensor());
+nn::NamedTensors MappingModel::named_parameters(bool) const {
+  nn::NamedTensors out;
+  for (const auto& [name, z] : generator_->named_latents()) out.emplace_back("latents." + name, z);
+  return out;
+}
+
+nn::NamedTensors MappingModel::named_buffers(bool) const {
+  nn::NamedTensors out;
+  for (const auto& [name, t] : buffers_) out.emplace_back("buffers." + name, t);
+  return out;
+}
+
+void MappingModel::train(bool on) {
+  nn::Module::train(on);
+  target_->train(on);
 }
 
 void MappingModel::to(Device device) {
@@ -237,18 +257,21 @@ void MappingModel::to(Device device) {
   options_.device = device;
 }
 
-Guard MappingModel::compile_guard() const {
-  Guard target = nn::module_guard(*target_);
-  const ParameterGenerator* generator = generator_.get();
-  const nn::StateDict* buffers = &buffers_;
-  return [target, generator, buffers](std::vector<uint64_t>& key) {
-    target(key);
-    for (const Tensor& z : generator->latents()) guard_memory(key, z);
-    // What the step reads besides the latents: scales and mapper factors (replaced by set_scales / to)
-    // and the carried buffers (replaced by set_buffers, e.g. lr_find's restore).
-    for (const Tensor& b : generator->buffers()) guard_memory(key, b);
-    for (const auto& [n, b] : *buffers) guard_memory(key, b);
-  };
+nn::NamedTensorGroups MappingModel::replica_state() const {
+  nn::NamedTensorGroups out;
+  for (const Group& g : generator_->groups()) {
+    std::vector<Tensor> tensors = g.mapper->buffers();
+    tensors.push_back(g.scale);  // undefined without parameter scaling: hashed as such
+    out.emplace_back(str("the mapper buffers and scales of group '", g.name, "'"), std::move(tensors));
+  }
+  return out;
+}
+
+void MappingModel::append_guard_words(std::vector<uint64_t>& key) const {
+  // The target's training flags and tensors (it runs with them besides the generated parameters) and
+  // what the generator reads besides the latents: scales and mapper factors (replaced by set_scales / to).
+  nn::module_guard(*target_)(key);
+  for (const Tensor& b : generator_->buffers()) guard_memory(key, b);
 }
 
 }  // namespace mn::mapping

@@ -1,11 +1,26 @@
 #pragma once
 // MappingModel: a frozen target network whose parameters are generated from trainable latents.
-// forward() generates the parameters and runs the target through functional_call; the target's own
+// run() generates the parameters and runs the target through functional_call; the target's own
 // tensors are never read for the computation and never modified. Only the latents train.
+//
+// It is an nn::Module, so it nests in a larger module, trains with any optimizer over parameters(),
+// compiles with nn::compile and saves with state_dict(). As a module it lists:
+//   parameters  "latents.<group name>": the generator's latents themselves (the tensors run() reads
+//               and the optimizer updates), in the generator's group order. Group names keep their
+//               dots ("latents.features.0"); they are listed, not registered, so Module's no-dot rule
+//               for registered names does not apply.
+//   buffers     "buffers.<target buffer name>": the carried buffers (buffers() below), which run()
+//               reads (and updates with write_back_buffers).
+// The target's own parameters and buffers are not listed (it is not a child module). load_state_dict
+// copies values into these tensors in place. forward(x) is run(x).predictions; to() moves the
+// generator, the target and the buffers; train()/eval() set the target's mode too; zero_grad() clears
+// the latents' gradients. functional_call over a module containing a MappingModel cannot replace the
+// latents (they are not registered tensors): use run()'s LatentOverrides for that.
 #include <functional>
 #include <map>
 #include <memory>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "mapping/generator.h"
@@ -37,7 +52,7 @@ struct MappingOptions {
   // the layer and the parameter-free layers after it, which are recomputed too), so memory holds one
   // layer's parameters and activations at a time instead of all of them, for a second forward per
   // step. Needs every generator group inside one top-level layer (layerwise, lazy_layerwise, grouped by
-  // layer; not slvt) and forward(input) (not forward_with). The model must outlive the backward of its
+  // layer; not slvt) and run(input) (not run_with). The model must outlive the backward of its
   // outputs. ForwardResult::generated_parameters stays empty (not kept), so the smoothness loss, which
   // differentiates them, refuses such a model.
   bool stream_layers = false;
@@ -56,23 +71,30 @@ struct ForwardResult {
   std::vector<std::pair<std::string, Tensor>> latent_vectors;  // always the model's own latents
 };
 
-class MappingModel {
- public:
-  MappingModel(std::shared_ptr<nn::Module> target, MappingOptions options);
-  // With an explicitly built generator (a strategy object).
-  MappingModel(std::shared_ptr<nn::Module> target, std::unique_ptr<ParameterGenerator> generator,
-               MappingOptions options = {});
+class MappingModel : public nn::Module {
+  struct WithGenerator {};
 
-  ForwardResult forward(const Tensor& input, const LatentOverrides& latents = {});
-  ForwardResult operator()(const Tensor& input, const LatentOverrides& latents = {}) { return forward(input, latents); }
-  // For targets with several inputs or keyword-like options: run(target) is called under the
+ public:
+  explicit MappingModel(std::shared_ptr<nn::Module> target, MappingOptions options = {});
+  // With an explicitly built generator (a strategy object). A template so that MappingModel(target, {})
+  // means the options constructor (a braced {} cannot deduce G).
+  template <class G, class = std::enable_if_t<std::is_base_of_v<ParameterGenerator, G>>>
+  MappingModel(std::shared_ptr<nn::Module> target, std::unique_ptr<G> generator, MappingOptions options = {})
+      : MappingModel(WithGenerator{}, std::move(target), std::unique_ptr<ParameterGenerator>(std::move(generator)),
+                     std::move(options)) {}
+
+  // Generates the parameters (or uses `latents` for the named groups) and runs the target on input.
+  ForwardResult run(const Tensor& input, const LatentOverrides& latents = {});
+  // For targets with several inputs or keyword-like options: fn(target) is called under the
   // functional call and returns the predictions.
-  ForwardResult forward_with(const std::function<Tensor(nn::Module&)>& run, const LatentOverrides& latents = {});
+  ForwardResult run_with(const std::function<Tensor(nn::Module&)>& fn, const LatentOverrides& latents = {});
+  // nn::Module's single-input forward: run(x).predictions.
+  Tensor forward(const Tensor& x) override { return run(x).predictions; }
 
   ParameterTree generate_parameters(const LatentOverrides& latents = {}) const {
     return generator_->generate_parameters(latents);
   }
-  std::vector<Tensor> parameters() const { return generator_->latents(); }  // trainable tensors
+  // The latents under their group names (parameters() lists the same tensors, named "latents.<group>").
   std::vector<std::pair<std::string, Tensor>> named_latents() const { return generator_->named_latents(); }
   std::map<std::string, Tensor> modulated_column_means(const LatentOverrides& latents = {}) const {
     return generator_->modulated_column_means(latents);
@@ -91,21 +113,33 @@ class MappingModel {
   const MappingOptions& options() const { return options_; }
   std::string strategy() const { return generator_->strategy(); }
 
-  // For mn::compile (nn/compile.h): the target's training flags and buffers and the latents' memory.
-  Guard compile_guard() const;
+  // For mn::compile (nn/compile.h): nn::module_guard(*this), i.e. the latents' and carried buffers'
+  // memory, the training flags, and (append_guard_words) the target's guard and the generator's
+  // scales and mapper tensors.
+  Guard compile_guard() const { return nn::module_guard(*this); }
 
-  void train(bool on = true) { target_->train(on); }
-  void eval() { train(false); }
-  void zero_grad();
-  void to(Device device);
+  // ---- nn::Module ----
+  nn::NamedTensors named_parameters(bool recurse = true) const override;
+  nn::NamedTensors named_buffers(bool recurse = true) const override;
+  void train(bool on = true) override;
+  void to(Device device) override;
+  // Per group, its mapper buffers and scale: a function of the seed and the target's initialisation,
+  // never communicated, so data-parallel replicas must agree on them (dist/ddp.h compares hashes).
+  nn::NamedTensorGroups replica_state() const override;
+  void append_guard_words(std::vector<uint64_t>& key) const override;
+
   Device device() const { return generator_->device(); }
   // Buffers carried across calls when write_back_buffers is on (else the target's initial ones). The
   // tensors are the model's own and are updated in place (so compiled steps carry them): clone them
-  // for a snapshot. set_buffers copies the given values in.
+  // for a snapshot. set_buffers replaces them with copies of the given values (the names must be the
+  // target's buffer names).
   const nn::StateDict& buffers() const { return buffers_; }
   void set_buffers(const nn::StateDict& buffers);
 
  private:
+  MappingModel(WithGenerator, std::shared_ptr<nn::Module> target, std::unique_ptr<ParameterGenerator> generator,
+               MappingOptions options);
+  void finish_construction();
   void check_target() const;
   // The first-forward check of allow_unused_parameters: throws naming `unread` unless it is empty or
   // the option allows it; once a forward has passed it, later ones skip it.
@@ -125,7 +159,7 @@ class MappingModel {
   void plan_streaming();
   // write_back_buffers: a call's updated buffers (names under `prefix`) copied into the model's.
   void keep_buffers(const std::string& prefix, const nn::StateDict& updated);
-  ForwardResult forward_streamed(const Tensor& input, const LatentOverrides& latents);
+  ForwardResult run_streamed(const Tensor& input, const LatentOverrides& latents);
   std::vector<StreamStep> stream_plan_;
 
   std::shared_ptr<nn::Module> target_;

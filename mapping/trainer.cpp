@@ -71,8 +71,8 @@ ForwardResult MappingTrainer::run_forward(const Batch& batch, const LatentOverri
   Batch on_device = batch;
   if (on_device.inputs.defined() && on_device.inputs.device() != dev) on_device.inputs = batch.inputs.to(dev);
   if (const BatchForward& forward = batch_forward())
-    return model_.forward_with([&](nn::Module& target) { return forward(target, on_device); }, latents);
-  return model_.forward(on_device.inputs, latents);
+    return model_.run_with([&](nn::Module& target) { return forward(target, on_device); }, latents);
+  return model_.run(on_device.inputs, latents);
 }
 
 TrainingContext MappingTrainer::build_context(const Batch& batch, const ForwardResult& result) {

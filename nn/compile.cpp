@@ -229,6 +229,7 @@ Guard module_guard(const Module& module) {
       key.push_back(t.defined() && t.requires_grad());
     }
     for (const auto& [name, t] : m->named_buffers()) guard_memory(key, t);
+    for (const auto& [name, sub] : m->named_modules()) sub->append_guard_words(key);
   };
 }
 

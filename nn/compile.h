@@ -103,8 +103,8 @@ CompiledFunction compile(CompiledFunction::Function fn, Guard guard = {}, Compil
 
 namespace nn {
 
-// Training flags of every submodule and the memory of every parameter and buffer. The module must
-// outlive the guard.
+// Training flags of every submodule, the memory of every parameter and buffer, and what each
+// submodule's Module::append_guard_words adds. The module must outlive the guard.
 Guard module_guard(const Module& module);
 
 // A module's single-input forward, compiled (inference: under grad mode with trainable parameters

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <sstream>
+#include <unordered_set>
 
 #include "autograd/node.h"
 #include "nn/functional_call.h"
@@ -107,33 +108,24 @@ std::vector<std::pair<std::string, std::shared_ptr<Module>>> Module::named_modul
 
 NamedTensors Module::named_parameters(bool recurse) const {
   NamedTensors out;
-  std::vector<const TensorImpl*> seen;  // shared parameters are listed once
-  auto add = [&](const std::string& prefix, const Module& m) {
-    for (const auto& [n, t] : m.params_) {
-      if (!t.defined()) continue;
-      if (std::find(seen.begin(), seen.end(), t.impl()) != seen.end()) continue;
-      seen.push_back(t.impl());
-      out.emplace_back(qualified(prefix, n), t);
-    }
+  std::unordered_set<const TensorImpl*> seen;  // shared parameters are listed once
+  auto add = [&](std::string name, const Tensor& t) {
+    if (t.defined() && seen.insert(t.impl()).second) out.emplace_back(std::move(name), t);
   };
-  if (!recurse) {
-    add("", *this);
-    return out;
-  }
-  for (const auto& [prefix, m] : named_modules()) add(prefix, *m);
+  for (const auto& [n, t] : params_) add(n, t);
+  if (recurse)
+    for (const auto& [prefix, child] : children_)
+      for (const auto& [n, t] : child->named_parameters(true)) add(qualified(prefix, n), t);
   return out;
 }
 
 NamedTensors Module::named_buffers(bool recurse) const {
   NamedTensors out;
-  if (!recurse) {
-    for (const auto& [n, t] : buffers_)
-      if (t.defined()) out.emplace_back(n, t);
-    return out;
-  }
-  for (const auto& [prefix, m] : named_modules())
-    for (const auto& [n, t] : m->buffers_)
-      if (t.defined()) out.emplace_back(qualified(prefix, n), t);
+  for (const auto& [n, t] : buffers_)
+    if (t.defined()) out.emplace_back(n, t);
+  if (recurse)
+    for (const auto& [prefix, child] : children_)
+      for (const auto& [n, t] : child->named_buffers(true)) out.emplace_back(qualified(prefix, n), t);
   return out;
 }
 
@@ -159,22 +151,19 @@ void Module::zero_grad() {
 }
 
 void Module::requires_grad_(bool on) {
-  for (auto& [prefix, m] : named_modules())
-    for (auto& [n, t] : m->params_)
-      if (t.defined()) t.requires_grad_(on);
+  for (auto& [n, t] : named_parameters()) t.requires_grad_(on);
 }
 
 void Module::to(Device device) {
-  for (auto& [prefix, m] : named_modules()) {
-    for (auto& [n, t] : m->params_) {
-      if (!t.defined() || t.device() == device) continue;
-      const bool rg = t.requires_grad();
-      t = t.detach().to(device);
-      if (rg) t.requires_grad_(true);
-    }
-    for (auto& [n, t] : m->buffers_)
-      if (t.defined() && t.device() != device) t = t.to(device);
+  for (auto& [n, t] : params_) {
+    if (!t.defined() || t.device() == device) continue;
+    const bool rg = t.requires_grad();
+    t = t.detach().to(device);
+    if (rg) t.requires_grad_(true);
   }
+  for (auto& [n, t] : buffers_)
+    if (t.defined() && t.device() != device) t = t.to(device);
+  for (auto& [n, child] : children_) child->to(device);
 }
 
 StateDict Module::state_dict() const {

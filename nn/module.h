@@ -3,6 +3,12 @@
 // ("features.0.weight"). Layers read their tensors through param()/buffer(), which consult the
 // innermost functional_call override first, so a module can run with parameters supplied from
 // outside without being modified.
+//
+// Listing (named_parameters, named_buffers), to() and train() are virtual and recurse through the
+// children's overrides, so a module that keeps its tensors elsewhere (mapping::MappingModel: the
+// generator's latents) lists them, moves them and round-trips them through state_dict()/
+// load_state_dict() like any module, also when it is nested inside another one.
+#include <cstdint>
 #include <map>
 #include <memory>
 #include <string>
@@ -16,6 +22,8 @@ namespace mn::nn {
 
 using NamedTensors = std::vector<std::pair<std::string, Tensor>>;
 using StateDict = std::map<std::string, Tensor>;
+// Named groups of tensors (see Module::replica_state).
+using NamedTensorGroups = std::vector<std::pair<std::string, std::vector<Tensor>>>;
 
 class Module : public std::enable_shared_from_this<Module> {
  public:
@@ -48,8 +56,12 @@ class Module : public std::enable_shared_from_this<Module> {
   void set_buffer(const std::string& name, const Tensor& value);
 
   // ---- listing, in registration order ----
-  NamedTensors named_parameters(bool recurse = true) const;
-  NamedTensors named_buffers(bool recurse = true) const;
+  // Own tensors first, then each child's listing (its override) under "<child name>."; a tensor
+  // reachable under several names (shared parameters) is listed once, under the first.
+  // Overrides may list tensors that are not registered (names may then contain '.'); functional_call
+  // does not see those (it replaces registered tensors only).
+  virtual NamedTensors named_parameters(bool recurse = true) const;
+  virtual NamedTensors named_buffers(bool recurse = true) const;
   std::vector<std::pair<std::string, std::shared_ptr<Module>>> named_modules(const std::string& prefix = "") const;
   std::vector<std::pair<std::string, std::shared_ptr<Module>>> named_children() const { return children_; }
   std::vector<Tensor> parameters(bool recurse = true) const;
@@ -60,13 +72,26 @@ class Module : public std::enable_shared_from_this<Module> {
   void eval() { train(false); }
   bool is_training() const { return training_; }
   void zero_grad();
-  // Moves (copies) every parameter and buffer to the device, keeping requires_grad.
-  void to(Device device);
+  // Moves (copies) every parameter and buffer to the device, keeping requires_grad: the own tensors,
+  // then each child through its override. A tensor already on the device is kept as it is.
+  virtual void to(Device device);
   StateDict state_dict() const;
   // strict: missing, unexpected and mis-shaped names are an error listing all of them.
   void load_state_dict(const StateDict& state, bool strict = true);
-  // Freezes (or unfreezes) every parameter.
+  // Freezes (or unfreezes) every parameter (every tensor named_parameters lists).
   void requires_grad_(bool on);
+
+  // ---- hooks for code above nn ----
+  // Tensors besides parameters and buffers that define what this module (not its children) computes
+  // and that every data-parallel replica must hold bit for bit, in named groups ("the mapper buffers
+  // and scales of group 'fc'"). dist::DistributedDataParallel compares a hash of each group across the
+  // ranks when it wraps a module (DdpOptions::check_buffers) and names the first group that differs.
+  // Default: none (parameters and buffers are broadcast from rank 0 instead).
+  virtual NamedTensorGroups replica_state() const { return {}; }
+  // Words nn::module_guard (nn/compile.h) appends for this module besides its training flag and the
+  // memory of its parameters and buffers: state its forward reads that is neither (use guard_memory
+  // from nn/compile.h). Default: none.
+  virtual void append_guard_words(std::vector<uint64_t>& key) const { (void)key; }
 
   // Direct storage access for the functional-call machinery.
   const NamedTensors& own_parameters() const { return params_; }

@@ -55,7 +55,7 @@ MappingOptions options(const std::string& strategy, int64_t latent_dim, uint64_t
 void train_a_little(MappingModel& model, const Tensor& x, const Tensor& y, int steps = 5) {
   nn::optim::Adam adam(model.parameters(), nn::optim::AdamOptions{.lr = 0.05});
   for (int i = 0; i < steps; ++i) {
-    Tensor loss = nn::functional::mse_loss(model.forward(x).predictions, y);
+    Tensor loss = nn::functional::mse_loss(model.run(x).predictions, y);
     adam.zero_grad();
     loss.backward();
     adam.step();
@@ -64,7 +64,7 @@ void train_a_little(MappingModel& model, const Tensor& x, const Tensor& y, int s
 
 Tensor predict(MappingModel& model, const Tensor& x) {
   autograd::NoGradGuard no_grad;
-  return model.forward(x).predictions;
+  return model.run(x).predictions;
 }
 
 double max_abs_diff(const Tensor& a, const Tensor& b) {
@@ -470,7 +470,7 @@ TEST_CASE("checkpoint: export_generated_parameters writes the target's state dic
   for (const auto& e : file.tensors) state[e.name] = e.tensor;
   plain->load_state_dict(state);
   Tensor x = randn({3, 1, 8, 8});
-  CHECK(max_abs_diff(plain->forward(x), model.forward(x).predictions) <= 1e-6);
+  CHECK(max_abs_diff(plain->forward(x), model.run(x).predictions) <= 1e-6);
 }
 
 TEST_CASE("checkpoint: model buffers (BatchNorm running statistics) are saved and restored") {

@@ -110,7 +110,7 @@ TEST_CASE("compile: mapped training steps replay bit for bit for every strategy"
         MappingModel model(cnn, o);
         nn::optim::Adam opt(model.parameters(), {.lr = 0.05});
         auto body = [&](const std::vector<Tensor>& in) {
-          Tensor loss = F::cross_entropy(model.forward(in[0]).predictions, in[1]);
+          Tensor loss = F::cross_entropy(model.run(in[0]).predictions, in[1]);
           loss.backward();
           return std::vector<Tensor>{loss.detach()};
         };

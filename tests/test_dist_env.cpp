@@ -464,8 +464,8 @@ TEST_CASE("dist ddp: average_metrics gives every rank the means over all ranks' 
       // Rank r averaged r + 1 samples with accuracy r / 4 and loss 2r; with unequal shares the answer
       // is the sample-weighted mean, not the mean of the ranks' means.
       const int64_t samples = rank + 1;
-      const mapping::Metrics local{{"train_accuracy", rank / 4.0}, {"train_loss", 2.0 * rank}};
-      const mapping::Metrics all = average_metrics(kCPU, &pg)(local, samples);
+      const train::Metrics local{{"train_accuracy", rank / 4.0}, {"train_loss", 2.0 * rank}};
+      const train::Metrics all = average_metrics(kCPU, &pg)(local, samples);
       double total = 0, acc = 0, loss = 0;
       for (int r = 0; r < world; ++r) {
         total += r + 1;
@@ -477,7 +477,7 @@ TEST_CASE("dist ddp: average_metrics gives every rank the means over all ranks' 
       CHECK(all.at("train_loss") == doctest::Approx(loss / total));
     });
   // Without a group argument it needs setup_ddp.
-  CHECK_THROWS_AS(average_metrics(kCPU)(mapping::Metrics{{"x", 1.0}}, 1), RuntimeError);
+  CHECK_THROWS_AS(average_metrics(kCPU)(train::Metrics{{"x", 1.0}}, 1), RuntimeError);
 }
 
 TEST_CASE("dist backends: unavailable and unknown names") {
@@ -518,26 +518,27 @@ TEST_CASE("dist ddp: wrap before setup, cleanup when uninitialised, single-proce
     mapping::MappingModel reference = small_model();
     auto ddp = wrap_ddp(model);
     CHECK(&ddp.module() == &model);
-    CHECK(ddp.module().trainable_parameter_count() == model.trainable_parameter_count());
+    CHECK(ddp.parameters().size() == model.named_latents().size());
+    for (size_t i = 0; i < ddp.parameters().size(); ++i) CHECK(ddp.parameters()[i].same(model.named_latents()[i].second));
     CHECK(ddp.bytes_per_step() == static_cast<size_t>(model.trainable_parameter_count()) * sizeof(float));
-    CHECK(ddp.bucket_latent_names().size() == 1);
-    CHECK(ddp.bucket_latent_names()[0].front() == model.named_latents().back().first);  // reverse order
+    CHECK(ddp.bucket_parameter_names().size() == 1);
+    CHECK(ddp.bucket_parameter_names()[0].front() == "latents." + model.named_latents().back().first);  // reverse order
     CHECK(contains(error_message([&] { wrap_ddp(model, {0}); }), "device_ids must be empty for a CPU model"));
     const size_t buffers_before = model.generator().buffers().size();
 
     Tensor x = mn::testing::random_param({6, 4}, 3).detach();
     // Two forwards (clean and perturbed) before one backward: each hook fires once.
-    auto clean = ddp.forward(x);
+    auto clean = model.run(x);
     mapping::LatentOverrides perturbed;
     for (auto& [name, z] : model.named_latents()) perturbed[name] = add(z, 0.01);
-    auto noisy = ddp.forward(x, perturbed);
+    auto noisy = model.run(x, perturbed);
     CHECK(clean.predictions.sizes() == Shape{6, 2});
     add(mean(square(clean.predictions)), mean(square(noisy.predictions))).backward();
 
-    auto ref_clean = reference.forward(x);
+    auto ref_clean = reference.run(x);
     mapping::LatentOverrides ref_perturbed;
     for (auto& [name, z] : reference.named_latents()) ref_perturbed[name] = add(z, 0.01);
-    auto ref_noisy = reference.forward(x, ref_perturbed);
+    auto ref_noisy = reference.run(x, ref_perturbed);
     add(mean(square(ref_clean.predictions)), mean(square(ref_noisy.predictions))).backward();
     auto mine = model.named_latents();
     auto theirs = reference.named_latents();
@@ -551,12 +552,12 @@ TEST_CASE("dist ddp: wrap before setup, cleanup when uninitialised, single-proce
     model.zero_grad();
     {
       auto guard = ddp.no_sync();
-      mean(square(ddp.forward(x).predictions)).backward();
+      mean(square(ddp.forward(x))).backward();
     }
-    mean(square(ddp.forward(x).predictions)).backward();
+    mean(square(ddp.forward(x))).backward();
     reference.zero_grad();
-    mean(square(reference.forward(x).predictions)).backward();
-    mean(square(reference.forward(x).predictions)).backward();
+    mean(square(reference.run(x).predictions)).backward();
+    mean(square(reference.run(x).predictions)).backward();
     mine = model.named_latents();
     theirs = reference.named_latents();
     for (size_t i = 0; i < mine.size(); ++i)
@@ -567,7 +568,44 @@ TEST_CASE("dist ddp: wrap before setup, cleanup when uninitialised, single-proce
     tiny.first_bucket_bytes = 4;
     tiny.bucket_bytes = 4;
     DistributedDataParallel split(model, default_process_group(), tiny);
-    CHECK(split.bucket_latent_names().size() == model.named_latents().size());
+    CHECK(split.bucket_parameter_names().size() == model.named_latents().size());
+  }
+  {
+    // A plain module, through the trainer-facing interface (nn/train/data_parallel.h).
+    auto net = small_target();
+    auto ddp = wrap_ddp(*net);
+    train::DataParallel& dp = ddp;
+    CHECK(dp.rank() == 0);
+    CHECK(dp.world_size() == 1);
+    CHECK(dp.gradient_sync());
+    CHECK(ddp.bytes_per_step() == static_cast<size_t>(net->parameter_count()) * sizeof(float));
+    CHECK(ddp.bucket_parameter_names().at(0).front() == net->named_parameters().back().first);
+    Tensor x = mn::testing::random_param({6, 4}, 5).detach();
+    const int64_t before = ddp.allreduce_count();
+    dp.set_gradient_sync(false);
+    CHECK_FALSE(dp.gradient_sync());
+    mean(square(ddp.forward(x))).backward();
+    CHECK(ddp.allreduce_count() == before);  // local accumulation only
+    dp.set_gradient_sync(true);
+    mean(square(ddp(x))).backward();
+    CHECK(ddp.allreduce_count() == before + 1);  // one bucket
+    // A backward that fails after some hooks ran (a throwing hook on the input) leaves no half reduction
+    // behind, also when the next forward does not go through the wrapper (as MappingModel::run does not).
+    Tensor failing = x.clone().requires_grad_(true);
+    failing.register_post_accumulate_grad_hook([](const Tensor&) { throw ValueError("hook stops backward"); });
+    CHECK_THROWS_WITH_AS(mean(square(net->forward(failing))).backward(), "hook stops backward", ValueError);
+    net->zero_grad();
+    mean(square(net->forward(x))).backward();
+    auto reference = small_target();
+    mean(square(reference->forward(x))).backward();
+    for (size_t i = 0; i < reference->parameters().size(); ++i)
+      mn::testing::check_close(net->parameters()[i].grad(), reference->parameters()[i].grad().to_vector<float>(), 1e-6);
+    const train::Metrics m = dp.average_metrics({{"loss", 2.5}, {"accuracy", 0.75}}, 4);
+    CHECK(m == train::Metrics{{"loss", 2.5}, {"accuracy", 0.75}});
+    CHECK(contains(error_message([&] { dp.average_metrics({{"loss", 1.0}}, -1); }), "samples must be >= 0"));
+    // A module without trainable parameters has nothing to reduce.
+    net->requires_grad_(false);
+    CHECK(contains(error_message([&] { wrap_ddp(*net); }), "Sequential has no parameters that require grad"));
   }
   cleanup_ddp();
   CHECK_FALSE(is_initialized());

@@ -4,11 +4,14 @@
 // stream_layers (generation layer by layer, recomputed in backward).
 #include <omp.h>
 
+#include <algorithm>
+
 #include "core/allocator.h"
 #include "core/caching_allocator.h"
 #include "mapping/mapping_model.h"
 #include "nn/functional.h"
 #include "nn/layers.h"
+#include "nn/optim.h"
 #include "tests/test_support.h"
 
 using namespace mn;
@@ -314,7 +317,7 @@ TEST_CASE("mapping: MappingModel counts, gradients, untouched target, strategies
   CHECK(model.compression_ratio() == doctest::Approx(13.75));
   const std::vector<float> before = lin->param("weight").to_vector<float>();
   Tensor x = randn({3, 10});
-  ForwardResult r = model.forward(x);
+  ForwardResult r = model.run(x);
   CHECK(r.predictions.sizes() == Shape{3, 5});
   CHECK(r.generated_parameters.names() == std::vector<std::string>{"weight", "bias"});
   sum(r.predictions).backward();
@@ -322,7 +325,7 @@ TEST_CASE("mapping: MappingModel counts, gradients, untouched target, strategies
   CHECK(!lin->param("weight").grad().defined());
   CHECK(lin->param("weight").to_vector<float>() == before);
   // Overrides change the predictions but latent_vectors stay the model's own.
-  ForwardResult shifted = model.forward(x, {{"<root>", zeros({4})}});
+  ForwardResult shifted = model.run(x, {{"<root>", zeros({4})}});
   check_close(shifted.predictions, std::vector<float>(15, 0.0f));
   CHECK(shifted.latent_vectors[0].second.same(model.named_latents()[0].second));
   // to() the current device keeps the latents: optimizers (and DDP hooks, compiled graphs) hold them
@@ -337,13 +340,197 @@ TEST_CASE("mapping: MappingModel counts, gradients, untouched target, strategies
   for (std::string s : {"slvt", "lazy_layerwise"}) {
     o.strategy = s;
     MappingModel m(lin, o);
-    CHECK(m.forward(x).predictions.sizes() == Shape{3, 5});
+    CHECK(m.run(x).predictions.sizes() == Shape{3, 5});
   }
   o.strategy = "grouped";
   o.groups = {{"w", {"weight"}}, {"b", {"bias"}}};
   o.group_latent_dims = {{"w", 6}};
   MappingModel grouped(lin, o);
   CHECK(grouped.trainable_parameter_count() == 10);
+}
+
+namespace {
+
+// Sequential(Sequential(Linear 4->6, BatchNorm1d), ReLU, Linear 6->3): layerwise groups "0.0", "0.1", "2".
+std::shared_ptr<nn::Sequential> nested_target() {
+  manual_seed(8);
+  auto inner = std::make_shared<nn::Sequential>(
+      std::vector<nn::ModulePtr>{std::make_shared<nn::Linear>(4, 6), std::make_shared<nn::BatchNorm1d>(6)});
+  return std::make_shared<nn::Sequential>(
+      std::vector<nn::ModulePtr>{inner, std::make_shared<nn::ReLU>(), std::make_shared<nn::Linear>(6, 3)});
+}
+
+MappingOptions nested_options() {
+  MappingOptions o;
+  o.latent_dim = 5;
+  o.seed = 2;
+  o.write_back_buffers = true;
+  return o;
+}
+
+// A larger module around a MappingModel: the mapped network, then a trainable head.
+class MappedWithHead : public nn::Module {
+ public:
+  MappedWithHead() : nn::Module("MappedWithHead") {
+    mapped_ = register_module("mapped", std::make_shared<MappingModel>(nested_target(), nested_options()));
+    manual_seed(9);
+    head_ = register_module("head", std::make_shared<nn::Linear>(3, 2));
+  }
+  Tensor forward(const Tensor& x) override { return (*head_)(relu((*mapped_)(x))); }
+  MappingModel& mapped() { return *mapped_; }
+
+ private:
+  std::shared_ptr<MappingModel> mapped_;
+  std::shared_ptr<nn::Linear> head_;
+};
+
+std::vector<std::string> names_of(const nn::NamedTensors& tensors) {
+  std::vector<std::string> out;
+  for (const auto& [name, t] : tensors) out.push_back(name);
+  return out;
+}
+
+nn::StateDict cloned(const nn::StateDict& state) {
+  nn::StateDict out;
+  for (const auto& [name, t] : state) out[name] = t.clone();
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("mapping: MappingModel is an nn::Module: latents as parameters, carried buffers, state_dict, modes") {
+  // {} means the options (the generator constructor is a template a braced list cannot match).
+  MappingModel defaults(nested_target(), {});
+  CHECK(defaults.strategy() == "layerwise");
+  CHECK(defaults.options().latent_dim == 256);
+
+  auto target = nested_target();
+  MappingModel model(target, nested_options());
+  nn::Module& as_module = model;
+  CHECK(as_module.type_name() == "MappingModel");
+  // Parameters: the generator's latents themselves, named after their groups (dots kept), in group order.
+  const auto latents = model.named_latents();
+  const nn::NamedTensors params = as_module.named_parameters();
+  CHECK(names_of(params) == std::vector<std::string>{"latents.0.0", "latents.0.1", "latents.2"});
+  REQUIRE(params.size() == latents.size());
+  for (size_t i = 0; i < params.size(); ++i) CHECK(params[i].second.same(latents[i].second));
+  CHECK(as_module.parameter_count() == model.trainable_parameter_count());
+  // Buffers: the carried copies (not the target's own tensors), under "buffers.".
+  const nn::NamedTensors buffers = as_module.named_buffers();
+  std::vector<std::string> expected;
+  for (const auto& [name, b] : target->named_buffers()) expected.push_back("buffers." + name);
+  std::sort(expected.begin(), expected.end());
+  CHECK(names_of(buffers) == expected);
+  for (const auto& [name, b] : buffers) {
+    CHECK(b.same(model.buffers().at(name.substr(8))));
+    for (const auto& [target_name, own] : target->named_buffers()) CHECK_FALSE(b.same(own));
+  }
+
+  // forward and operator() are run(x).predictions; eval() reaches the target.
+  Generator gen(4);
+  const Tensor x = randn({5, 4}, {}, &gen);
+  model.eval();
+  CHECK_FALSE(model.is_training());
+  for (const auto& [name, m] : target->named_modules()) CHECK_FALSE(m->is_training());
+  const std::vector<float> eval_out = as_module(x).to_vector<float>();
+  CHECK(eval_out == model.run(x).predictions.to_vector<float>());
+  as_module.train();
+  for (const auto& [name, m] : target->named_modules()) CHECK(m->is_training());
+
+  // zero_grad through nn::Module& clears the latents' gradients.
+  sum(as_module.forward(x)).backward();  // training mode: the BatchNorm statistics move
+  for (const auto& [name, z] : latents) CHECK(z.grad().defined());
+  as_module.zero_grad();
+  for (const auto& [name, z] : latents) CHECK_FALSE(z.grad().defined());
+  // to() the current device keeps every tensor.
+  as_module.to(kCPU);
+  for (size_t i = 0; i < params.size(); ++i) CHECK(as_module.named_parameters()[i].second.same(latents[i].second));
+
+  // state_dict round-trips in place: the generator keeps its tensors, the values come back.
+  const nn::StateDict saved = cloned(model.state_dict());
+  CHECK(saved.size() == params.size() + buffers.size());
+  model.eval();
+  const std::vector<float> saved_out = model.forward(x).to_vector<float>();
+  model.train();
+  {
+    autograd::NoGradGuard no_grad;
+    for (const auto& [name, z] : latents) z.detach().copy_(add(z.detach(), 1.0));
+  }
+  sum(model.forward(x)).backward();  // moves the carried statistics again
+  model.load_state_dict(saved);
+  for (size_t i = 0; i < latents.size(); ++i) {
+    CHECK(model.named_latents()[i].second.same(latents[i].second));
+    CHECK(latents[i].second.to_vector<float>() == saved.at(params[i].first).to_vector<float>());
+  }
+  for (const auto& [name, b] : buffers) {
+    CHECK(b.same(model.buffers().at(name.substr(8))));
+    CHECK(b.to(DType::f32).to_vector<float>() == saved.at(name).to(DType::f32).to_vector<float>());
+  }
+  model.eval();
+  CHECK(model.forward(x).to_vector<float>() == saved_out);
+  // strict: a missing latent is named.
+  nn::StateDict partial = saved;
+  partial.erase("latents.2");
+  CHECK_THROWS_WITH_AS(model.load_state_dict(partial), doctest::Contains("missing=[latents.2]"), ValueError);
+  // set_buffers takes the target's buffer names only.
+  CHECK_THROWS_WITH_AS(model.set_buffers({{"nope", zeros({1})}}), doctest::Contains("expected the target's buffers"),
+                       KeyError);
+}
+
+TEST_CASE("mapping: a MappingModel nested in a module trains with a plain optimizer, saves, loads and compiles") {
+  namespace F = mn::nn::functional;
+  auto net = std::make_shared<MappedWithHead>();
+  const auto latents = net->mapped().named_latents();
+  // The parent's parameters: the nested latents (not the frozen target's tensors) and the head.
+  CHECK(names_of(net->named_parameters()) ==
+        std::vector<std::string>{"mapped.latents.0.0", "mapped.latents.0.1", "mapped.latents.2", "head.weight",
+                                 "head.bias"});
+  for (size_t i = 0; i < latents.size(); ++i) CHECK(net->parameters()[i].same(latents[i].second));
+
+  Generator gen(12);
+  const Tensor x = randn({16, 4}, {}, &gen);
+  const Tensor y = randn({16, 2}, {}, &gen);
+  const std::vector<float> latents_before = latents[0].second.to_vector<float>();
+  nn::optim::Adam opt(net->parameters(), nn::optim::AdamOptions{.lr = 1e-2});
+  double first = 0, last = 0;
+  for (int step = 0; step < 40; ++step) {
+    net->zero_grad();
+    for (const auto& [name, z] : latents) CHECK_FALSE(z.grad().defined());
+    Tensor loss = F::mse_loss(net->forward(x), y);
+    loss.backward();
+    for (const auto& [name, z] : latents) {
+      REQUIRE(z.grad().defined());
+      CHECK(max(abs(z.grad())).item() > 0.0);
+    }
+    opt.step();
+    (step == 0 ? first : last) = loss.item();
+  }
+  CHECK(last < 0.8 * first);
+  CHECK(latents[0].second.to_vector<float>() != latents_before);
+
+  // The parent's state_dict holds the latents and carried buffers; a fresh copy loads it and agrees.
+  net->eval();
+  CHECK_FALSE(net->mapped().target().is_training());
+  const Tensor want = net->forward(x);
+  const nn::StateDict state = cloned(net->state_dict());
+  CHECK(state.count("mapped.latents.0.0") == 1);
+  CHECK(state.count("mapped.buffers.0.1.running_mean") == 1);
+  auto fresh = std::make_shared<MappedWithHead>();
+  fresh->load_state_dict(state);
+  fresh->eval();
+  check_close(fresh->forward(x), want.to_vector<float>(), 0.0);
+
+  // nn::compile in eval mode: the first call captures, the second replays, both as the eager forward.
+  autograd::NoGradGuard no_grad;
+  nn::CompiledModule compiled = nn::compile(*net);
+  check_close(compiled(x), want.to_vector<float>(), 1e-6);
+  check_close(compiled(x), want.to_vector<float>(), 1e-6);
+  CHECK(compiled.function().stats().captures == 1);
+  CHECK(compiled.function().stats().replays == 1);
+  // Changing a mapping state the forward reads (the target's mode) captures again.
+  net->mapped().target().train();
+  compiled(x);
+  CHECK(compiled.function().stats().captures == 2);
 }
 
 TEST_CASE("mapping: conv and LSTM targets route gradients to every latent; tied parameters refused") {
@@ -354,11 +541,11 @@ TEST_CASE("mapping: conv and LSTM targets route gradients to every latent; tied 
   MappingOptions o;
   o.latent_dim = 8;
   MappingModel model(cnn, o);
-  sum(model.forward(randn({2, 1, 6, 6})).predictions).backward();
+  sum(model.run(randn({2, 1, 6, 6})).predictions).backward();
   for (auto& [n, z] : model.named_latents()) CHECK(z.grad().defined());
   auto lstm = std::make_shared<nn::LSTM>(4, 4, 1, true, true);
   MappingModel lm(lstm, o);
-  ForwardResult r = lm.forward_with([&](nn::Module& m) {
+  ForwardResult r = lm.run_with([&](nn::Module& m) {
     auto out = static_cast<nn::LSTM&>(m).forward_with_state(randn({2, 3, 4}));
     CHECK(out.h_n.sizes() == Shape{1, 2, 4});
     return out.output;
@@ -400,23 +587,23 @@ TEST_CASE("mapping: a target that computes with a stored parameter member is ref
     MappingModel model(net, o);
     // Every forward until one passes checks again: a caught error does not switch the check off.
     for (int attempt = 0; attempt < 2; ++attempt) {
-      const std::string message = mn::testing::error_message([&] { model.forward(x); });
+      const std::string message = mn::testing::error_message([&] { model.run(x); });
       CHECK(mn::testing::contains(message, "[0.weight]"));
       CHECK(mn::testing::contains(message, "param(\"name\")"));
       CHECK(mn::testing::contains(message, "allow_unused_parameters"));
-      CHECK_THROWS_AS(model.forward(x), ValueError);
+      CHECK_THROWS_AS(model.run(x), ValueError);
     }
     // Declared unused: the forward runs (on the member) and the bias still trains the latent.
     o.allow_unused_parameters = true;
     MappingModel allowed(net, o);
-    sum(allowed.forward(x).predictions).backward();
+    sum(allowed.run(x).predictions).backward();
     for (auto& [n, z] : allowed.named_latents()) CHECK(z.grad().defined());
   }
-  // forward_with runs the same check.
+  // run_with runs the same check.
   MappingOptions o;
   o.latent_dim = 4;
   MappingModel model(net, o);
-  CHECK_THROWS_WITH_AS(model.forward_with([&](nn::Module& m) { return m.forward(x); }),
+  CHECK_THROWS_WITH_AS(model.run_with([&](nn::Module& m) { return m.forward(x); }),
                        doctest::Contains("[0.weight]"), ValueError);
 }
 
@@ -444,7 +631,7 @@ TEST_CASE("mapping: stream_layers generates layer by layer: same results, one la
       std::vector<float> seen;
       for (int step = 0; step < 2; ++step) {
         model.zero_grad();
-        ForwardResult r = model.forward(x);
+        ForwardResult r = model.run(x);
         CHECK(r.streamed == stream);
         CHECK(r.generated_parameters.size() == (stream ? 0u : 6u));  // conv w, b; bn w, b; linear w, b
         F::cross_entropy(r.predictions, y).backward();
@@ -456,18 +643,18 @@ TEST_CASE("mapping: stream_layers generates layer by layer: same results, one la
       for (const auto& [name, b] : model.buffers())
         for (float v : b.to(DType::f32).to_vector<float>()) seen.push_back(v);
       model.eval();
-      const std::vector<float> eval = model.forward(x).predictions.to_vector<float>();
+      const std::vector<float> eval = model.run(x).predictions.to_vector<float>();
       seen.insert(seen.end(), eval.begin(), eval.end());
       // Overrides reach the streamed layers too.
       const std::vector<float> shifted =
-          model.forward(x, {{"0", zeros({6})}}).predictions.to_vector<float>();
+          model.run(x, {{"0", zeros({6})}}).predictions.to_vector<float>();
       seen.insert(seen.end(), shifted.begin(), shifted.end());
       return seen;
     };
     CHECK(run(true) == run(false));
   }
 
-  // Groups that span layers cannot stream; neither can a whole-target forward_with.
+  // Groups that span layers cannot stream; neither can a whole-target run_with.
   MappingOptions o;
   o.latent_dim = 6;
   o.strategy = "slvt";
@@ -475,9 +662,9 @@ TEST_CASE("mapping: stream_layers generates layer by layer: same results, one la
   CHECK_THROWS_WITH_AS(MappingModel(cnn(), o), doctest::Contains("not slvt"), ValueError);
   o.strategy = "layerwise";
   MappingModel streamed(cnn(), o);
-  CHECK_THROWS_WITH_AS(streamed.forward_with([&](nn::Module& m) { return m.forward(x); }), doctest::Contains("forward(input)"),
+  CHECK_THROWS_WITH_AS(streamed.run_with([&](nn::Module& m) { return m.forward(x); }), doctest::Contains("run(input)"),
                        ValueError);
-  CHECK_THROWS_AS(streamed.forward(x, {{"nope", zeros({6})}}), KeyError);
+  CHECK_THROWS_AS(streamed.run(x, {{"nope", zeros({6})}}), KeyError);
   CHECK_THROWS_WITH_AS(MappingModel(std::make_shared<nn::Linear>(3, 2), o), doctest::Contains("Sequential"), ValueError);
 }
 
@@ -505,7 +692,7 @@ TEST_CASE("mapping: stream_layers keeps one layer's generated parameters alive, 
     MappingModel model(mlp(), o);
     reset_peak_memory_stats(kCPU);
     const int64_t before = memory_stats(kCPU).allocated_bytes.current;
-    F::cross_entropy(model.forward(x).predictions, y).backward();
+    F::cross_entropy(model.run(x).predictions, y).backward();
     const int64_t peak = memory_stats(kCPU).allocated_bytes.peak - before;
     for (const Tensor& z : model.parameters()) {
       const std::vector<float> v = z.grad().to_vector<float>();

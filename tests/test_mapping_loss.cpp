@@ -224,7 +224,7 @@ TEST_CASE("mapping loss: smoothness of the default mapper matches its closed for
   options.latent_dim = 8;
   options.seed = 3;
   MappingModel model(std::make_shared<nn::Linear>(4, 2), options);
-  ForwardResult result = model.forward(zeros({1, 4}));
+  ForwardResult result = model.run(zeros({1, 4}));
   TrainingContext c = make_training_context(result, zeros({1, 2}));
   const double exact = value(SmoothnessLoss("exact")(c).total);
 
@@ -509,11 +509,11 @@ TEST_CASE("mapping loss: the full default MappingLoss on a real mapping model tr
   MappingModel model(std::make_shared<nn::Linear>(4, 2), options);
   Generator gen(62);
   Tensor x = randn({3, 4}, {}, &gen);
-  ForwardResult clean = model.forward(x);
+  ForwardResult clean = model.run(x);
   TrainingContext c = make_training_context(clean, randn({3, 2}, {}, &gen));
   LatentOverrides nudged;
   for (const auto& [name, z] : clean.latent_vectors) nudged[name] = add(z, mul(randn(z.sizes(), {}, &gen), 0.01));
-  c.perturbed_predictions = model.forward(x, nudged).predictions;
+  c.perturbed_predictions = model.run(x, nudged).predictions;
   c.mapper_column_means = model.modulated_column_means();
   c.generator = &gen;
   LossOutput out = MappingLoss(std::make_shared<RegressionLoss>())(c);

@@ -64,7 +64,7 @@ std::vector<std::vector<float>> run_job(Job& job, const Tensor& shared, const Te
     mlp_opt.zero_grad();
     cnn_opt.zero_grad();
     Tensor mlp_loss = F::cross_entropy(job.mlp->forward(job.x_flat), job.labels);
-    Tensor cnn_loss = F::cross_entropy(job.cnn->forward(job.x_image).predictions, job.labels);
+    Tensor cnn_loss = F::cross_entropy(job.cnn->run(job.x_image).predictions, job.labels);
     Tensor loss = mlp_loss + cnn_loss;
     if (step == 0) loss = loss + sum(shared * shared_input);
     loss.backward();

@@ -162,7 +162,7 @@ void bench_ddp(int argc, char** argv) {
 
   auto step = [&] {
     opt.zero_grad();
-    Tensor logits = ddp ? ddp->forward(inputs).predictions : model.forward(inputs).predictions;
+    Tensor logits = ddp ? ddp->forward(inputs) : model.forward(inputs);
     nn::functional::cross_entropy(logits, targets).backward();
     opt.step();
   };

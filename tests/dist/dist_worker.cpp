@@ -6,6 +6,10 @@
 //                             (also with two forwards - clean and perturbed - before each backward, and
 //                             with --compile: the steps captured once and replayed, all-reduce included)
 //   dist_worker no_sync       two micro-batches, the first under no_sync == one step on their concatenation
+//   dist_worker module_equivalence  the same for a plain nn::Module (an MLP with buffers): N ranks == one
+//                             process, rank 0's parameters and buffers broadcast at wrapping
+//   dist_worker gradient_sync  accumulation over micro-batches through train::DataParallel: sync off for all
+//                             but the last == sync on for each, with fewer all-reduces (counted)
 //   dist_worker buffer_mismatch  rank 1 uses another mapper seed: wrap_ddp must fail on every rank
 //   dist_worker kill          rank --kill-rank raises SIGKILL after --after-step steps; the others must stop
 //                             with a clear error within the collective timeout
@@ -296,7 +300,7 @@ void run_equivalence(int argc, char** argv) {
   for (int step = 0; step < steps; ++step) {
     reference_opt.zero_grad();
     auto forward = [&](const Tensor& x, const mapping::LatentOverrides& o) {
-      return reference.forward(x, o).predictions;
+      return reference.run(x, o).predictions;
     };
     loss_of(forward, reference, data, two_forwards, step).backward();
     reference_grads.push_back(flat_grads(reference));
@@ -317,7 +321,8 @@ void run_equivalence(int argc, char** argv) {
   const Data shard = take(data, sampler.index_tensor());
   WORKER_CHECK(shard.inputs.size(0) == batch_size / world, "shard size");
   nn::optim::Adam opt(ddp.parameters(), nn::optim::AdamOptions{.lr = 1e-2});
-  auto forward = [&](const Tensor& x, const mapping::LatentOverrides& o) { return ddp.forward(x, o).predictions; };
+  // The model runs directly: the reducer's hooks sit on its latents.
+  auto forward = [&](const Tensor& x, const mapping::LatentOverrides& o) { return model.run(x, o).predictions; };
   CompiledFunction compiled_step(
       [&](const std::vector<Tensor>& in) {
         loss_of(forward, model, Data{in[0], in[1]}, false, 0).backward();
@@ -365,7 +370,7 @@ void run_no_sync() {
   std::vector<std::vector<float>> reference_grads;
   for (int step = 0; step < 2; ++step) {
     reference_opt.zero_grad();
-    nn::functional::cross_entropy(reference.forward(both.inputs).predictions, both.targets).backward();
+    nn::functional::cross_entropy(reference.run(both.inputs).predictions, both.targets).backward();
     reference_grads.push_back(flat_grads(reference));
     reference_opt.step();
   }
@@ -380,7 +385,7 @@ void run_no_sync() {
     opt.zero_grad();
     {
       auto guard = ddp.no_sync();
-      mul(nn::functional::cross_entropy(ddp.forward(a_shard.inputs).predictions, a_shard.targets), 0.5).backward();
+      mul(nn::functional::cross_entropy(ddp.forward(a_shard.inputs), a_shard.targets), 0.5).backward();
     }
     if (step == 0) {
       // No communication happened: the local grads still differ between ranks (different shards).
@@ -392,7 +397,7 @@ void run_no_sync() {
       for (size_t i = 0; i < local.size(); ++i) differs |= values[i] != values[local.size() + i];
       WORKER_CHECK(differs, "grads after the no_sync backward are identical across ranks: something was reduced");
     }
-    mul(nn::functional::cross_entropy(ddp.forward(b_shard.inputs).predictions, b_shard.targets), 0.5).backward();
+    mul(nn::functional::cross_entropy(ddp.forward(b_shard.inputs), b_shard.targets), 0.5).backward();
     const double grad_rel = relative_difference(flat_grads(model), reference_grads[static_cast<size_t>(step)]);
     WORKER_CHECK(grad_rel <= 1e-5, "step ", step,
                  ": accumulated gradients differ from the concatenated batch's by ", grad_rel);
@@ -404,6 +409,164 @@ void run_no_sync() {
               rank, world, rel);
   WORKER_CHECK(rel <= 1e-6, "no_sync accumulation differs from the concatenated batch by ", rel);
   check_ranks_identical(*pg, mine, "latents after no_sync training");
+  dist::cleanup_ddp();
+}
+
+// ---- a plain module: module_equivalence, gradient_sync ----
+
+// Linear, BatchNorm1d (eval mode: its running statistics are buffers the output depends on), ReLU, Linear.
+std::shared_ptr<nn::Sequential> make_mlp() {
+  manual_seed(4321);
+  auto net = std::make_shared<nn::Sequential>();
+  net->push_back(std::make_shared<nn::Linear>(8, 16));
+  net->push_back(std::make_shared<nn::BatchNorm1d>(16));
+  net->push_back(std::make_shared<nn::ReLU>());
+  net->push_back(std::make_shared<nn::Linear>(16, 4));
+  net->eval();
+  return net;
+}
+
+std::vector<float> flat_values(const std::vector<Tensor>& tensors, bool grads) {
+  std::vector<float> out;
+  for (const Tensor& t : tensors)
+    for (float v : (grads ? t.grad() : t).to(DType::f32).to_vector<float>()) out.push_back(v);
+  return out;
+}
+
+// N ranks on disjoint shards of a plain nn::Module == one process on the whole batch, after k Adam steps.
+// Ranks other than 0 start from shifted parameters and buffers: the wrapper broadcasts rank 0's.
+void run_module_equivalence(int argc, char** argv) {
+  const int steps = std::stoi(arg_value(argc, argv, "--steps", "3"));
+  const int64_t batch_size = 12;
+  setup_from_env(60s);
+  auto pg = dist::default_process_group();
+  const int rank = pg->rank(), world = pg->size();
+  const Data data = make_data(batch_size, 31);
+
+  auto reference = make_mlp();
+  nn::optim::Adam reference_opt(reference->parameters(), nn::optim::AdamOptions{.lr = 1e-2});
+  std::vector<std::vector<float>> reference_grads;
+  for (int step = 0; step < steps; ++step) {
+    reference_opt.zero_grad();
+    nn::functional::cross_entropy(reference->forward(data.inputs), data.targets).backward();
+    reference_grads.push_back(flat_values(reference->parameters(), true));
+    reference_opt.step();
+  }
+
+  auto net = make_mlp();
+  if (rank != 0) {
+    autograd::NoGradGuard no_grad;
+    for (auto& [name, t] : net->named_parameters()) t.detach().copy_(add(t.detach(), 0.25 * rank));
+    for (auto& [name, t] : net->named_buffers())
+      if (t.dtype() == DType::f32) t.detach().copy_(add(t.detach(), 0.5 * rank));
+  }
+  auto ddp = dist::wrap_ddp(*net);
+  WORKER_CHECK(ddp.bytes_per_step() == static_cast<size_t>(net->parameter_count()) * 4, "bytes_per_step ",
+               ddp.bytes_per_step());
+  check_ranks_identical(*pg, flat_values(net->parameters(), false), "parameters after wrapping");
+  std::vector<Tensor> buffers;
+  for (auto& [name, t] : net->named_buffers()) buffers.push_back(t);
+  check_ranks_identical(*pg, flat_values(buffers, false), "buffers after wrapping");
+
+  dist::DistributedSampler sampler(batch_size, world, rank, /*shuffle=*/true, /*seed=*/5);
+  const Data shard = take(data, sampler.index_tensor());
+  nn::optim::Adam opt(ddp.parameters(), nn::optim::AdamOptions{.lr = 1e-2});
+  double max_grad_rel = 0;
+  for (int step = 0; step < steps; ++step) {
+    opt.zero_grad();
+    nn::functional::cross_entropy(ddp(shard.inputs), shard.targets).backward();
+    const double grad_rel =
+        relative_difference(flat_values(net->parameters(), true), reference_grads[static_cast<size_t>(step)]);
+    WORKER_CHECK(grad_rel <= 1e-5, "step ", step, ": averaged gradients differ from the full-batch ones by ", grad_rel);
+    max_grad_rel = std::max(max_grad_rel, grad_rel);
+    opt.step();
+  }
+  const auto mine = flat_values(net->parameters(), false);
+  const double rel = relative_difference(mine, flat_values(reference->parameters(), false));
+  std::printf("rank %d of %d: plain module, %d Adam steps, max relative difference to one process: parameters %.3g, "
+              "grads %.3g\n", rank, world, steps, rel, max_grad_rel);
+  WORKER_CHECK(rel <= 1e-6, "parameters differ from the single-process run by ", rel);
+  check_ranks_identical(*pg, mine, "parameters after training");
+  dist::cleanup_ddp();
+}
+
+// Gradient accumulation over 3 micro-batches per step through train::DataParallel: sync off for the
+// first two == sync on for every one (the same parameters), with one all-reduce per bucket per step
+// instead of per micro-batch. Also the interface's rank, world_size and average_metrics.
+void run_gradient_sync() {
+  setup_from_env(60s);
+  auto pg = dist::default_process_group();
+  const int rank = pg->rank(), world = pg->size();
+  const int steps = 2, micro_batches = 3;
+  const int64_t micro = 6;
+  std::vector<Data> shards;
+  dist::DistributedSampler sampler(micro, world, rank, false);
+  for (int m = 0; m < micro_batches; ++m) shards.push_back(take(make_data(micro, 40 + m), sampler.index_tensor()));
+
+  struct Outcome {
+    std::vector<float> parameters;
+    std::vector<std::vector<float>> grads;  // per step
+    int64_t allreduces = 0;
+    size_t buckets = 0;
+  };
+  auto accumulate = [&](bool sync_every_micro_batch) {
+    auto net = make_mlp();
+    dist::DdpOptions options;
+    options.first_bucket_bytes = 64;  // several buckets
+    options.bucket_bytes = 256;
+    dist::DistributedDataParallel ddp(*net, dist::default_process_group(), options);
+    train::DataParallel& dp = ddp;
+    WORKER_CHECK(dp.rank() == rank && dp.world_size() == world, "rank ", dp.rank(), " of ", dp.world_size());
+    nn::optim::Adam opt(ddp.parameters(), nn::optim::AdamOptions{.lr = 1e-2});
+    Outcome out;
+    out.buckets = ddp.bucket_parameter_names().size();
+    const int64_t before = ddp.allreduce_count();
+    for (int step = 0; step < steps; ++step) {
+      opt.zero_grad();
+      for (int m = 0; m < micro_batches; ++m) {
+        dp.set_gradient_sync(sync_every_micro_batch || m == micro_batches - 1);
+        const Data& b = shards[static_cast<size_t>(m)];
+        mul(nn::functional::cross_entropy(ddp(b.inputs), b.targets), 1.0 / micro_batches).backward();
+      }
+      out.grads.push_back(flat_values(net->parameters(), true));
+      opt.step();
+    }
+    WORKER_CHECK(dp.gradient_sync(), "the last micro-batch left gradient sync on");
+    out.allreduces = ddp.allreduce_count() - before;
+    out.parameters = flat_values(net->parameters(), false);
+    return out;
+  };
+  const Outcome every = accumulate(true);
+  const Outcome last_only = accumulate(false);
+  WORKER_CHECK(every.buckets > 1, "expected several buckets, got ", every.buckets);
+  WORKER_CHECK(every.allreduces == static_cast<int64_t>(steps * micro_batches * every.buckets), "syncing every "
+               "micro-batch launched ", every.allreduces, " all-reduces");
+  WORKER_CHECK(last_only.allreduces == static_cast<int64_t>(steps * last_only.buckets), "syncing the last "
+               "micro-batch only launched ", last_only.allreduces, " all-reduces");
+  for (int step = 0; step < steps; ++step) {
+    const double grad_rel = relative_difference(last_only.grads[static_cast<size_t>(step)],
+                                                every.grads[static_cast<size_t>(step)]);
+    WORKER_CHECK(grad_rel <= 1e-5, "step ", step, ": accumulated gradients differ by ", grad_rel);
+  }
+  const double rel = relative_difference(last_only.parameters, every.parameters);
+  WORKER_CHECK(rel <= 1e-5, "parameters differ by ", rel);
+  check_ranks_identical(*pg, last_only.parameters, "parameters after accumulation");
+  std::printf("rank %d of %d: %d steps x %d micro-batches, all-reduces %lld (sync every micro-batch) vs %lld (last "
+              "only), max relative parameter difference %.3g\n", rank, world, steps, micro_batches,
+              static_cast<long long>(every.allreduces), static_cast<long long>(last_only.allreduces), rel);
+
+  // The interface's metrics: rank r reports value r over r + 1 samples.
+  auto net = make_mlp();
+  dist::DistributedDataParallel ddp(*net, dist::default_process_group());
+  train::DataParallel& dp = ddp;
+  const train::Metrics all = dp.average_metrics({{"value", static_cast<double>(rank)}}, rank + 1);
+  double weighted = 0, samples = 0;
+  for (int r = 0; r < world; ++r) {
+    weighted += r * (r + 1.0);
+    samples += r + 1.0;
+  }
+  WORKER_CHECK(std::abs(all.at("value") - weighted / samples) <= 1e-6, "average_metrics gave ", all.at("value"),
+               ", expected ", weighted / samples);
   dist::cleanup_ddp();
 }
 
@@ -437,7 +600,7 @@ int run_kill(int argc, char** argv) {
   for (int step = 1; step <= 100000; ++step) {
     try {
       opt.zero_grad();
-      nn::functional::cross_entropy(ddp.forward(shard.inputs).predictions, shard.targets).backward();
+      nn::functional::cross_entropy(ddp.forward(shard.inputs), shard.targets).backward();
       opt.step();
     } catch (const Error& e) {
       const double after = std::chrono::duration<double>(std::chrono::steady_clock::now() - last_ok).count();
@@ -501,6 +664,10 @@ int main(int argc, char** argv) {
       run_equivalence(argc, argv);
     } else if (mode == "no_sync") {
       run_no_sync();
+    } else if (mode == "module_equivalence") {
+      run_module_equivalence(argc, argv);
+    } else if (mode == "gradient_sync") {
+      run_gradient_sync();
     } else if (mode == "buffer_mismatch") {
       run_buffer_mismatch();
     } else if (mode == "kill") {
@@ -512,7 +679,8 @@ int main(int argc, char** argv) {
       std::printf("rank %d of %d at %s:%u\n", env.rank, env.world_size, env.master_addr.c_str(), env.master_port);
     } else {
       std::fprintf(stderr,
-                   "usage: dist_worker collectives|equivalence|no_sync|buffer_mismatch|kill|affinity|env [options]\n");
+                   "usage: dist_worker collectives|equivalence|no_sync|module_equivalence|gradient_sync|buffer_mismatch|kill|"
+                   "affinity|env [options]\n");
       return 2;
     }
   } catch (const std::exception& e) {

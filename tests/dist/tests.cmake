@@ -43,12 +43,16 @@ foreach(nproc 2 3)
   mn_dist_test(dist_equivalence_compile_${nproc} ${nproc} equivalence --steps 3 --compile)
   mn_dist_test(dist_no_sync_${nproc} ${nproc} no_sync)
 endforeach()
+# A plain nn::Module under DDP; gradient accumulation with sync off for all but the last micro-batch.
+mn_dist_test(dist_module_equivalence_2 2 module_equivalence --steps 3)
+mn_dist_test(dist_gradient_sync_2 2 gradient_sync)
 
-# Mapper buffers built from different seeds: every rank refuses to wrap, naming the first differing group.
+# Mapper buffers built from different seeds: every rank refuses to wrap, naming the first differing group
+# (MappingModel::replica_state).
 mn_dist_failure_test(dist_buffer_mismatch_3 60
   "${MN_RUN}@@--nproc-per-node@@3@@${MN_DIST_WORKER}@@buffer_mismatch"
-  "rank 0: error: DDP: the mapper buffers of group '0' differ between rank 0 and rank 1"
-  "rank 2: error: DDP: the mapper buffers of group '0' differ between rank 0 and rank 1"
+  "rank 0: error: DDP: the mapper buffers and scales of group '0' differ between rank 0 and rank 1"
+  "rank 2: error: DDP: the mapper buffers and scales of group '0' differ between rank 0 and rank 1"
   "mn-run: failed: rank [0-9]")
 
 # A rank dies mid-training. With SIGTERM ignored the survivors show their own error path (Gloo notices

@@ -118,8 +118,8 @@ TEST_CASE("cuda mapping: generated parameters, predictions and latent gradients 
     }
     CHECK(gpu.generator().per_entry_scales() == cpu.generator().per_entry_scales());
 
-    ForwardResult want = cpu.forward(x);
-    ForwardResult got = gpu.forward(x_gpu);
+    ForwardResult want = cpu.run(x);
+    ForwardResult got = gpu.run(x_gpu);
     const auto want_params = want.generated_parameters.to_map();
     const auto got_params = got.generated_parameters.to_map();
     REQUIRE(got_params.size() == want_params.size());
@@ -179,7 +179,8 @@ TEST_CASE("cuda mapping: mapper factors and scales built for the device equal th
 TEST_CASE("cuda mapping: MappingModel::to moves a CPU model to the device and back") {
   MappingModel reference = cnn2_model("layerwise", 64, kCPU);
   MappingModel moved = cnn2_model("layerwise", 64, kCPU);
-  moved.to(kGpu);
+  static_cast<nn::Module&>(moved).to(kGpu);  // virtual: the generator, target and carried buffers move
+  CHECK(moved.named_parameters()[0].second.same(moved.named_latents()[0].second));
   CHECK(moved.device() == kGpu);
   CHECK(moved.options().device == kGpu);
   for (const Tensor& z : moved.parameters()) {
@@ -188,17 +189,17 @@ TEST_CASE("cuda mapping: MappingModel::to moves a CPU model to the device and ba
   }
   for (const Tensor& b : moved.generator().buffers()) CHECK(b.device() == kGpu);
   const Tensor x = batch_images(8, 12);
-  const Tensor want = reference.forward(x).predictions;
-  check_close(moved.forward(x.to(kGpu)).predictions, want, 1e-5, 1e-4, "predictions after to(cuda)");
+  const Tensor want = reference.run(x).predictions;
+  check_close(moved.run(x.to(kGpu)).predictions, want, 1e-5, 1e-4, "predictions after to(cuda)");
   // An optimizer built after the move trains the device latents.
   nn::optim::Adam adam(moved.parameters(), nn::optim::AdamOptions{.lr = 1e-2});
-  Tensor loss = F::cross_entropy(moved.forward(x.to(kGpu)).predictions, batch_labels(8, 13).to(kGpu));
+  Tensor loss = F::cross_entropy(moved.run(x.to(kGpu)).predictions, batch_labels(8, 13).to(kGpu));
   loss.backward();
   adam.step();
   moved.to(kCPU);
   CHECK(moved.device() == kCPU);
   for (const Tensor& z : moved.parameters()) CHECK(z.device() == kCPU);
-  CHECK(moved.forward(x).predictions.device() == kCPU);
+  CHECK(moved.run(x).predictions.device() == kCPU);
 }
 
 namespace {
@@ -320,7 +321,7 @@ TEST_CASE("cuda mapping: Adam steps on CUDA follow the CPU ones and a short trai
   const Tensor x = batch_images(64, 21), y = batch_labels(64, 22);
   const Tensor x_gpu = x.to(kGpu), y_gpu = y.to(kGpu);
   auto step = [](MappingModel& m, nn::optim::Adam& adam, const Tensor& xs, const Tensor& ys) {
-    Tensor loss = F::cross_entropy(m.forward(xs).predictions, ys);
+    Tensor loss = F::cross_entropy(m.run(xs).predictions, ys);
     adam.zero_grad();
     loss.backward();
     adam.step();
@@ -353,7 +354,7 @@ TEST_CASE("cuda mapping: a compiled training step replays on the device like the
   const Tensor x = batch_images(64, 31).to(kGpu), y = batch_labels(64, 32).to(kGpu);
   auto body = [](MappingModel& m) {
     return [&m](const std::vector<Tensor>& in) {
-      Tensor loss = F::cross_entropy(m.forward(in[0]).predictions, in[1]);
+      Tensor loss = F::cross_entropy(m.run(in[0]).predictions, in[1]);
       loss.backward();
       return std::vector<Tensor>{loss.detach()};
     };

@@ -243,7 +243,7 @@ void mapping_api(const fs::path& dir) {
     options.strategy = strategy;
     options.latent_dim = 4;
     mn::mapping::MappingModel model(small_net(), options);
-    CHECK(model.forward(mn::randn({2, 4})).predictions.sizes() == mn::Shape({2, 3}));
+    CHECK(model.run(mn::randn({2, 4})).predictions.sizes() == mn::Shape({2, 3}));
   }
 
   mn::manual_seed(4);
@@ -292,7 +292,7 @@ void mapping_api(const fs::path& dir) {
   // The compile guard of a mapping model, as in the README's compiled step.
   mn::CompiledFunction step = mn::compile(
       [&](const std::vector<mn::Tensor>& in) {
-        mn::Tensor l = F::cross_entropy(model.forward(in[0]).predictions, in[1]);
+        mn::Tensor l = F::cross_entropy(model.run(in[0]).predictions, in[1]);
         l.backward();
         return std::vector<mn::Tensor>{l.detach()};
       },
@@ -371,7 +371,7 @@ void dist_api() {
     auto ranks_sampler = std::make_shared<mn::dist::DistributedSampler>(train.size(), world_size, rank, true, 0);
     mn::data::DataLoader train_loader(train, {.batch_size = 64, .sampler = ranks_sampler});
     mn::mapping::MappingTrainer trainer(model, train_loader, nullptr, nullptr, {});
-    trainer.set_metrics_reducer(mn::dist::average_metrics(model.device()));
+    trainer.set_data_parallel(&ddp);
     trainer.fit();
     auto group = mn::dist::make_process_group("gloo", mn::dist::default_store(), rank, world_size);
     group->allreduce(mn::ones({2}), mn::dist::ReduceOp::Avg)->wait();
