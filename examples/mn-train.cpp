@@ -28,9 +28,9 @@
 //   mn-run --nproc-per-node 2 mn-train --backend gloo --target cnn2 --strategy layerwise --latent-dim 672
 //
 // Each rank reads RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT (env://), builds the same
-// model, wraps it for DDP (a mapped run all-reduces only the latents' gradients, a direct one the target's) and trains on its
-// DistributedSampler shard of every epoch's shuffle; --batch-size is per rank, so the global batch is
-// --batch-size x WORLD_SIZE. Rank r's shard of an epoch holds positions r, r + W, r + 2W, ... of the
+// model, wraps it for DDP (a mapped run all-reduces only the latents' gradients, a direct one the
+// target's) and trains on its DistributedSampler shard of every epoch's shuffle; --batch-size is per
+// rank, so the global batch is --batch-size x WORLD_SIZE. Rank r's shard of an epoch holds positions r, r + W, r + 2W, ... of the
 // permutation a single process would use, so W ranks with batch B see, step for step, the samples of one
 // process with batch W x B (when the sample count is a multiple of W) and reach the same latents up to
 // floating-point rounding. The test set is split over the ranks too; the epoch metrics are sums over
@@ -70,6 +70,7 @@
 #include "nn/data/dataloader.h"
 #include "nn/data/fashion_mnist.h"
 #include "nn/safetensors.h"
+#include "nn/serialize.h"
 #include "nn/train/interrupt.h"
 #include "nn/train/loggers.h"
 #include "nn/train/trainer.h"
@@ -351,7 +352,9 @@ Summary run(const Options& o, Device device, const data::Dataset& train_set, con
   if (!dist.active) callbacks.push_back(sigint);
   if (dist.main()) {
     callbacks.push_back(std::make_shared<train::CsvLogger>((out_dir / "metrics.csv").string()));
-    callbacks.push_back(std::make_shared<train::ProgressCallback>());  // a bar, or plain lines in logs
+    // A bar on a terminal; in logs plain progress lines, except with --json (stdout for programs: a
+    // line per epoch, then the summary).
+    if (tty || !o.json) callbacks.push_back(std::make_shared<train::ProgressCallback>());
     if (!tty) callbacks.push_back(std::make_shared<train::EpochSummary>());
     callbacks.push_back(std::make_shared<train::ModelCheckpoint>(
         checkpoint, 1, train::CheckpointMetadata{{{"program", "mn-train"}}, run_config(o, dist.world_size).dump()}));
@@ -429,9 +432,7 @@ Summary run(const Options& o, Device device, const data::Dataset& train_set, con
   if (dist.main() && !s.interrupted) {
     s.exported = o.export_path.empty() ? (out_dir / "weights.safetensors").string() : o.export_path;
     if (o.direct()) {
-      safetensors::NamedTensors weights;
-      for (const auto& [name, t] : target->state_dict()) weights.emplace_back(name, t.detach());
-      safetensors::save(s.exported, weights, {{"format", "pt"}});
+      nn::save(*target, s.exported);
     } else {
       mapping::export_generated_parameters(s.exported, *model);
     }

@@ -35,6 +35,7 @@
 #include "nn/optim.h"
 #include "nn/progress.h"  // mn::Progress
 #include "nn/safetensors.h"
+#include "nn/serialize.h"  // nn::save / nn::load of a module's weights
 #include "nn/train/checkpoint.h"  // save/read/load_module_checkpoint
 #include "nn/train/interrupt.h"   // StopOnSigint
 #include "nn/train/loggers.h"     // CsvLogger, JsonLogger, ModelCheckpoint, EpochSummary

@@ -19,7 +19,7 @@ std::shared_ptr<MappingLoss> as_mapping_loss(std::shared_ptr<Loss> loss) {
 MappingTrainer::MappingTrainer(MappingModel& model, data::DataLoader& train_loader, data::DataLoader* val_loader,
                                std::shared_ptr<Loss> loss, TrainerConfig config,
                                std::vector<std::shared_ptr<Callback>> callbacks)
-    : Trainer(Deferred{}, model.target(), train_loader, val_loader, train::Objective{}, std::move(config),
+    : Trainer(Deferred{}, model, train_loader, val_loader, train::Objective{}, std::move(config),
               std::move(callbacks), "mn.mapping.trainer"),
       model_(model),
       loss_(as_mapping_loss(std::move(loss))) {

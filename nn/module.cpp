@@ -173,7 +173,7 @@ StateDict Module::state_dict() const {
   return out;
 }
 
-void Module::load_state_dict(const StateDict& state, bool strict) {
+Module::LoadResult Module::load_state_dict(const StateDict& state, bool strict) {
   std::vector<std::string> missing, mismatched, unexpected;
   std::map<std::string, Tensor> targets;
   for (auto& [n, t] : named_parameters()) targets[n] = t;
@@ -198,6 +198,7 @@ void Module::load_state_dict(const StateDict& state, bool strict) {
     Tensor dst = t.detach();
     dst.copy_(it->second.to(t.dtype()).to(t.device()));
   }
+  return {std::move(missing), std::move(unexpected)};
 }
 
 }  // namespace mn::nn

@@ -76,8 +76,14 @@ class Module : public std::enable_shared_from_this<Module> {
   // then each child through its override. A tensor already on the device is kept as it is.
   virtual void to(Device device);
   StateDict state_dict() const;
-  // strict: missing, unexpected and mis-shaped names are an error listing all of them.
-  void load_state_dict(const StateDict& state, bool strict = true);
+  // Copies the state's tensors into the module's (in place, converted to their dtype and device). A shape
+  // that differs is always an error; strict (default) also refuses missing and unexpected names. The
+  // error lists every problem and nothing is changed. Non-strict returns the names it skipped.
+  struct LoadResult {
+    std::vector<std::string> missing;     // the module's names the state lacks
+    std::vector<std::string> unexpected;  // the state's names the module lacks
+  };
+  LoadResult load_state_dict(const StateDict& state, bool strict = true);
   // Freezes (or unfreezes) every parameter (every tensor named_parameters lists).
   void requires_grad_(bool on);
 

@@ -634,6 +634,12 @@ const Entry* File::find(const std::string& name) const {
   return nullptr;
 }
 
+std::map<std::string, Tensor> File::state_dict() const {
+  std::map<std::string, Tensor> out;
+  for (const Entry& e : tensors) out.emplace(e.name, e.tensor);
+  return out;
+}
+
 bool File::contains(const std::string& name) const { return find(name) != nullptr; }
 
 const Entry& File::entry(const std::string& name) const {

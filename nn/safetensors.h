@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <map>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -33,6 +34,8 @@ struct File {
   bool contains(const std::string& name) const;
   // Null when absent.
   const Entry* find(const std::string& name) const;
+  // The tensors by name: what nn::Module::load_state_dict takes (nn::StateDict is the same type).
+  std::map<std::string, Tensor> state_dict() const;
 };
 
 // The reader caps the header like the reference implementation does.
@@ -67,6 +70,13 @@ void write_file_atomically(const std::string& path, const void* data, size_t siz
 // the disk).
 void save(const std::string& path, const NamedTensors& tensors, const StringMap& metadata = {},
           const StringMap& dtypes = {});
+// The same for a state dict (nn::Module::state_dict(), an std::map), written in name order. A template
+// only so that a braced list, save(path, {{"w", t}}), still means the ordered NamedTensors.
+template <class StateDict, class = std::enable_if_t<std::is_same_v<StateDict, std::map<std::string, Tensor>>>>
+void save(const std::string& path, const StateDict& state_dict, const StringMap& metadata = {},
+          const StringMap& dtypes = {}) {
+  save(path, NamedTensors(state_dict.begin(), state_dict.end()), metadata, dtypes);
+}
 
 // Exact IEEE half / bfloat16 conversions, exposed for tests and for other readers and writers.
 float half_bits_to_float(uint16_t bits);

@@ -151,7 +151,7 @@ TEST_CASE("mn-train: 1 epoch + --resume 1 epoch gives the latents of 2 straight 
     const CommandResult bad = run(exe, str("--target cnn2 --strategy layerwise --latent-dim 8 --epochs 3 --resume ",
                                  kSmall, " --out ", dir / "split"));
     CHECK(bad.status != 0);
-    CHECK(bad.all().find("different run") != std::string::npos);
+    CHECK(bad.all().find("--latent-dim: the run has 16, the command line 8") != std::string::npos);
   }
   SUBCASE("direct") {
     const std::string common = str("--target lenet --strategy direct --json ", kSmall);

@@ -18,7 +18,11 @@
 #include <vector>
 
 #include "core/tensor.h"
+#include "nn/layers.h"
 #include "nn/safetensors.h"
+#include "nn/serialize.h"
+#include "tests/temp_dir.h"
+#include "tests/test_support.h"
 
 namespace st = mn::safetensors;
 namespace fs = std::filesystem;
@@ -574,4 +578,56 @@ TEST_CASE("safetensors: load errors name the path") {
     out.write(reinterpret_cast<const char*>(hand.data()), static_cast<std::streamsize>(hand.size()));
   }
   CHECK(st::load((scratch.path / "hand.safetensors").string()).at("h").to_vector<float>() == std::vector<float>{1, -2});
+}
+
+TEST_CASE("nn::save / nn::load: a module's weights through safetensors, strict by default") {
+  mn::testing::TempDir dir("mn_serialize");
+  const std::string path = (std::filesystem::path(dir.path()) / "w.safetensors").string();
+  mn::manual_seed(1);
+  auto make = [](int64_t hidden) {
+    return std::make_shared<mn::nn::Sequential>(std::vector<mn::nn::ModulePtr>{
+        std::make_shared<mn::nn::Linear>(3, hidden), std::make_shared<mn::nn::BatchNorm1d>(hidden),
+        std::make_shared<mn::nn::Linear>(hidden, 2)});
+  };
+  auto net = make(4);
+  mn::nn::save(*net, path);
+  const st::File file = st::load(path);
+  CHECK(file.metadata.at("format") == "pt");
+  CHECK(file.state_dict().size() == net->state_dict().size());
+
+  auto other = make(4);
+  const auto skipped = mn::nn::load(*other, path);
+  CHECK(skipped.missing.empty());
+  CHECK(skipped.unexpected.empty());
+  for (const auto& [name, t] : net->state_dict()) {
+    INFO(name);
+    const mn::Tensor got = other->state_dict().at(name);
+    if (t.dtype() == mn::DType::f32) CHECK(got.to_vector<float>() == t.to_vector<float>());
+    else CHECK(got.to_vector<int64_t>() == t.to_vector<int64_t>());
+  }
+
+  // The state dict and the file's tensors are one type in both directions.
+  st::save(path, net->state_dict());
+  other->load_state_dict(st::load(path).state_dict());
+
+  // A file missing a name: strict refuses (naming the file and the name, changing nothing); non-strict
+  // loads the rest and reports what it skipped.
+  mn::nn::StateDict partial = net->state_dict();
+  partial.erase("2.bias");
+  partial["extra"] = mn::zeros({1});
+  st::save(path, partial);
+  auto fresh = make(4);
+  const auto before = fresh->state_dict().at("0.weight").to_vector<float>();
+  const std::string message = mn::testing::error_message([&] { mn::nn::load(*fresh, path); });
+  CHECK(mn::testing::contains(message, path));
+  CHECK(mn::testing::contains(message, "missing=[2.bias]"));
+  CHECK(mn::testing::contains(message, "unexpected=[extra]"));
+  CHECK(fresh->state_dict().at("0.weight").to_vector<float>() == before);
+  const auto report = mn::nn::load(*fresh, path, /*strict=*/false);
+  CHECK(report.missing == std::vector<std::string>{"2.bias"});
+  CHECK(report.unexpected == std::vector<std::string>{"extra"});
+  CHECK(fresh->state_dict().at("0.weight").to_vector<float>() == net->state_dict().at("0.weight").to_vector<float>());
+  // A shape that differs is an error even when not strict.
+  auto wider = make(5);
+  CHECK(mn::testing::contains(mn::testing::error_message([&] { mn::nn::load(*wider, path, false); }), "mismatched"));
 }
