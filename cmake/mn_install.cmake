@@ -10,7 +10,8 @@ include(CMakePackageConfigHelpers)
 
 set(MN_INSTALL_CMAKEDIR ${CMAKE_INSTALL_LIBDIR}/cmake/mapping_networks)
 
-install(TARGETS mapping_networks
+# The layer libraries (static) and the interface target over them.
+install(TARGETS mapping_networks ${MN_LAYER_TARGETS}
   EXPORT mapping_networksTargets
   ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}
   LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR}
@@ -32,7 +33,7 @@ install(EXPORT mapping_networksTargets
   DESTINATION ${MN_INSTALL_CMAKEDIR})
 
 # The config file re-finds the dependencies the exported target names (see the .in template).
-get_target_property(_mn_library_type mapping_networks TYPE)
+get_target_property(_mn_library_type mn_core TYPE)
 if(_mn_library_type STREQUAL "STATIC_LIBRARY")
   set(MN_INSTALL_STATIC ON)
 else()
