@@ -2,7 +2,6 @@
 
 #include <atomic>
 
-#include "autograd/engine.h"
 #include "autograd/function.h"
 #include "autograd/ops.h"
 #include "core/capture.h"

@@ -11,6 +11,7 @@
 
 #include "core/device.h"
 #include "core/error.h"
+#include "kernels/factories.h"
 #include "nn/data/fashion_mnist.h"
 #include "nn/safetensors.h"
 #include "tests/run_command.h"
