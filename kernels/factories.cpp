@@ -5,7 +5,6 @@
 #include <vector>
 
 #include "kernels/factories.h"
-
 #include "kernels/kernels.h"
 
 namespace mn {
