@@ -2,23 +2,16 @@
 
 #include <atomic>
 
-#include "autograd/engine.h"
 #include "autograd/function.h"
 #include "autograd/ops.h"
 #include "core/capture.h"
 #include "kernels/kernels.h"
 
-namespace mn {
-
-TensorImpl::TensorImpl() = default;
-TensorImpl::~TensorImpl() { delete autograd.load(std::memory_order_acquire); }
-
-namespace autograd {
+namespace mn::autograd {
 
 namespace {
 thread_local bool g_grad_mode = true;
 std::atomic<uint64_t> g_sequence{0};
-const std::shared_ptr<Node> kNoNode;
 }  // namespace
 
 bool grad_mode_enabled() { return g_grad_mode; }
@@ -27,17 +20,20 @@ uint64_t next_sequence_nr() { return g_sequence.fetch_add(1, std::memory_order_r
 
 Node::Node() : sequence_nr(next_sequence_nr()) {}
 
-AutogradMeta* meta(const Tensor& t) { return t.impl()->autograd.load(std::memory_order_acquire); }
+// Every AutogradMetaBase is an AutogradMeta: ensure_meta is the only place that creates one.
+AutogradMeta* meta(const Tensor& t) {
+  return static_cast<AutogradMeta*>(t.impl()->autograd.load(std::memory_order_acquire));
+}
 
 AutogradMeta& ensure_meta(const Tensor& t) {
   auto& slot = t.impl()->autograd;
-  AutogradMeta* m = slot.load(std::memory_order_acquire);
-  if (m != nullptr) return *m;
+  AutogradMetaBase* m = slot.load(std::memory_order_acquire);
+  if (m != nullptr) return static_cast<AutogradMeta&>(*m);
   // First use: whoever publishes first wins, the other thread frees its copy and takes the winner's.
   auto fresh = std::make_unique<AutogradMeta>();
   if (slot.compare_exchange_strong(m, fresh.get(), std::memory_order_acq_rel, std::memory_order_acquire))
     return *fresh.release();
-  return *m;
+  return static_cast<AutogradMeta&>(*m);
 }
 
 std::shared_ptr<Node> grad_accumulator(const Tensor& t) {
@@ -134,80 +130,4 @@ TensorList AccumulateGrad::apply(TensorList&& grads) {
   return {};
 }
 
-}  // namespace autograd
-
-// ---- Tensor's autograd methods ----
-bool Tensor::requires_grad() const {
-  auto* m = checked()->autograd.load(std::memory_order_acquire);
-  return m != nullptr && m->requires_grad;
-}
-
-Tensor& Tensor::requires_grad_(bool on) {
-  auto& m = autograd::ensure_meta(*this);
-  MN_CHECK(!m.grad_fn || on, RuntimeError,
-           "requires_grad_(false) on a non-leaf tensor; use detach() to get a tensor without history");
-  MN_CHECK(!on || dtype() == DType::f32, TypeError, "only f32 tensors can require gradients, got ", dtype());
-  m.requires_grad = on;
-  return *this;
-}
-
-bool Tensor::is_leaf() const {
-  auto* m = checked()->autograd.load(std::memory_order_acquire);
-  return m == nullptr || !m->grad_fn;
-}
-
-const std::shared_ptr<autograd::Node>& Tensor::grad_fn() const {
-  auto* m = checked()->autograd.load(std::memory_order_acquire);
-  return m ? m->grad_fn : autograd::kNoNode;
-}
-
-Tensor Tensor::grad() const {
-  auto* m = checked()->autograd.load(std::memory_order_acquire);
-  return m ? m->grad : Tensor();
-}
-
-void Tensor::set_grad(const Tensor& g) const {
-  if (g.defined()) {
-    MN_CHECK(g.sizes() == sizes(), ValueError, "set_grad: gradient shape ", g.sizes(), " does not match tensor shape ",
-             sizes());
-    // Accumulation adds into it in place, with the tensor's device and dtype.
-    MN_CHECK(g.device() == device() && g.dtype() == dtype(), ValueError, "set_grad: expected a gradient on ", device(),
-             " of dtype ", dtype(), ", got ", g.device(), " ", g.dtype());
-  }
-  Tensor& grad = autograd::ensure_meta(*this).grad;
-  const void* before = grad.defined() ? grad.storage()->data() : nullptr;
-  grad = g;
-  capture::grad_written(*this, before);  // a captured graph re-attaches it at replay
-}
-
-void Tensor::backward(const Tensor& grad, bool retain_graph, bool create_graph) const {
-  std::vector<Tensor> grads;
-  if (grad.defined()) grads.push_back(grad);
-  autograd::backward({*this}, grads, retain_graph, create_graph);
-}
-
-Tensor Tensor::detach() const {
-  auto impl = std::make_shared<TensorImpl>();
-  impl->storage = storage();
-  impl->sizes = sizes();
-  impl->strides = strides();
-  impl->offset = storage_offset();
-  impl->dtype = dtype();
-  return Tensor(std::move(impl));
-}
-
-void Tensor::retain_grad() const {
-  auto& m = autograd::ensure_meta(*this);
-  if (!m.grad_fn) return;  // leaves keep their gradient anyway
-  if (m.retains_grad) return;
-  m.retains_grad = true;
-  m.grad_fn->retained.emplace_back(m.output_nr, impl_ptr());
-}
-
-void Tensor::register_post_accumulate_grad_hook(std::function<void(const Tensor&)> hook) const {
-  MN_CHECK(is_leaf() && requires_grad(), RuntimeError,
-           "post-accumulate-grad hooks can only be registered on leaf tensors that require grad");
-  autograd::ensure_meta(*this).post_accumulate_hooks.push_back(std::move(hook));
-}
-
-}  // namespace mn
+}  // namespace mn::autograd

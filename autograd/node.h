@@ -72,16 +72,15 @@ class AccumulateGrad final : public Node {
   std::shared_ptr<TensorImpl> leaf_;
 };
 
-struct AutogradMeta {
+// A tensor's autograd state. requires_grad, grad and grad_fn are in the base (core/tensor.h), which
+// core reads for the Tensor accessors.
+struct AutogradMeta final : AutogradMetaBase {
   // Guards grad_accumulator's creation and the accumulation into grad, which threads running
   // forward/backward over a shared leaf may reach at the same time. The other fields change only
   // through calls that mutate the tensor (requires_grad_, set_grad, an op's output), which the
   // thread contract (README, "Threads") gives to one thread at a time.
   std::mutex mutex;
-  bool requires_grad = false;
   bool retains_grad = false;
-  Tensor grad;
-  std::shared_ptr<Node> grad_fn;
   uint32_t output_nr = 0;
   std::weak_ptr<Node> grad_accumulator;
   std::vector<std::function<void(const Tensor&)>> post_accumulate_hooks;

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "core/tensor.h"
+#include "kernels/factories.h"
 
 namespace mn {
 
@@ -179,5 +180,17 @@ inline Tensor operator-(double a, const Tensor& b) { return rsub(b, a); }
 inline Tensor operator*(double a, const Tensor& b) { return mul(b, a); }
 inline Tensor operator/(double a, const Tensor& b) { return rdiv(b, a); }
 inline Tensor operator-(const Tensor& x) { return neg(x); }
+
+namespace detail {
+// Installs the autograd layer's Tensor methods (view, backward, copy_, ...; core/tensor_hooks.h) in
+// core; idempotent, returns 0.
+int install_autograd_tensor_hooks();
+namespace {
+// One call per translation unit at static initialisation. It makes every program that includes this
+// header link autograd/tensor_hooks.cpp (a static library would leave an object that nothing
+// references out), and installs the methods before that unit's own static objects are built.
+[[maybe_unused]] const int tensor_hooks_anchor = install_autograd_tensor_hooks();
+}  // namespace
+}  // namespace detail
 
 }  // namespace mn

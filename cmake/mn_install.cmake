@@ -10,29 +10,39 @@ include(CMakePackageConfigHelpers)
 
 set(MN_INSTALL_CMAKEDIR ${CMAKE_INSTALL_LIBDIR}/cmake/mapping_networks)
 
-install(TARGETS mapping_networks
+# The layer libraries (static) and the interface target over them.
+install(TARGETS mapping_networks ${MN_LAYER_TARGETS}
   EXPORT mapping_networksTargets
   ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}
   LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR}
   RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
 
-# Headers keep their layout (<prefix>/include/mapping_networks/core/tensor.h, ...), which is what the
-# target's INSTALL_INTERFACE include directory expects. Directories are read at install time, so a
-# header added later needs no re-configure.
-foreach(dir core kernels autograd nn mapping dist)
+# Public headers only, in their layout (<prefix>/include/mapping_networks/core/tensor.h, ...), which is
+# what the target's INSTALL_INTERFACE include directory expects: everything the umbrella header
+# mapping/mapping_networks.h includes, and the headers of the parts it leaves out (dist/, nn/data/, ...).
+# Internal headers stay in the source tree: the kernels' op tables and backends (kernels/ but for
+# factories.h), the op implementations' helpers (autograd/functions/), core's hooks for the autograd
+# layer, and dist's transports and backend classes (reached through dist/process_group.h).
+# Directories are read at install time, so a public header added later needs no re-configure.
+foreach(dir core autograd nn mapping dist)
   if(IS_DIRECTORY ${PROJECT_SOURCE_DIR}/${dir})
     install(DIRECTORY ${PROJECT_SOURCE_DIR}/${dir}
       DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/mapping_networks
-      FILES_MATCHING PATTERN "*.h")
+      FILES_MATCHING PATTERN "*.h"
+      REGEX "/autograd/functions$" EXCLUDE
+      REGEX "/core/tensor_hooks\\.h$" EXCLUDE
+      REGEX "/dist/(gloo_process_group|gloo_store_adapter|nccl_process_group|socket)\\.h$" EXCLUDE)
   endif()
 endforeach()
+install(FILES ${PROJECT_SOURCE_DIR}/kernels/factories.h
+  DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/mapping_networks/kernels)
 
 install(EXPORT mapping_networksTargets
   NAMESPACE mn::
   DESTINATION ${MN_INSTALL_CMAKEDIR})
 
 # The config file re-finds the dependencies the exported target names (see the .in template).
-get_target_property(_mn_library_type mapping_networks TYPE)
+get_target_property(_mn_library_type mn_core TYPE)
 if(_mn_library_type STREQUAL "STATIC_LIBRARY")
   set(MN_INSTALL_STATIC ON)
 else()

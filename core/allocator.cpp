@@ -18,10 +18,6 @@
 #include "core/capture.h"
 #include "core/error.h"
 
-namespace mn::kernels {
-void ensure_registered();  // kernels/dispatch.cpp: the backends register their allocator factories there
-}  // namespace mn::kernels
-
 namespace mn {
 
 namespace {
@@ -116,6 +112,9 @@ void check_registrable(Device d) {
            "index in [0, ", kMaxDevicesPerType, "), got ", device_name(d));
 }
 
+// What set_backend_registration installed (the kernels layer: kernels/dispatch.cpp); null until then.
+std::atomic<void (*)()> g_backend_registration{nullptr};
+
 std::string stat_row(const char* label, const Stat& stat, bool bytes) {
   auto cell = [bytes](int64_t v) {
     if (!bytes) return str(v);
@@ -149,6 +148,10 @@ void register_device_allocator_factory(DeviceType type, DeviceAllocatorFactory f
   }
 }
 
+void set_backend_registration(void (*register_backends)()) {
+  g_backend_registration.store(register_backends, std::memory_order_release);
+}
+
 DeviceAllocator& allocator_for(Device d) {
   if (d.is_cpu()) {
     MN_CHECK(d.index == 0, DeviceError, "allocator_for: expected cpu device index 0, got ",
@@ -162,7 +165,9 @@ DeviceAllocator& allocator_for(Device d) {
   // The CUDA backend registers its factory with the kernels; the first use of a device (a tensor
   // factory, memory_stats, ...) may come before any kernel ran. A factory registered by hand first
   // (tests) is left alone. Not under the registry lock: registration takes it.
-  if (!registry.ever_registered.load(std::memory_order_acquire)) kernels::ensure_registered();
+  if (!registry.ever_registered.load(std::memory_order_acquire)) {
+    if (auto* register_backends = g_backend_registration.load(std::memory_order_acquire)) register_backends();
+  }
   std::lock_guard<std::mutex> lock(registry.mutex);
   if (DeviceAllocator* allocator = slot.load(std::memory_order_acquire)) return *allocator;
   MN_CHECK(registry.factory != nullptr, DeviceError, "no allocator for device ", device_name(d),

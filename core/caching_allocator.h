@@ -202,6 +202,11 @@ void register_device_allocator_factory(DeviceType type, DeviceAllocatorFactory f
                                        DeviceAllocatorFactory pool_factory = nullptr);
 inline constexpr int kMaxDevicesPerType = 64;
 
+// The device backends register their factories from a layer above core (kernels), which installs its
+// registration here (kernels/dispatch.cpp): allocator_for runs it before a non-CPU device's first
+// allocator when no factory was registered yet. Without it such a device has no allocator.
+void set_backend_registration(void (*register_backends)());
+
 // False when MN_NO_CACHING turned caching off for this device's allocator.
 bool caching_enabled(Device d = kCPU);
 

@@ -4,7 +4,6 @@
 #include <map>
 
 #include "core/allocator.h"
-#include "kernels/kernels.h"
 
 namespace mn::capture {
 
@@ -143,21 +142,22 @@ void host_wrote(const Tensor& t) {
   });
 }
 
-void random_fill(const Tensor& t, Distribution dist, double p1, double p2, Generator& gen) {
+void random_fill(const Tensor& t, Distribution dist, double p1, double p2, Generator& gen, RandomFillFn fill) {
+  MN_CHECK(fill != nullptr, ValueError, "capture::random_fill: expected a fill kernel, got none");
   if (!recording()) {
     Tensor out = t;
-    kernels::random_fill(out.device(), out, dist, p1, p2, gen.reserve(out.numel()));
+    fill(out, dist, p1, p2, gen.reserve(out.numel()));
     return;
   }
   Tensor held = detail::hold(t);
   std::weak_ptr<const void> alive = gen.lifetime();
   Generator* g = &gen;
-  host_step([held, alive, g, dist, p1, p2]() mutable {
+  host_step([held, alive, g, dist, p1, p2, fill]() mutable {
     const auto token = alive.lock();
     MN_CHECK(token != nullptr, RuntimeError,
              "capture: the generator of a random tensor in this graph was destroyed after the recording; "
              "keep it alive as long as the compiled function");
-    kernels::random_fill(held.device(), held, dist, p1, p2, g->reserve(held.numel()));
+    fill(held, dist, p1, p2, g->reserve(held.numel()));
   });
 }
 

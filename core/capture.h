@@ -146,7 +146,10 @@ void unsupported(const std::string& what);
 void host_wrote(const Tensor& t);
 
 // The random fill of `t` from `gen` (factories): recorded so that each replay reserves a new range.
-void random_fill(const Tensor& t, Distribution dist, double p1, double p2, Generator& gen);
+// `fill` is the kernel that writes the values of the range it is given (the kernels layer passes its
+// dispatching random_fill; core calls no kernel itself).
+using RandomFillFn = void (*)(Tensor& out, Distribution dist, double p1, double p2, const PhiloxState& state);
+void random_fill(const Tensor& t, Distribution dist, double p1, double p2, Generator& gen, RandomFillFn fill);
 
 // AccumulateGrad or set_grad wrote `leaf`'s gradient, whose memory was `before` (null: it had none).
 void grad_written(const Tensor& leaf, const void* before);

@@ -4,7 +4,7 @@
 // synchronisation, device memory figures and the TF32 switch of the cuBLAS GEMM. The header needs no
 // CUDA headers, so code that is built with or without CUDA includes it alike; without CUDA every call
 // that needs a device throws DeviceError (kernels/cuda/runtime.cu has the CUDA side, core/cuda_stub.cpp
-// the other one).
+// the other one; the current stream's key is core's, core/current_stream.cpp).
 //
 // Streams. Every kernel of device d runs on d's *current stream*, which is per thread and per device.
 // By default it is the device's legacy default stream (StreamId 0, PyTorch's default too, and what
@@ -83,7 +83,13 @@ class StreamGuard {
 };
 
 // The allocator key of the calling thread's current stream of `device` (what Storage allocates on).
+// Kept by core (core/current_stream.cpp); 0 in a build without CUDA.
 StreamId current_stream_id(int device);
+namespace detail {
+// Makes `id` the calling thread's current stream key of `device`: what set_current_stream and
+// StreamGuard in the CUDA runtime (kernels/cuda/runtime.cu) call.
+void set_current_stream_id(int device, StreamId id);
+}  // namespace detail
 
 // Tells the caching allocator that `t`'s memory is used by work on `s`: when the storage is freed, the
 // block is not reused until the work queued on `s` up to that moment has finished. A no-op for CPU

@@ -33,8 +33,6 @@ void set_current_stream(const Stream&) { no_cuda("cuda::set_current_stream"); }
 StreamGuard::StreamGuard(const Stream&) { no_cuda("cuda::StreamGuard"); }
 StreamGuard::~StreamGuard() = default;
 
-StreamId current_stream_id(int) { return 0; }
-
 void record_stream(const Tensor& t, const Stream&) {
   if (t.device().is_cpu()) return;
   no_cuda("cuda::record_stream");

@@ -1,5 +1,9 @@
 #include "core/device.h"
 
+#ifdef MN_WITH_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
 #include "core/error.h"
 
 namespace mn {
@@ -24,9 +28,24 @@ Device Device::parse(const std::string& text) {
 
 std::string Device::str() const { return is_cpu() ? std::string("cpu") : "cuda:" + std::to_string(index); }
 
-#ifndef MN_WITH_CUDA
-int cuda_device_count() { return 0; }
+// Device discovery is core's (Device::parse("auto") and cuda_available need it): the CUDA runtime
+// library is below every layer. Without a driver or device cudaGetDeviceCount returns an error, which
+// means zero devices, not a failure.
+int cuda_device_count() {
+#ifdef MN_WITH_CUDA
+  static const int count = [] {
+    int n = 0;
+    if (cudaGetDeviceCount(&n) != cudaSuccess) {
+      cudaGetLastError();  // clear the sticky error so later checks do not report it
+      return 0;
+    }
+    return n;
+  }();
+  return count;
+#else
+  return 0;
 #endif
+}
 bool cuda_available() { return cuda_device_count() > 0; }
 
 }  // namespace mn

@@ -1,15 +1,85 @@
-// Tensor metadata, element access and printing. Methods that create views or copies forward to the
-// differentiable ops (autograd/ops.h); factories live in kernels/factories.cpp.
+// Tensor metadata, allocation (empty, make_view), element access, printing, and the autograd state
+// core can read. Methods that create views or copies or change autograd state forward to the autograd
+// layer through core/tensor_hooks.h; the kernel-backed factories live in kernels/factories.cpp.
 #include "core/tensor.h"
 
 #include <cmath>
 #include <cstdio>
+#include <new>
 #include <sstream>
 
-#include "autograd/ops.h"
 #include "core/capture.h"
+#include "core/tensor_hooks.h"
 
 namespace mn {
+
+TensorImpl::TensorImpl() = default;
+TensorImpl::~TensorImpl() { delete autograd.load(std::memory_order_acquire); }
+
+namespace {
+
+// No machine addresses more (x86-64 and CUDA both stop below 2^49): a larger request is a mistake in the
+// shape, not an allocation to try.
+constexpr int64_t kMaxTensorBytes = int64_t{1} << 48;
+
+// Bytes of a contiguous tensor of `shape`; ValueError naming the shape when it overflows or passes the cap.
+size_t contiguous_bytes(const Shape& shape, DType dtype) {
+  for (int64_t s : shape) MN_CHECK(s >= 0, ValueError, "negative dimension in shape ", shape);
+  int64_t bytes = 0;
+  const bool overflow = mul_overflows(shape.numel(), static_cast<int64_t>(dtype_size(dtype)), &bytes);
+  MN_CHECK(!overflow && bytes <= kMaxTensorBytes, ValueError, "a ", dtype, " tensor of shape ", shape, " would need ",
+           overflow ? std::string("more bytes than int64 can count") : thousands(bytes) + " bytes",
+           ", more than the ", thousands(kMaxTensorBytes), " bytes any machine can address");
+  return static_cast<size_t>(bytes);
+}
+
+}  // namespace
+
+Tensor empty(const Shape& shape, TensorOptions opts) {
+  const size_t bytes = contiguous_bytes(shape, opts.dtype);
+  auto impl = std::make_shared<TensorImpl>();
+  try {
+    impl->storage = std::make_shared<Storage>(bytes, opts.device);
+  } catch (const std::bad_alloc&) {  // the allocator's own bookkeeping: the same condition as its MemoryError
+    throw MemoryError(str("out of memory allocating ", thousands(static_cast<int64_t>(bytes)), " bytes for a ",
+                          opts.dtype, " tensor of shape ", shape, " on ", opts.device));
+  }
+  impl->sizes = shape;
+  impl->strides = contiguous_strides(shape);
+  impl->dtype = opts.dtype;
+  Tensor t(std::move(impl));
+  if (opts.requires_grad) t.requires_grad_(true);
+  return t;
+}
+
+Tensor make_view(const std::shared_ptr<Storage>& storage, const Shape& sizes, const Shape& strides, int64_t offset,
+                 DType dtype) {
+  MN_CHECK(storage != nullptr, ValueError, "make_view: no storage to view");
+  MN_CHECK(sizes.size() == strides.size(), ValueError, "make_view: sizes ", sizes, " and strides ", strides,
+           " differ in length");
+  bool valid = offset >= 0;
+  for (int i = 0; i < sizes.size(); ++i) valid = valid && sizes[i] >= 0 && strides[i] >= 0;
+  MN_CHECK(valid, ValueError, "make_view: sizes ", sizes, ", strides ", strides, " and offset ", offset,
+           " must be non-negative");
+  if (sizes.numel() > 0) {
+    // The element furthest into the storage must lie inside it.
+    const int64_t last = last_element(sizes, strides, offset);
+    int64_t end = 0;
+    const bool overflow = add_overflows(last, 1, &end) || mul_overflows(end, static_cast<int64_t>(dtype_size(dtype)), &end);
+    MN_CHECK(!overflow && static_cast<uint64_t>(end) <= storage->nbytes(), IndexError, "make_view: a ", dtype,
+             " view with sizes ", sizes, ", strides ", strides, " and offset ", offset, " reaches element ", last,
+             ", beyond its storage of ", thousands(static_cast<int64_t>(storage->nbytes())), " bytes");
+  }
+  auto impl = std::make_shared<TensorImpl>();
+  impl->storage = storage;
+  impl->sizes = sizes;
+  impl->strides = strides;
+  impl->offset = offset;
+  impl->dtype = dtype;
+  return Tensor(std::move(impl));
+}
+
+Tensor empty_like(const Tensor& t) { return empty(t.sizes(), TensorOptions(t.dtype()).with_device(t.device())); }
 
 int64_t Tensor::size(int64_t dim) const { return sizes()[wrap_dim(dim, this->dim())]; }
 int64_t Tensor::stride(int64_t dim) const { return strides()[wrap_dim(dim, this->dim())]; }
@@ -99,28 +169,102 @@ std::string Tensor::str() const {
 
 std::ostream& operator<<(std::ostream& os, const Tensor& t) { return os << t.str(); }
 
-// ---- methods forwarding to the differentiable ops ----
-Tensor Tensor::view(const Shape& shape) const { return mn::view(*this, shape); }
-Tensor Tensor::reshape(const Shape& shape) const { return mn::reshape(*this, shape); }
-Tensor Tensor::permute(const std::vector<int64_t>& dims) const { return mn::permute(*this, dims); }
-Tensor Tensor::transpose(int64_t d0, int64_t d1) const { return mn::transpose(*this, d0, d1); }
+// ---- autograd state core can read ----
+namespace {
+const std::shared_ptr<autograd::Node> kNoNode;
+}  // namespace
+
+bool Tensor::requires_grad() const {
+  auto* m = checked()->autograd.load(std::memory_order_acquire);
+  return m != nullptr && m->requires_grad;
+}
+
+bool Tensor::is_leaf() const {
+  auto* m = checked()->autograd.load(std::memory_order_acquire);
+  return m == nullptr || !m->grad_fn;
+}
+
+const std::shared_ptr<autograd::Node>& Tensor::grad_fn() const {
+  auto* m = checked()->autograd.load(std::memory_order_acquire);
+  return m ? m->grad_fn : kNoNode;
+}
+
+Tensor Tensor::grad() const {
+  auto* m = checked()->autograd.load(std::memory_order_acquire);
+  return m ? m->grad : Tensor();
+}
+
+Tensor Tensor::detach() const {
+  auto impl = std::make_shared<TensorImpl>();
+  impl->storage = storage();
+  impl->sizes = sizes();
+  impl->strides = strides();
+  impl->offset = storage_offset();
+  impl->dtype = dtype();
+  return Tensor(std::move(impl));
+}
+
+// ---- methods forwarding to the autograd layer (core/tensor_hooks.h) ----
+namespace {
+std::atomic<const detail::TensorHooks*> g_hooks{nullptr};
+
+const detail::TensorHooks& hooks(const char* method) {
+  const detail::TensorHooks* h = g_hooks.load(std::memory_order_acquire);
+  MN_CHECK(h != nullptr, RuntimeError, "Tensor::", method,
+           " needs the autograd layer, whose tensor methods are not installed: include autograd/ops.h (or "
+           "mapping/mapping_networks.h) in a file of the program and link mn::mapping_networks");
+  return *h;
+}
+}  // namespace
+
+void detail::set_tensor_hooks(const TensorHooks* h) { g_hooks.store(h, std::memory_order_release); }
+
+Tensor& Tensor::requires_grad_(bool on) {
+  hooks("requires_grad_").requires_grad_(*this, on);
+  return *this;
+}
+void Tensor::set_grad(const Tensor& g) const { hooks("set_grad").set_grad(*this, g); }
+void Tensor::backward(const Tensor& grad, bool retain_graph, bool create_graph) const {
+  hooks("backward").backward(*this, grad, retain_graph, create_graph);
+}
+void Tensor::retain_grad() const { hooks("retain_grad").retain_grad(*this); }
+void Tensor::register_post_accumulate_grad_hook(std::function<void(const Tensor&)> hook) const {
+  hooks("register_post_accumulate_grad_hook").register_post_accumulate_grad_hook(*this, std::move(hook));
+}
+
+Tensor Tensor::view(const Shape& shape) const { return hooks("view").view(*this, shape); }
+Tensor Tensor::reshape(const Shape& shape) const { return hooks("reshape").reshape(*this, shape); }
+Tensor Tensor::permute(const std::vector<int64_t>& dims) const { return hooks("permute").permute(*this, dims); }
+Tensor Tensor::transpose(int64_t d0, int64_t d1) const { return hooks("transpose").transpose(*this, d0, d1); }
 Tensor Tensor::t() const {
   MN_CHECK(dim() == 2, ValueError, "t() expects a 2-D tensor, got shape ", sizes());
-  return mn::transpose(*this, 0, 1);
+  return hooks("t").transpose(*this, 0, 1);
 }
-Tensor Tensor::narrow(int64_t d, int64_t start, int64_t length) const { return mn::narrow(*this, d, start, length); }
+Tensor Tensor::narrow(int64_t d, int64_t start, int64_t length) const {
+  return hooks("narrow").narrow(*this, d, start, length);
+}
 Tensor Tensor::slice(int64_t d, int64_t start, int64_t end, int64_t step) const {
-  return mn::slice(*this, d, start, end, step);
+  return hooks("slice").slice(*this, d, start, end, step);
 }
-Tensor Tensor::select(int64_t d, int64_t index) const { return mn::select(*this, d, index); }
-Tensor Tensor::squeeze(int64_t d) const { return mn::squeeze(*this, d); }
-Tensor Tensor::unsqueeze(int64_t d) const { return mn::unsqueeze(*this, d); }
-Tensor Tensor::expand(const Shape& shape) const { return mn::expand(*this, shape); }
-Tensor Tensor::flatten(int64_t s, int64_t e) const { return mn::flatten(*this, s, e); }
-Tensor Tensor::contiguous() const { return mn::contiguous(*this); }
-Tensor Tensor::clone() const { return mn::clone(*this); }
-Tensor Tensor::index_select(int64_t d, const Tensor& index) const { return mn::index_select(*this, d, index); }
-Tensor Tensor::to(DType t) const { return mn::to_dtype(*this, t); }
-Tensor Tensor::to(Device d) const { return mn::to_device(*this, d); }
+Tensor Tensor::select(int64_t d, int64_t index) const { return hooks("select").select(*this, d, index); }
+Tensor Tensor::squeeze(int64_t d) const { return hooks("squeeze").squeeze(*this, d); }
+Tensor Tensor::unsqueeze(int64_t d) const { return hooks("unsqueeze").unsqueeze(*this, d); }
+Tensor Tensor::expand(const Shape& shape) const { return hooks("expand").expand(*this, shape); }
+Tensor Tensor::flatten(int64_t s, int64_t e) const { return hooks("flatten").flatten(*this, s, e); }
+Tensor Tensor::contiguous() const { return hooks("contiguous").contiguous(*this); }
+Tensor Tensor::clone() const { return hooks("clone").clone(*this); }
+Tensor Tensor::index_select(int64_t d, const Tensor& index) const {
+  return hooks("index_select").index_select(*this, d, index);
+}
+Tensor Tensor::to(DType t) const { return hooks("to").to_dtype(*this, t); }
+Tensor Tensor::to(Device d) const { return hooks("to").to_device(*this, d); }
+Tensor& Tensor::copy_(const Tensor& src) {
+  hooks("copy_").copy_(*this, src);
+  return *this;
+}
+Tensor& Tensor::fill_(double value) {
+  hooks("fill_").fill_(*this, value);
+  return *this;
+}
 
 }  // namespace mn

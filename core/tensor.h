@@ -2,7 +2,9 @@
 // Tensor: a cheap handle (shared TensorImpl) over shared storage + sizes + strides + offset (in
 // elements) + dtype + autograd metadata. Views share storage and hence the version counter.
 // Differentiable operations are free functions in autograd/ops.h; the methods here that create
-// views or copies forward to them.
+// views or copies, and those that change autograd state, forward to the autograd layer through
+// core/tensor_hooks.h (core links nothing above it). Factories other than empty/make_view are
+// declared in kernels/factories.h.
 #include <atomic>
 #include <cstdint>
 #include <functional>
@@ -31,7 +33,7 @@ void host_access();  // host code touched a tensor's memory while recording: not
 }  // namespace capture
 namespace autograd {
 class Node;
-struct AutogradMeta;
+struct AutogradMetaBase;
 }  // namespace autograd
 
 struct TensorImpl {
@@ -42,7 +44,8 @@ struct TensorImpl {
   DType dtype = DType::f32;
   // Null until autograd needs it, then owned (deleted with the impl). Atomic because it is created
   // lazily: two threads reading one tensor (say a shared leaf feeding two forwards) may both ask for it.
-  std::atomic<autograd::AutogradMeta*> autograd{nullptr};
+  // The autograd layer creates it (an autograd::AutogradMeta, autograd/node.h).
+  std::atomic<autograd::AutogradMetaBase*> autograd{nullptr};
   TensorImpl();
   ~TensorImpl();
   TensorImpl(const TensorImpl&) = delete;
@@ -149,7 +152,7 @@ class Tensor {
 
 std::ostream& operator<<(std::ostream& os, const Tensor& t);
 
-// ---- factories (CPU unless a device is given; f32 unless a dtype is given) ----
+// ---- allocation (CPU unless a device is given; f32 unless a dtype is given) ----
 struct TensorOptions {
   DType dtype = DType::f32;
   Device device = kCPU;
@@ -167,26 +170,23 @@ Tensor empty(const Shape& shape, TensorOptions opts = {});
 // A tensor over existing storage (a view, no autograd history).
 Tensor make_view(const std::shared_ptr<Storage>& storage, const Shape& sizes, const Shape& strides,
                  int64_t offset, DType dtype);
-Tensor zeros(const Shape& shape, TensorOptions opts = {});
-Tensor ones(const Shape& shape, TensorOptions opts = {});
-Tensor full(const Shape& shape, double value, TensorOptions opts = {});
-Tensor zeros_like(const Tensor& t);
-Tensor ones_like(const Tensor& t);
 Tensor empty_like(const Tensor& t);
-Tensor full_like(const Tensor& t, double value);
-// [start, end) with step; dtype i64 unless opts says f32.
-Tensor arange(double start, double end, double step = 1.0, TensorOptions opts = DType::i64);
-Tensor arange(int64_t end, TensorOptions opts = DType::i64);
-// Uniform [0, 1) and standard normal, from the given generator (default: the global one).
-Tensor rand(const Shape& shape, TensorOptions opts = {}, Generator* gen = nullptr);
-Tensor randn(const Shape& shape, TensorOptions opts = {}, Generator* gen = nullptr);
-Tensor uniform(const Shape& shape, double lo, double hi, TensorOptions opts = {}, Generator* gen = nullptr);
-Tensor normal(const Shape& shape, double mean, double std, TensorOptions opts = {}, Generator* gen = nullptr);
-Tensor bernoulli(const Shape& shape, double p, TensorOptions opts = {}, Generator* gen = nullptr);
-Tensor rademacher(const Shape& shape, TensorOptions opts = {}, Generator* gen = nullptr);
-// From host values (copied), row-major; the shape defaults to 1-D.
-Tensor from_vector(const std::vector<float>& values, const Shape& shape = {}, TensorOptions opts = {});
-Tensor from_vector(const std::vector<int64_t>& values, const Shape& shape = {}, TensorOptions opts = DType::i64);
-Tensor scalar_tensor(double value, TensorOptions opts = {});
+// The other factories (zeros, ones, full, arange, randn, from_vector, ...) fill memory with kernels:
+// kernels/factories.h declares them.
+
+namespace autograd {
+// The part of a tensor's autograd state that core reads (Tensor::requires_grad, grad, grad_fn,
+// is_leaf) and deletes with the TensorImpl. The autograd layer derives AutogradMeta from it
+// (autograd/node.h) and is the only one that creates it.
+struct AutogradMetaBase {
+  AutogradMetaBase() = default;
+  AutogradMetaBase(const AutogradMetaBase&) = delete;
+  AutogradMetaBase& operator=(const AutogradMetaBase&) = delete;
+  virtual ~AutogradMetaBase() = default;
+  bool requires_grad = false;
+  Tensor grad;
+  std::shared_ptr<Node> grad_fn;
+};
+}  // namespace autograd
 
 }  // namespace mn

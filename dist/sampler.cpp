@@ -3,6 +3,7 @@
 #include <numeric>
 
 #include "core/error.h"
+#include "kernels/factories.h"
 #include "nn/data/dataloader.h"
 
 namespace mn::dist {

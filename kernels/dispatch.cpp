@@ -2,6 +2,8 @@
 
 #include <mutex>
 
+#include "core/caching_allocator.h"
+#include "kernels/factories.h"
 #include "kernels/kernels.h"
 
 namespace mn::kernels {
@@ -17,3 +19,14 @@ void ensure_registered() {
 }
 
 }  // namespace mn::kernels
+
+namespace mn::detail {
+
+// Core's allocator runs the backends' registration before a device's first allocator (the CUDA
+// backend registers its allocator factory there), which it cannot call itself (core/caching_allocator.h).
+int install_kernel_backends() {
+  set_backend_registration(&kernels::ensure_registered);
+  return 0;
+}
+
+}  // namespace mn::detail

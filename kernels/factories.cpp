@@ -1,76 +1,13 @@
-// Tensor factories: allocation from the device's caching allocator, constant fills, ranges and
-// Philox random fills.
+// Tensor factories (kernels/factories.h): constant fills, ranges and Philox random fills over memory
+// from core's empty().
 #include <cmath>
-#include <new>
 #include <string>
 #include <vector>
 
+#include "kernels/factories.h"
 #include "kernels/kernels.h"
 
 namespace mn {
-
-namespace {
-
-// No machine addresses more (x86-64 and CUDA both stop below 2^49): a larger request is a mistake in the
-// shape, not an allocation to try.
-constexpr int64_t kMaxTensorBytes = int64_t{1} << 48;
-
-// Bytes of a contiguous tensor of `shape`; ValueError naming the shape when it overflows or passes the cap.
-size_t contiguous_bytes(const Shape& shape, DType dtype) {
-  for (int64_t s : shape) MN_CHECK(s >= 0, ValueError, "negative dimension in shape ", shape);
-  int64_t bytes = 0;
-  const bool overflow = mul_overflows(shape.numel(), static_cast<int64_t>(dtype_size(dtype)), &bytes);
-  MN_CHECK(!overflow && bytes <= kMaxTensorBytes, ValueError, "a ", dtype, " tensor of shape ", shape, " would need ",
-           overflow ? std::string("more bytes than int64 can count") : thousands(bytes) + " bytes",
-           ", more than the ", thousands(kMaxTensorBytes), " bytes any machine can address");
-  return static_cast<size_t>(bytes);
-}
-
-}  // namespace
-
-Tensor empty(const Shape& shape, TensorOptions opts) {
-  const size_t bytes = contiguous_bytes(shape, opts.dtype);
-  auto impl = std::make_shared<TensorImpl>();
-  try {
-    impl->storage = std::make_shared<Storage>(bytes, opts.device);
-  } catch (const std::bad_alloc&) {  // the allocator's own bookkeeping: the same condition as its MemoryError
-    throw MemoryError(str("out of memory allocating ", thousands(static_cast<int64_t>(bytes)), " bytes for a ",
-                          opts.dtype, " tensor of shape ", shape, " on ", opts.device));
-  }
-  impl->sizes = shape;
-  impl->strides = contiguous_strides(shape);
-  impl->dtype = opts.dtype;
-  Tensor t(std::move(impl));
-  if (opts.requires_grad) t.requires_grad_(true);
-  return t;
-}
-
-Tensor make_view(const std::shared_ptr<Storage>& storage, const Shape& sizes, const Shape& strides, int64_t offset,
-                 DType dtype) {
-  MN_CHECK(storage != nullptr, ValueError, "make_view: no storage to view");
-  MN_CHECK(sizes.size() == strides.size(), ValueError, "make_view: sizes ", sizes, " and strides ", strides,
-           " differ in length");
-  bool valid = offset >= 0;
-  for (int i = 0; i < sizes.size(); ++i) valid = valid && sizes[i] >= 0 && strides[i] >= 0;
-  MN_CHECK(valid, ValueError, "make_view: sizes ", sizes, ", strides ", strides, " and offset ", offset,
-           " must be non-negative");
-  if (sizes.numel() > 0) {
-    // The element furthest into the storage must lie inside it.
-    const int64_t last = last_element(sizes, strides, offset);
-    int64_t end = 0;
-    const bool overflow = add_overflows(last, 1, &end) || mul_overflows(end, static_cast<int64_t>(dtype_size(dtype)), &end);
-    MN_CHECK(!overflow && static_cast<uint64_t>(end) <= storage->nbytes(), IndexError, "make_view: a ", dtype,
-             " view with sizes ", sizes, ", strides ", strides, " and offset ", offset, " reaches element ", last,
-             ", beyond its storage of ", thousands(static_cast<int64_t>(storage->nbytes())), " bytes");
-  }
-  auto impl = std::make_shared<TensorImpl>();
-  impl->storage = storage;
-  impl->sizes = sizes;
-  impl->strides = strides;
-  impl->offset = offset;
-  impl->dtype = dtype;
-  return Tensor(std::move(impl));
-}
 
 Tensor full(const Shape& shape, double value, TensorOptions opts) {
   const bool rg = opts.requires_grad;
@@ -84,7 +21,6 @@ Tensor zeros(const Shape& shape, TensorOptions opts) { return full(shape, 0.0, o
 Tensor ones(const Shape& shape, TensorOptions opts) { return full(shape, 1.0, opts); }
 Tensor zeros_like(const Tensor& t) { return zeros(t.sizes(), TensorOptions(t.dtype()).with_device(t.device())); }
 Tensor ones_like(const Tensor& t) { return ones(t.sizes(), TensorOptions(t.dtype()).with_device(t.device())); }
-Tensor empty_like(const Tensor& t) { return empty(t.sizes(), TensorOptions(t.dtype()).with_device(t.device())); }
 Tensor full_like(const Tensor& t, double value) {
   return full(t.sizes(), value, TensorOptions(t.dtype()).with_device(t.device()));
 }
@@ -106,13 +42,17 @@ Tensor arange(double start, double end, double step, TensorOptions opts) {
 Tensor arange(int64_t end, TensorOptions opts) { return arange(0.0, static_cast<double>(end), 1.0, opts); }
 
 namespace {
+void fill_random(Tensor& out, Distribution dist, double p1, double p2, const PhiloxState& state) {
+  kernels::random_fill(out.device(), out, dist, p1, p2, state);
+}
+
 Tensor random_tensor(const Shape& shape, Distribution dist, double p1, double p2, TensorOptions opts, Generator* gen) {
   check_distribution_params(dist, p1, p2);
   const bool rg = opts.requires_grad;
   opts.requires_grad = false;
   Tensor t = empty(shape, opts);
   Generator& g = gen ? *gen : default_generator();
-  capture::random_fill(t, dist, p1, p2, g);  // a fresh range at every replay of a captured graph
+  capture::random_fill(t, dist, p1, p2, g, fill_random);  // a fresh range at every replay of a captured graph
   if (rg) t.requires_grad_(true);
   return t;
 }

@@ -5,7 +5,6 @@
 #include <string>
 
 #include "autograd/ops.h"
-#include "kernels/kernels.h"
 
 namespace mn {
 class Generator;

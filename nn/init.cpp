@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "autograd/node.h"
+#include "kernels/factories.h"
 
 namespace mn::nn::init {
 

@@ -12,6 +12,7 @@
 
 #include "core/device.h"
 #include "core/error.h"
+#include "kernels/factories.h"
 #include "nn/data/fashion_mnist.h"
 #include "nn/safetensors.h"
 #include "tests/mn_train_exe.h"

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "core/tensor.h"
+#include "kernels/factories.h"
 #include "nn/layers.h"
 #include "nn/safetensors.h"
 #include "nn/serialize.h"

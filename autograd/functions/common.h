@@ -24,6 +24,10 @@ Tensor raw_view(const Tensor& t, const Shape& sizes, const Shape& strides, int64
 // Contiguous version of t without recording (for kernels that need dense inputs).
 Tensor raw_contiguous(const Tensor& t);
 
+// Tensor::copy_ and Tensor::fill_ (views.cpp; reached through autograd/tensor_hooks.cpp).
+void copy_into(Tensor& self, const Tensor& src);
+void fill_with(Tensor& self, double value);
+
 // Bit mask of dims to reduce (all dims when dims is empty and all_if_empty).
 uint32_t dim_mask(const std::vector<int64_t>& dims, int ndim, bool all_if_empty = true);
 // Shape with reduced dims set to 1 (keepdim) or removed.

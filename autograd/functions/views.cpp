@@ -436,28 +436,29 @@ void check_copy_overlap(const Tensor& dst, const Tensor& src) {
 // Recorded like PyTorch's CopyBackwards when either side needs a gradient: the destination's new value
 // is the (broadcast) source, so the source gets the gradient summed back to its shape and the
 // overwritten old value gets zero. An integer destination carries no gradient (a plain copy).
-Tensor& Tensor::copy_(const Tensor& src) {
+void detail::copy_into(Tensor& self, const Tensor& src) {
   MN_CHECK(src.defined(), ValueError, "copy_: the source tensor is undefined");
-  check_copy_overlap(*this, src);
-  const bool record = autograd::grad_mode_enabled() && dtype() == DType::f32 && (requires_grad() || src.requires_grad());
+  check_copy_overlap(self, src);
+  const bool record =
+      autograd::grad_mode_enabled() && self.dtype() == DType::f32 && (self.requires_grad() || src.requires_grad());
   if (record) {
-    MN_CHECK(!(is_leaf() && requires_grad()), RuntimeError,
+    MN_CHECK(!(self.is_leaf() && self.requires_grad()), RuntimeError,
              "copy_: a leaf tensor that requires grad cannot be written in place while recording; use NoGradGuard "
              "(as for initialisation) or an out-of-place op");
     // The history goes on this tensor alone: another view or base of the same memory would read the new
     // values without it, and its gradient would silently miss the source.
-    MN_CHECK(storage().use_count() == 1, RuntimeError, "copy_: cannot record a copy ",
-             src.requires_grad() ? "from a tensor that requires grad " : "", "into a tensor (shape ", sizes(),
+    MN_CHECK(self.storage().use_count() == 1, RuntimeError, "copy_: cannot record a copy ",
+             src.requires_grad() ? "from a tensor that requires grad " : "", "into a tensor (shape ", self.sizes(),
              ") whose memory other tensors share (a view, its base or a detached alias): they would not see the "
              "copy's history; copy into a fresh tensor, or build the result out of place (cat, stack, where)");
   }
   // Across devices (as in to_device) the copy is the device side's kernel, which handles host <-> device
   // in both directions and device <-> device.
-  const Device here = device(), there = src.device();
-  kernels::copy(here.is_cpu() ? there : here, detail::expand_view(src, sizes()), *this);
-  bump_version();
+  const Device here = self.device(), there = src.device();
+  kernels::copy(here.is_cpu() ? there : here, detail::expand_view(src, self.sizes()), self);
+  self.bump_version();
   if (record)
-    autograd::record("CopyBackward", {this, &src}, {this},
+    autograd::record("CopyBackward", {&self, &src}, {&self},
                      [src_shape = src.sizes(), src_device = src.device()](const GradContext& c) -> TensorList {
                        const Tensor& g = c.grad();
                        if (!g.defined()) return {Tensor(), Tensor()};
@@ -468,15 +469,13 @@ Tensor& Tensor::copy_(const Tensor& src) {
                        }
                        return {c.needs(0) ? zeros_like(g) : Tensor(), to_src};
                      });
-  return *this;
 }
 
-Tensor& Tensor::fill_(double value) {
-  MN_CHECK(!(requires_grad() && autograd::grad_mode_enabled()), RuntimeError,
+void detail::fill_with(Tensor& self, double value) {
+  MN_CHECK(!(self.requires_grad() && autograd::grad_mode_enabled()), RuntimeError,
            "fill_ on a tensor that requires grad is not supported while recording; use NoGradGuard");
-  kernels::fill(device(), *this, value);
-  bump_version();
-  return *this;
+  kernels::fill(self.device(), self, value);
+  self.bump_version();
 }
 
 }  // namespace mn

@@ -1,24 +1,5 @@
-// CUDA device discovery and the registration hook of the CUDA backend. Without a driver or device,
-// cudaGetDeviceCount returns an error: that means zero devices, not a failure.
-#include <cuda_runtime.h>
-
+// The registration hook of the CUDA backend (device discovery, cuda_device_count, is in core/device.cpp).
 #include "kernels/kernels.h"
-
-namespace mn {
-
-int cuda_device_count() {
-  static const int count = [] {
-    int n = 0;
-    if (cudaGetDeviceCount(&n) != cudaSuccess) {
-      cudaGetLastError();  // clear the sticky error so later checks do not report it
-      return 0;
-    }
-    return n;
-  }();
-  return count;
-}
-
-}  // namespace mn
 
 namespace mn::kernels {
 

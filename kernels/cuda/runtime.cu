@@ -28,9 +28,6 @@ void check_device_index(int device, const char* caller) {
            "), got ", device, count == 0 ? " (no CUDA device is available)" : "");
 }
 
-// The calling thread's current stream per device; 0 (the legacy default stream) until set.
-thread_local std::array<StreamId, kMaxDevicesPerType> tls_current_stream{};
-
 struct StreamPool {
   std::once_flag created;
   std::array<cudaStream_t, kStreamPoolSize> streams{};
@@ -73,7 +70,7 @@ void check_on_device(const char* op, const Tensor& t, int device, const char* ar
 cudaStream_t current_stream(int device) {
   check_device_index(device, "cuda::current_stream");
   make_current_device(device);
-  return as_stream(tls_current_stream[static_cast<size_t>(device)]);
+  return as_stream(current_stream_id(device));
 }
 
 // ---- core/cuda.h ----------------------------------------------------------------------------------
@@ -132,12 +129,12 @@ Stream new_stream(int device) {
 
 Stream get_current_stream(int device) {
   check_device_index(device, "cuda::get_current_stream");
-  return Stream(device, tls_current_stream[static_cast<size_t>(device)]);
+  return Stream(device, current_stream_id(device));
 }
 
 void set_current_stream(const Stream& s) {
   check_device_index(s.device_index(), "cuda::set_current_stream");
-  tls_current_stream[static_cast<size_t>(s.device_index())] = s.id();
+  detail::set_current_stream_id(s.device_index(), s.id());
 }
 
 StreamGuard::StreamGuard(const Stream& s) {
@@ -149,17 +146,11 @@ StreamGuard::StreamGuard(const Stream& s) {
 }
 
 StreamGuard::~StreamGuard() {
-  tls_current_stream[static_cast<size_t>(previous_.device_index())] = previous_.id();
+  detail::set_current_stream_id(previous_.device_index(), previous_.id());
   int current = -1;
   if (previous_device_ >= 0 && cudaGetDevice(&current) == cudaSuccess && current != previous_device_)
     cudaSetDevice(previous_device_);
   cudaGetLastError();
-}
-
-StreamId current_stream_id(int device) {
-  MN_CHECK(device >= 0 && device < kMaxDevicesPerType, DeviceError, "cuda::current_stream_id: bad device index ",
-           device);
-  return tls_current_stream[static_cast<size_t>(device)];
 }
 
 void record_stream(const Tensor& t, const Stream& s) {

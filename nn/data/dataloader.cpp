@@ -5,6 +5,7 @@
 #include <utility>
 
 #include "core/random.h"
+#include "kernels/factories.h"
 #include "nn/data/fashion_mnist.h"
 
 namespace mn::data {
