@@ -83,6 +83,26 @@ std::map<std::string, std::vector<float>> tensors_with_prefix(const std::string&
   return out;
 }
 
+// The largest element difference between two files' tensors of the same names: absolute, or relative to
+// each tensor's largest magnitude.
+double largest_difference(const std::map<std::string, std::vector<float>>& a,
+                          const std::map<std::string, std::vector<float>>& b, bool relative) {
+  REQUIRE(b.size() == a.size());
+  double worst = 0;
+  for (const auto& [name, va] : a) {
+    REQUIRE(b.count(name) == 1);
+    const std::vector<float>& vb = b.at(name);
+    REQUIRE(va.size() == vb.size());
+    double diff = 0, norm = 0;
+    for (size_t i = 0; i < va.size(); ++i) {
+      diff = std::max(diff, std::abs(static_cast<double>(va[i]) - vb[i]));
+      norm = std::max(norm, std::abs(static_cast<double>(va[i])));
+    }
+    worst = std::max(worst, relative ? diff / norm : diff);
+  }
+  return worst;
+}
+
 const char* const kCommon = "--target cnn2 --strategy layerwise --latent-dim 16 --limit 512 --seed 3 --json";
 
 }  // namespace
@@ -144,18 +164,7 @@ TEST_CASE("mn-train --backend gloo: 2 ranks x batch 64 match one process with ba
   const auto a = tensors_with_prefix(dir / "single/checkpoint.safetensors", "latent/");
   const auto b = tensors_with_prefix(dir / "ddp/checkpoint.safetensors", "latent/");
   REQUIRE(a.size() == 4);
-  REQUIRE(b.size() == a.size());
-  double worst = 0;
-  for (const auto& [name, va] : a) {
-    const std::vector<float>& vb = b.at(name);
-    REQUIRE(va.size() == vb.size());
-    double diff = 0, norm = 0;
-    for (size_t i = 0; i < va.size(); ++i) {
-      diff = std::max(diff, std::abs(static_cast<double>(va[i]) - vb[i]));
-      norm = std::max(norm, std::abs(static_cast<double>(va[i])));
-    }
-    worst = std::max(worst, diff / norm);
-  }
+  const double worst = largest_difference(a, b, /*relative=*/true);
   MESSAGE("largest relative latent difference, 2 ranks vs 1 process: " << worst);
   // Equal up to float summation order (per-rank batches of 64 against one of 128), which Adam amplifies
   // on near-zero gradient components: seen 1.1e-7 and 1.8e-5 for two mapper constructions of the same
@@ -200,13 +209,7 @@ TEST_CASE("mn-train --backend gloo --strategy direct: 2 ranks x batch 64 match o
   const auto a = tensors_with_prefix(dir / "single/weights.safetensors", "");
   const auto b = tensors_with_prefix(dir / "ddp/weights.safetensors", "");
   REQUIRE(a.size() == 4);
-  REQUIRE(b.size() == a.size());
-  double worst = 0;
-  for (const auto& [name, va] : a) {
-    const std::vector<float>& vb = b.at(name);
-    REQUIRE(va.size() == vb.size());
-    for (size_t i = 0; i < va.size(); ++i) worst = std::max(worst, std::abs(static_cast<double>(va[i]) - vb[i]));
-  }
+  const double worst = largest_difference(a, b, /*relative=*/false);
   MESSAGE("largest weight difference, 2 ranks vs 1 process: " << worst);
   CHECK(worst < 1e-4);
 }
