@@ -33,6 +33,10 @@ if ((need_data)); then
   fi
 fi
 
+# One OpenMP thread unless the caller chose (./mn test gives each test process its share of the cores):
+# the programs are small, and two spinning threads on a busy 2-core machine take several times longer.
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+
 rm -rf "$dir"
 mkdir -p "$dir"
 cd "$dir"
