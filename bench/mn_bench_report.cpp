@@ -616,7 +616,9 @@ json report_torch(const fs::path& file) {
     json row = {{"step", step}, {"ours_ms", num(ours)}, {"torch_ms", json::object()}};
     for (auto& [variant, v] : member(r, "torch_ms").items()) {
       const double ms = v.is_number() ? v.get<double>() : std::nan("");
-      std::cout << fmt("%-46s %9.2f  %-10s %9.2f %7.2f\n", step.c_str(), ours, variant.c_str(), ms, ours / ms);
+      auto cell = [](double x, int width) { return std::isfinite(x) ? fmt("%*.2f", width, x) : fmt("%*s", width, "n/a"); };
+      std::cout << fmt("%-46s %s  %-10s %s %s\n", step.c_str(), cell(ours, 9).c_str(), variant.c_str(),
+                       cell(ms, 9).c_str(), cell(ours / ms, 7).c_str());
       row["torch_ms"][variant] = num(ms);
     }
     rows.push_back(row);
@@ -785,7 +787,7 @@ int bars_in(const Panel& p) {
 // Writes the panels one below the other; each bar is a <rect class="bar"> with a <title> tooltip.
 void write_svg(const fs::path& file, const std::vector<Panel>& panels) {
   const char* const colors[] = {"#4477aa", "#ee6677", "#228833", "#ccbb44", "#66ccee", "#aa3377"};
-  const double width = 960, panel_h = 360, left = 90, right = 20, top = 40, bottom = 110;
+  const double width = 960, panel_h = 330, left = 90, right = 20, top = 50, bottom = 60;
   std::ostringstream o;
   o << fmt("<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"%.0f\" height=\"%.0f\" font-family=\"sans-serif\" "
            "font-size=\"11\">\n",
@@ -808,7 +810,7 @@ void write_svg(const fs::path& file, const std::vector<Panel>& panels) {
       return base - t * plot_h;
     };
     o << "<g class=\"panel\">\n";
-    o << fmt("<text x=\"%.1f\" y=\"%.1f\" font-size=\"14\" font-weight=\"bold\">%s</text>\n", left, y0 + 22,
+    o << fmt("<text x=\"%.1f\" y=\"%.1f\" font-size=\"14\" font-weight=\"bold\">%s</text>\n", left, y0 + 18,
              xml_escape(p.title).c_str());
     // Ticks: every decade (log) or five steps.
     std::vector<double> ticks;
@@ -836,16 +838,24 @@ void write_svg(const fs::path& file, const std::vector<Panel>& panels) {
                  base - y, colors[s % std::size(colors)]);
         o << "<title>" << xml_escape(p.groups[g] + ", " + p.series[s] + ": " + tick_text(v, p.unit)) << "</title></rect>\n";
       }
-      // Below the axis, slanted down to the right from the middle of the group (start-anchored text
-      // in a translated frame: the form every SVG renderer draws alike).
-      o << fmt("<text transform=\"translate(%.1f %.1f) rotate(30)\">%s</text>\n", gx + band / 2, base + 14,
-               xml_escape(p.groups[g]).c_str());
+      // Below the axis, horizontal and centred (rotated text is drawn differently by some renderers).
+      // Labels wider than a group (about 6 px a character) alternate between two rows and are cut to
+      // two groups' width; the bars' tooltips carry the whole name.
+      const bool crowded = p.groups.size() > 1 && p.groups[g].size() * 6.0 > band;
+      std::string label = p.groups[g];
+      const size_t fits = static_cast<size_t>(2 * band / 6);
+      if (crowded && label.size() > fits) label = label.substr(0, fits > 3 ? fits - 3 : 0) + "...";
+      o << fmt("<text x=\"%.1f\" y=\"%.1f\" text-anchor=\"middle\">%s</text>\n", gx + band / 2,
+               base + 16 + (crowded && g % 2 ? 14 : 0), xml_escape(label).c_str());
     }
+    // The legend: one row between the title and the plot.
+    double lx = left;
     for (size_t s = 0; s < p.series.size(); ++s) {
-      const double lx = left + plot_w - 170, ly = y0 + top + 4 + 16 * s;
+      const double ly = y0 + 26;
       o << fmt("<rect class=\"legend\" x=\"%.1f\" y=\"%.1f\" width=\"10\" height=\"10\" fill=\"%s\" stroke=\"none\"/>\n", lx, ly,
                colors[s % std::size(colors)]);
       o << fmt("<text x=\"%.1f\" y=\"%.1f\">%s</text>\n", lx + 14, ly + 9, xml_escape(p.series[s]).c_str());
+      lx += 30 + 6.5 * p.series[s].size();
     }
     o << "</g>\n";
   }
@@ -879,23 +889,25 @@ std::vector<Panel> chart_panels(const json& summary) {
   const json torch = summary.contains("torch") ? summary["torch"].value("rows", json::array()) : json::array();
   if (!torch.empty()) {
     Panel p{"training step, ours against PyTorch", "ms", false, {}, {"ours"}, {{}}};
+    std::vector<std::string> variants;  // compare_torch.py's names: "torch" (plain), "same", "dense", ...
     for (const json& r : torch)
       for (auto& [variant, v] : member(r, "torch_ms").items())
-        if (std::find(p.series.begin(), p.series.end(), "torch " + variant) == p.series.end()) {
-          p.series.push_back("torch " + variant);
+        if (std::find(variants.begin(), variants.end(), variant) == variants.end()) {
+          variants.push_back(variant);
+          p.series.push_back(variant == "torch" ? "torch" : "torch " + variant);
           p.values.emplace_back();
         }
     for (const json& r : torch) {
       p.groups.push_back(r.value("step", std::string()));
       p.values[0].push_back(number(r, "ours_ms"));
-      for (size_t s = 1; s < p.series.size(); ++s) {
-        p.values[s].push_back(number(member(r, "torch_ms"), p.series[s].substr(6).c_str()));
-      }
+      for (size_t v = 0; v < variants.size(); ++v)
+        p.values[v + 1].push_back(number(member(r, "torch_ms"), variants[v].c_str()));
     }
     panels.push_back(std::move(p));
   }
   return panels;
 }
+
 const char* const kUsage =
     "usage: mn_bench_report DIR [--compare OLD_SUMMARY.json] [--threshold PCT] [--chart FILE.svg | --no-chart]\n"
     "  reads DIR/mn_bench_*.json (and DIR/compare_torch.json if present), prints a summary, writes\n"
