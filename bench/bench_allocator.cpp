@@ -28,7 +28,7 @@ void BM_CachedSmallHit(benchmark::State& state) {
     cpu.free(a);
   }
 }
-BENCHMARK(BM_CachedSmallHit)->Arg(64)->Arg(4096);
+BENCHMARK(BM_CachedSmallHit)->ArgName("bytes")->Arg(64)->Arg(4096);
 
 void BM_Cached64MiB(benchmark::State& state) {
   DeviceAllocator& cpu = allocator_for(kCPU);
@@ -68,7 +68,7 @@ void BM_SplitPath(benchmark::State& state) {
 }
 BENCHMARK(BM_SplitPath);
 
-// empty_cache alone (manual time) with range(0) cached whole segments of 12 MiB to return.
+// empty_cache alone (manual time) with `segments` cached whole segments of 12 MiB to return.
 void BM_EmptyCache(benchmark::State& state) {
   CachingAllocatorImpl alloc(make_cpu_raw_backend());
   const auto segments = static_cast<size_t>(state.range(0));
@@ -82,6 +82,6 @@ void BM_EmptyCache(benchmark::State& state) {
     state.SetIterationTime(std::chrono::duration<double>(stop - start).count());
   }
 }
-BENCHMARK(BM_EmptyCache)->Arg(0)->Arg(1)->Arg(16)->UseManualTime();
+BENCHMARK(BM_EmptyCache)->ArgName("segments")->Arg(0)->Arg(1)->Arg(16)->UseManualTime();
 
 }  // namespace

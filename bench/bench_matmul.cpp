@@ -26,7 +26,7 @@ void BM_MatmulSquare(benchmark::State& state) {
   for (auto _ : state) benchmark::DoNotOptimize(mm(a, b).data<float>());
   set_flops(state, 2.0 * n * n * n);
 }
-BENCHMARK(BM_MatmulSquare)->Arg(256)->Arg(512)->Arg(1024)->Arg(2048)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_MatmulSquare)->ArgName("n")->Arg(256)->Arg(512)->Arg(1024)->Arg(2048)->Unit(benchmark::kMillisecond)->UseRealTime();
 
 // x @ W^T with W read through a transposed view, as linear() does.
 void BM_MatmulTransposedRhs(benchmark::State& state) {
@@ -35,7 +35,7 @@ void BM_MatmulTransposedRhs(benchmark::State& state) {
   for (auto _ : state) benchmark::DoNotOptimize(mm(a, w.t()).data<float>());
   set_flops(state, 2.0 * n * n * n);
 }
-BENCHMARK(BM_MatmulTransposedRhs)->Arg(1024)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_MatmulTransposedRhs)->ArgName("n")->Arg(1024)->Unit(benchmark::kMillisecond)->UseRealTime();
 
 // Many small products: the batch is spread over the threads.
 void BM_BmmSmall(benchmark::State& state) {
@@ -44,6 +44,6 @@ void BM_BmmSmall(benchmark::State& state) {
   for (auto _ : state) benchmark::DoNotOptimize(bmm(a, b).data<float>());
   set_flops(state, 2.0 * batch * n * n * n);
 }
-BENCHMARK(BM_BmmSmall)->Arg(32)->Arg(64)->Unit(benchmark::kMicrosecond)->UseRealTime();
+BENCHMARK(BM_BmmSmall)->ArgName("n")->Arg(32)->Arg(64)->Unit(benchmark::kMicrosecond)->UseRealTime();
 
 }  // namespace

@@ -23,6 +23,7 @@
 
 #include "bench/bandwidth_probe.h"
 #include "core/allocator.h"
+#include "core/random.h"
 #include "mapping/mapping_model.h"
 #include "mapping/targets.h"
 #include "nn/compile.h"
@@ -39,7 +40,7 @@ Tensor labels(int64_t n) {
 }
 }  // namespace
 
-// Plain training of the target itself (its own parameters, Adam 1e-3); the batch is state.range(0).
+// Plain training of the target itself (its own parameters, Adam 1e-3); the batch is the argument `batch`.
 static void direct_step(benchmark::State& state, const std::string& target, Shape input) {
   manual_seed(0);
   auto net = mapping::make_target(target);
@@ -56,7 +57,7 @@ static void direct_step(benchmark::State& state, const std::string& target, Shap
 }
 
 static void BM_CNN2_DirectStep(benchmark::State& state) { direct_step(state, "cnn2", {0, 1, 28, 28}); }
-BENCHMARK(BM_CNN2_DirectStep)->Arg(128)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_CNN2_DirectStep)->ArgName("batch")->Arg(128)->Unit(benchmark::kMillisecond)->UseRealTime();
 
 // stream: MappingOptions::stream_layers (parameters generated per layer, again in backward). Counter
 // step_peak_MB: the allocator's peak above what was allocated before the timed steps.
@@ -107,7 +108,7 @@ BENCHMARK(BM_StreamedStep)
     ->UseRealTime();
 
 static void BM_MLP_DirectStep(benchmark::State& state) { direct_step(state, "mlp", {0, 784}); }
-BENCHMARK(BM_MLP_DirectStep)->Arg(64)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_MLP_DirectStep)->ArgName("batch")->Arg(64)->Unit(benchmark::kMillisecond)->UseRealTime();
 
 namespace {
 

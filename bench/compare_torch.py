@@ -1,12 +1,14 @@
 #!/usr/bin/python3
 """Side-by-side training-step timings: mapping_networks (C++) against Debian's PyTorch 1.13.
 
-Usage:  /usr/bin/python3 bench/compare_torch.py [--build build] [--threads 2] [--repeats 7]
+Usage:  /usr/bin/python3 bench/compare_torch.py [--build build] [--threads 2] [--repeats 7] [--json FILE]
 
 Runs, in this one invocation and with the same thread count:
   * our Google Benchmark binary build/bench/mn_bench_train_step (median of --repeats runs), and
   * the same steps in PyTorch (median over --repeats timed blocks after warm-up),
-then prints one table of medians and ratios (ours / PyTorch; < 1 means we are faster).
+then prints one table of medians and ratios (ours / PyTorch; < 1 means we are faster). --json also
+writes the figures to FILE; as DIR/compare_torch.json next to `./mn bench`'s results (`./mn bench
+--torch` does that), mn_bench_report prints and charts them with the rest.
 
 PyTorch variants of the mapped steps:
   same     the same math as ours: per group theta = s * (W z + alpha |z|^2), with W in the same
@@ -149,6 +151,7 @@ def main():
     ap.add_argument("--build", default="build")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--json", metavar="FILE", help="also write the figures to FILE (read by mn_bench_report)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -169,6 +172,12 @@ def main():
             ratio = f"{ours_ms / ms:7.2f}" if ours_ms else "    n/a"
             ours_txt = f"{ours_ms:9.2f}" if ours_ms else "      n/a"
             print(f"{label:46s} {ours_txt}  {variant:>14s} {ms:9.2f} {ratio}")
+    if args.json:
+        doc = {"threads": args.threads, "torch": torch.__version__, "repeats": args.repeats,
+               "rows": [{"step": label, "ours_ms": ours_ms, "torch_ms": theirs} for label, ours_ms, theirs in rows]}
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=2)
+            f.write("\n")
 
 
 if __name__ == "__main__":

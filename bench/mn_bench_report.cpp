@@ -1,5 +1,10 @@
-// mn_bench_report DIR: reads the Google Benchmark JSON files `./mn bench` wrote into DIR
-// (mn_bench_<name>.json), prints one readable summary and writes DIR/summary.json.
+// mn_bench_report DIR [--compare OLD_SUMMARY.json] [--threshold PCT] [--chart FILE.svg | --no-chart]:
+// reads the Google Benchmark JSON files `./mn bench` wrote into DIR (mn_bench_<name>.json), prints one
+// readable summary and writes DIR/summary.json. DIR/compare_torch.json, when present (written by
+// bench/compare_torch.py --json), adds our training steps against PyTorch's. The chart (default
+// DIR/summary.svg, a hand-written SVG) draws the generator peak bytes per strategy and, when present,
+// the steps against PyTorch. --compare reads an earlier summary.json and prints, for every figure both
+// have, new / old and a flag where it got worse by more than PCT percent (default 10).
 //
 // Every figure is a median over the repetitions of a benchmark (its iteration runs; when the file
 // holds only aggregates, the "median" aggregate). Derived figures: STREAM bandwidth per kernel and
@@ -72,6 +77,10 @@ struct Result {
     auto it = args.find(k);
     return it == args.end() ? fallback : std::atol(it->second.c_str());
   }
+  std::string arg_text(const std::string& k) const {
+    auto it = args.find(k);
+    return it == args.end() ? std::string() : it->second;
+  }
   std::string family() const { return run_name.substr(0, run_name.find('/')); }
 };
 
@@ -137,6 +146,11 @@ Program load(const fs::path& file) {
     if (b.contains("label")) a.r.label = b["label"].get<std::string>();
     if (b.value("error_occurred", false) || b.value("skipped", false)) {
       a.r.error = b.value("error_message", b.value("skip_message", std::string("skipped")));
+      continue;
+    }
+    // An intended skip our programs mark themselves (counter not_run = 1, the reason in the label).
+    if (b.contains("not_run") && b["not_run"].is_number() && b["not_run"].get<double>() > 0) {
+      a.r.error = a.r.label.empty() ? std::string("skipped") : a.r.label;
       continue;
     }
     const std::string type = b.value("run_type", std::string("iteration"));
@@ -412,7 +426,8 @@ json report_allocator(const Program* p) {
   section("caching allocator (mn_bench_allocator; alloc + free)");
   const Result* small64 = nullptr;
   const Result* small4k = nullptr;
-  for (const Result* r : family(p, "BM_CachedSmallHit")) (r->arg("arg0") == 64 ? small64 : small4k) = r;
+  // Arguments named bytes / segments; results written before they were named have them positional.
+  for (const Result* r : family(p, "BM_CachedSmallHit")) (r->arg("bytes", r->arg("arg0")) == 64 ? small64 : small4k) = r;
   const Result* cached = first(p, "BM_Cached64MiB");
   const Result* malloc64 = first(p, "BM_Malloc64MiB");
   const Result* split = first(p, "BM_SplitPath");
@@ -431,7 +446,7 @@ json report_allocator(const Program* p) {
     out["split_per_alloc_ns"] = num(per * 1e6);
   }
   for (const Result* r : family(p, "BM_EmptyCache")) {
-    const long segs = r->arg("arg0");
+    const long segs = r->arg("segments", r->arg("arg0"));
     std::cout << fmt("%-44s %10s\n", fmt("empty_cache, %ld cached 12 MiB segments", segs).c_str(),
                      human_time_ms(r->real_ms).c_str());
     out["empty_cache_ns"][std::to_string(segs)] = num(r->real_ms * 1e6);
@@ -448,24 +463,42 @@ json report_allocator(const Program* p) {
   return out;
 }
 
+const char* const kStrategies[] = {"slvt", "layerwise", "lazy_layerwise"};
+const char* const kSpecs[] = {"guide", "cnn1", "cnn2", "mlp1024"};
+
+// The position of a name argument ("spec:cnn2") in `names`; results written before the arguments were
+// named carry the position itself ("spec:2"). -1 for anything else.
+template <size_t N>
+long name_index(const std::string& value, const char* const (&names)[N]) {
+  for (size_t i = 0; i < N; ++i)
+    if (value == names[i]) return static_cast<long>(i);
+  const bool digits = !value.empty() && std::all_of(value.begin(), value.end(), [](char c) { return std::isdigit(static_cast<unsigned char>(c)); });
+  const long i = digits ? std::atol(value.c_str()) : -1;
+  return i < static_cast<long>(N) ? i : -1;
+}
+
 json report_generators(const Program* p) {
   json out = json::object();
   if (!p) return out;
-  const char* const strategies[] = {"slvt", "layerwise", "lazy_layerwise"};
-  const char* const specs[] = {"guide", "cnn1", "cnn2", "mlp1024"};
+  const auto& strategies = kStrategies;
+  const auto& specs = kSpecs;
   section("generators (mn_bench_generators; fwd = generate, f+b = generate + backward, peak = exact allocator bytes of one generate)");
   std::map<std::tuple<long, long, long>, const Result*> fwd, bwd;  // (spec, L, strategy)
-  for (const Result* r : family(p, "BM_Generate")) fwd[{r->arg("spec"), r->arg("L"), r->arg("strategy")}] = r;
-  for (const Result* r : family(p, "BM_GenerateBackward")) bwd[{r->arg("spec"), r->arg("L"), r->arg("strategy")}] = r;
+  auto key = [&](const Result* r) {
+    return std::tuple{name_index(r->arg_text("spec"), specs), r->arg("L"), name_index(r->arg_text("strategy"), strategies)};
+  };
+  for (const Result* r : family(p, "BM_Generate"))
+    if (auto k = key(r); std::get<0>(k) >= 0 && std::get<2>(k) >= 0) fwd[k] = r;
+  for (const Result* r : family(p, "BM_GenerateBackward"))
+    if (auto k = key(r); std::get<0>(k) >= 0 && std::get<2>(k) >= 0) bwd[k] = r;
   std::set<std::pair<long, long>> configs;
   for (auto& [k, r] : fwd) configs.insert({std::get<0>(k), std::get<1>(k)});
   std::cout << fmt("%-8s %5s %10s  %-16s %10s %10s %14s %14s\n", "spec", "L", "N", "strategy", "fwd", "f+b",
                    "peak bytes", "peak f+b");
   json rows = json::array();
   int ordered = 0, checked = 0;
-  bool any_large = false;
   for (auto [spec, latent] : configs) {
-    const std::string spec_name = spec >= 0 && spec < 4 ? specs[spec] : std::to_string(spec);
+    const std::string spec_name = specs[spec];
     double peaks[3] = {std::nan(""), std::nan(""), std::nan("")};
     double n = std::nan("");
     for (long s = 0; s < 3; ++s) {
@@ -488,11 +521,8 @@ json report_generators(const Program* p) {
       n = f->counter("N");
       peaks[s] = f->counter("peak_bytes");
       const bool b_ok = b && b->error.empty();
-      const bool large = f->counter("allow_large") > 0;
-      any_large = any_large || large;
-      const std::string strategy = std::string(strategies[s]) + (large ? " *" : "");
       std::cout << fmt("%-8s %5ld %10s  %-16s %10s %10s %14s %14s\n", spec_name.c_str(), latent,
-                       grouped_int(n).c_str(), strategy.c_str(), human_time_ms(f->real_ms).c_str(),
+                       grouped_int(n).c_str(), strategies[s], human_time_ms(f->real_ms).c_str(),
                        b_ok ? human_time_ms(b->real_ms).c_str() : "-", grouped_int(peaks[s]).c_str(),
                        b_ok ? grouped_int(b->counter("peak_bytes")).c_str() : "-");
       row["N"] = num(n);
@@ -501,7 +531,6 @@ json report_generators(const Program* p) {
       row["peak_bytes"] = num(peaks[s]);
       row["peak_bytes_backward"] = b_ok ? num(b->counter("peak_bytes")) : json(nullptr);
       row["fixed_bytes"] = num(f->counter("fixed_bytes"));
-      row["allow_large"] = large;
       rows.push_back(row);
     }
     // Ordering of the generate peaks: lazy < layerwise (< slvt when slvt ran).
@@ -519,9 +548,6 @@ json report_generators(const Program* p) {
                  lazy_ok && slvt_ok ? "ok" : "NO");
     }
   }
-  if (any_large)
-    std::cout << "* refused by the projection-size guard with default options (which the library applies to every\n"
-                 "  strategy), so built with allow_large = true; slvt is never run that way\n";
   std::cout << fmt("peak ordering holds in %d of %d configurations\n", ordered, checked);
   if (checked)
     headline("generator peak ordering (all specs, L)", fmt("%d of %d", ordered, checked), "all",
@@ -566,14 +592,391 @@ json report_generic(const Program& p) {
   return out;
 }
 
+
+// j[k], or null (which iterates as empty) where j has no k. A reference, so .items() on it is safe.
+const json& member(const json& j, const char* k) {
+  static const json null;
+  return j.is_object() && j.contains(k) ? j[k] : null;
+}
+
+// ---- ours against PyTorch (DIR/compare_torch.json from bench/compare_torch.py --json) ----
+
+json report_torch(const fs::path& file) {
+  json out = json::object();
+  if (!fs::exists(file)) return out;
+  std::ifstream in(file);
+  const json j = json::parse(in);  // a malformed file is an error the caller reports
+  section("training steps against PyTorch (" + file.filename().string() + "; ms per step, ratio = ours / torch)");
+  std::cout << fmt("threads %d, torch %s\n", j.value("threads", 0), j.value("torch", std::string("?")).c_str());
+  std::cout << fmt("%-46s %9s  %-10s %9s %7s\n", "step", "ours", "torch", "ms", "ratio");
+  json rows = json::array();
+  for (const json& r : j.value("rows", json::array())) {
+    const std::string step = r.value("step", std::string("?"));
+    const double ours = r.contains("ours_ms") && r["ours_ms"].is_number() ? r["ours_ms"].get<double>() : std::nan("");
+    json row = {{"step", step}, {"ours_ms", num(ours)}, {"torch_ms", json::object()}};
+    for (auto& [variant, v] : member(r, "torch_ms").items()) {
+      const double ms = v.is_number() ? v.get<double>() : std::nan("");
+      auto cell = [](double x, int width) { return std::isfinite(x) ? fmt("%*.2f", width, x) : fmt("%*s", width, "n/a"); };
+      std::cout << fmt("%-46s %s  %-10s %s %s\n", step.c_str(), cell(ours, 9).c_str(), variant.c_str(),
+                       cell(ms, 9).c_str(), cell(ours / ms, 7).c_str());
+      row["torch_ms"][variant] = num(ms);
+    }
+    rows.push_back(row);
+  }
+  out["threads"] = j.value("threads", 0);
+  out["torch"] = j.value("torch", std::string());
+  out["rows"] = rows;
+  return out;
+}
+
+// ---- comparison against an earlier summary.json ----
+
+// One comparable figure of a summary: a time or byte count (lower is better) or a rate (higher).
+struct Figure {
+  std::string key, unit;
+  double value;
+  bool higher_better = false;
+};
+
+double number(const json& j, const char* k) {
+  return j.contains(k) && j[k].is_number() ? j[k].get<double>() : std::nan("");
+}
+
+// Every figure of a summary (this program's output, any version) under a stable name.
+std::vector<Figure> figures(const json& summary) {
+  std::vector<Figure> out;
+  auto add = [&](std::string key, double v, std::string unit, bool higher = false) {
+    if (std::isfinite(v)) out.push_back({std::move(key), std::move(unit), v, higher});
+  };
+  auto strip = [](std::string name) {
+    for (const char* suffix : {"/real_time", "/manual_time"})
+      if (const size_t at = name.find(suffix); at != std::string::npos) name.erase(at);
+    return name;
+  };
+  const json& bw = member(summary, "bandwidth");
+  for (auto& [k, v] : bw.items())
+    if (k.rfind("threads_", 0) == 0 && v.is_object())
+      for (auto& [kernel, rate] : v.items())
+        if (rate.is_number()) add("bandwidth " + kernel + ", " + k.substr(8) + " threads", rate.get<double>(), "GB/s", true);
+  for (const json& r : member(bw, "gemv"))
+    add(fmt("gemv %s %s, %d threads", r.value("shape", std::string()).c_str(), r.value("op", std::string()).c_str(),
+            r.value("threads", 0)),
+        number(r, "time_ms"), "ms");
+  const json& ts = member(summary, "train_step");
+  for (auto& [name, ms] : member(ts, "steps_ms").items())
+    if (ms.is_number()) add("step " + strip(name), ms.get<double>(), "ms");
+  for (const json& r : member(ts, "bound")) {
+    const std::string c = r.value("config", std::string());
+    add("bound " + c + " direct", number(r, "direct_ms"), "ms");
+    add("bound " + c + " mapped", number(r, "mapped_ms"), "ms");
+  }
+  for (const json& r : member(ts, "compiled")) {
+    const std::string c = r.value("config", std::string());
+    add("compiled " + c + " eager", number(r, "eager_ms"), "ms");
+    add("compiled " + c + " compiled", number(r, "compiled_ms"), "ms");
+  }
+  const json& al = member(summary, "allocator");
+  for (auto& [k, v] : al.items()) {
+    if (v.is_number())
+      add("allocator " + k, v.get<double>(), k == "cached_vs_malloc_64MiB" ? "x" : "ns", k == "cached_vs_malloc_64MiB");
+    else if (v.is_object())
+      for (auto& [segs, ns] : v.items())
+        if (ns.is_number()) add("allocator " + k + " " + segs, ns.get<double>(), "ns");
+  }
+  const json& gen = member(summary, "generators");
+  for (const json& r : member(gen, "rows")) {
+    const std::string c = fmt("%s L=%d %s", r.value("spec", std::string()).c_str(), r.value("L", 0),
+                              r.value("strategy", std::string()).c_str());
+    add("generate " + c, number(r, "generate_ms"), "ms");
+    add("generate+backward " + c, number(r, "generate_backward_ms"), "ms");
+    add("generate peak " + c, number(r, "peak_bytes"), "B");
+  }
+  const json& torch = member(summary, "torch");
+  for (const json& r : member(torch, "rows"))
+    add("ours vs torch: " + r.value("step", std::string()), number(r, "ours_ms"), "ms");
+  const json& other = member(summary, "other");
+  for (auto& [program, rows] : other.items())
+    if (rows.is_array())
+      for (const json& r : rows) add(program + " " + strip(r.value("name", std::string())), number(r, "time_ms"), "ms");
+  return out;
+}
+
+std::string figure_value(double v, const std::string& unit) {
+  if (unit == "ms") return human_time_ms(v);
+  if (unit == "ns") return human_time_ms(v * 1e-6);
+  if (unit == "B") return human_bytes(v);
+  return fmt("%.4g %s", v, unit.c_str());
+}
+
+// Prints new / old for every figure both summaries have; worse by more than threshold_pct is flagged
+// (slower or larger for times and bytes, lower for rates).
+json compare(const json& now, const json& before, const std::string& before_name, double threshold_pct) {
+  const std::vector<Figure> a = figures(now), b = figures(before);
+  std::map<std::string, const Figure*> old;
+  for (const Figure& f : b) old[f.key] = &f;
+  section(fmt("against %s (new / old; flagged: worse by more than %g%%)", before_name.c_str(), threshold_pct));
+  size_t w = 6;
+  for (const Figure& f : a)
+    if (old.count(f.key)) w = std::max(w, f.key.size());
+  std::cout << fmt("%-*s %12s %12s %9s\n", static_cast<int>(w), "figure", "old", "new", "new/old");
+  const double limit = 1 + threshold_pct / 100;
+  json rows = json::array();
+  int worse = 0, matched = 0;
+  std::set<std::string> seen;
+  for (const Figure& f : a) {
+    seen.insert(f.key);
+    auto it = old.find(f.key);
+    if (it == old.end() || it->second->unit != f.unit) continue;
+    ++matched;
+    const double ratio = f.value / it->second->value;
+    const bool flag = f.higher_better ? ratio * limit < 1 : ratio > limit;
+    worse += flag;
+    std::cout << fmt("%-*s %12s %12s %9.3f%s\n", static_cast<int>(w), f.key.c_str(),
+                     figure_value(it->second->value, f.unit).c_str(), figure_value(f.value, f.unit).c_str(), ratio,
+                     flag ? (f.higher_better ? "  LOWER" : "  SLOWER") : "");
+    rows.push_back({{"figure", f.key}, {"unit", f.unit}, {"old", it->second->value}, {"new", f.value},
+                    {"ratio", num(ratio)}, {"higher_is_better", f.higher_better}, {"worse", flag}});
+  }
+  const long only_old = std::count_if(b.begin(), b.end(), [&](const Figure& f) { return !seen.count(f.key); });
+  std::cout << fmt("%d figures compared, %d worse by more than %g%%; %zu only in the new summary, %ld only in the old\n",
+                   matched, worse, threshold_pct, a.size() - matched, only_old);
+  if (matched) headline("figures worse than " + before_name, fmt("%d of %d", worse, matched), fmt("<= +%g%%", threshold_pct),
+                        worse ? "WORSE" : "ok");
+  return {{"against", before_name}, {"threshold_pct", threshold_pct}, {"rows", rows}, {"compared", matched},
+          {"worse", worse}};
+}
+
+// ---- the chart: a hand-written SVG, one grouped bar chart per panel ----
+
+struct Panel {
+  std::string title, unit;
+  bool log_scale = false;
+  std::vector<std::string> groups;       // along x
+  std::vector<std::string> series;       // one bar per group each, in the legend
+  std::vector<std::vector<double>> values;  // [series][group]; not finite or (log) <= 0: no bar
+};
+
+std::string xml_escape(const std::string& s) {
+  std::string out;
+  for (char c : s) {
+    switch (c) {
+      case '&': out += "&amp;"; break;
+      case '<': out += "&lt;"; break;
+      case '>': out += "&gt;"; break;
+      case '"': out += "&quot;"; break;
+      default: out += c;
+    }
+  }
+  return out;
+}
+
+// A value in `unit`, short, for axis ticks and tooltips.
+std::string tick_text(double v, const std::string& unit) {
+  if (unit == "B") return human_bytes(v);
+  if (unit == "ms") return human_time_ms(v);
+  return fmt("%g", v);
+}
+
+int bars_in(const Panel& p) {
+  int n = 0;
+  for (const auto& s : p.values)
+    for (double v : s) n += std::isfinite(v) && (!p.log_scale || v > 0);
+  return n;
+}
+
+// Writes the panels one below the other; each bar is a <rect class="bar"> with a <title> tooltip.
+void write_svg(const fs::path& file, const std::vector<Panel>& panels) {
+  const char* const colors[] = {"#4477aa", "#ee6677", "#228833", "#ccbb44", "#66ccee", "#aa3377"};
+  const double width = 960, panel_h = 330, left = 90, right = 20, top = 50, bottom = 60;
+  std::ostringstream o;
+  o << fmt("<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"%.0f\" height=\"%.0f\" font-family=\"sans-serif\" "
+           "font-size=\"11\">\n",
+           width, panel_h * panels.size());
+  o << fmt("<rect x=\"0\" y=\"0\" width=\"%.0f\" height=\"%.0f\" fill=\"white\"/>\n", width, panel_h * panels.size());
+  for (size_t pi = 0; pi < panels.size(); ++pi) {
+    const Panel& p = panels[pi];
+    const double y0 = pi * panel_h, plot_w = width - left - right, plot_h = panel_h - top - bottom;
+    const double base = y0 + top + plot_h;  // the x axis
+    double lo = INFINITY, hi = -INFINITY;
+    for (const auto& s : p.values)
+      for (double v : s)
+        if (std::isfinite(v) && (!p.log_scale || v > 0)) lo = std::min(lo, v), hi = std::max(hi, v);
+    if (!std::isfinite(hi)) lo = hi = 1;
+    // Scale: log10 decades, or 0 .. a round maximum.
+    double a = 0, b = hi > 0 ? hi * 1.1 : 1;
+    if (p.log_scale) a = std::floor(std::log10(lo)), b = std::max(a + 1, std::ceil(std::log10(hi)));
+    auto y_of = [&](double v) {
+      const double t = p.log_scale ? (std::log10(v) - a) / (b - a) : (v - a) / (b - a);
+      return base - t * plot_h;
+    };
+    o << "<g class=\"panel\">\n";
+    o << fmt("<text x=\"%.1f\" y=\"%.1f\" font-size=\"14\" font-weight=\"bold\">%s</text>\n", left, y0 + 18,
+             xml_escape(p.title).c_str());
+    // Ticks: every decade (log) or five steps.
+    std::vector<double> ticks;
+    if (p.log_scale)
+      for (double e = a; e <= b + 1e-9; ++e) ticks.push_back(std::pow(10.0, e));
+    else
+      for (int i = 0; i <= 5; ++i) ticks.push_back(a + (b - a) * i / 5);
+    for (double t : ticks) {
+      const double y = y_of(t);
+      o << fmt("<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"#dddddd\"/>\n", left, y, left + plot_w, y);
+      o << fmt("<text x=\"%.1f\" y=\"%.1f\" text-anchor=\"end\">%s</text>\n", left - 6, y + 4,
+               xml_escape(tick_text(t, p.unit)).c_str());
+    }
+    o << fmt("<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"black\"/>\n", left, base, left + plot_w, base);
+    o << fmt("<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"black\"/>\n", left, y0 + top, left, base);
+    const double band = plot_w / std::max<size_t>(1, p.groups.size());
+    const double bar_w = band * 0.8 / std::max<size_t>(1, p.series.size());
+    for (size_t g = 0; g < p.groups.size(); ++g) {
+      const double gx = left + g * band;
+      for (size_t s = 0; s < p.series.size(); ++s) {
+        const double v = p.values[s][g];
+        if (!std::isfinite(v) || (p.log_scale && v <= 0)) continue;
+        const double y = std::min(y_of(v), base), x = gx + band * 0.1 + s * bar_w;
+        o << fmt("<rect class=\"bar\" x=\"%.1f\" y=\"%.1f\" width=\"%.1f\" height=\"%.1f\" fill=\"%s\" stroke=\"none\">", x, y, bar_w,
+                 base - y, colors[s % std::size(colors)]);
+        o << "<title>" << xml_escape(p.groups[g] + ", " + p.series[s] + ": " + tick_text(v, p.unit)) << "</title></rect>\n";
+      }
+      // Below the axis, horizontal and centred (rotated text is drawn differently by some renderers).
+      // Labels wider than a group (about 6 px a character) alternate between two rows and are cut to
+      // two groups' width; the bars' tooltips carry the whole name.
+      const bool crowded = p.groups.size() > 1 && p.groups[g].size() * 6.0 > band;
+      std::string label = p.groups[g];
+      const size_t fits = static_cast<size_t>(2 * band / 6);
+      if (crowded && label.size() > fits) label = label.substr(0, fits > 3 ? fits - 3 : 0) + "...";
+      o << fmt("<text x=\"%.1f\" y=\"%.1f\" text-anchor=\"middle\">%s</text>\n", gx + band / 2,
+               base + 16 + (crowded && g % 2 ? 14 : 0), xml_escape(label).c_str());
+    }
+    // The legend: one row between the title and the plot.
+    double lx = left;
+    for (size_t s = 0; s < p.series.size(); ++s) {
+      const double ly = y0 + 26;
+      o << fmt("<rect class=\"legend\" x=\"%.1f\" y=\"%.1f\" width=\"10\" height=\"10\" fill=\"%s\" stroke=\"none\"/>\n", lx, ly,
+               colors[s % std::size(colors)]);
+      o << fmt("<text x=\"%.1f\" y=\"%.1f\">%s</text>\n", lx + 14, ly + 9, xml_escape(p.series[s]).c_str());
+      lx += 30 + 6.5 * p.series[s].size();
+    }
+    o << "</g>\n";
+  }
+  o << "</svg>\n";
+  std::ofstream f(file);
+  f << o.str();
+  if (!f) throw std::runtime_error("cannot write " + file.string());
+}
+
+// The panels a summary has data for: generator peaks per strategy, and ours against PyTorch.
+std::vector<Panel> chart_panels(const json& summary) {
+  std::vector<Panel> panels;
+  const json rows = summary.contains("generators") ? summary["generators"].value("rows", json::array()) : json::array();
+  if (!rows.empty()) {
+    Panel p{"generator peak bytes of one generate, per strategy (log scale)", "B", true, {}, {}, {}};
+    for (const char* s : kStrategies) p.series.push_back(s);
+    p.values.resize(p.series.size());
+    std::map<std::string, size_t> group_at;
+    for (const json& r : rows) {
+      const std::string g = fmt("%s L=%d", r.value("spec", std::string()).c_str(), r.value("L", 0));
+      if (!group_at.count(g)) {
+        group_at[g] = p.groups.size();
+        p.groups.push_back(g);
+        for (auto& v : p.values) v.push_back(std::nan(""));
+      }
+      const auto s = std::find(p.series.begin(), p.series.end(), r.value("strategy", std::string())) - p.series.begin();
+      if (s < static_cast<long>(p.series.size())) p.values[s][group_at[g]] = number(r, "peak_bytes");
+    }
+    panels.push_back(std::move(p));
+  }
+  const json torch = summary.contains("torch") ? summary["torch"].value("rows", json::array()) : json::array();
+  if (!torch.empty()) {
+    Panel p{"training step, ours against PyTorch", "ms", false, {}, {"ours"}, {{}}};
+    std::vector<std::string> variants;  // compare_torch.py's names: "torch" (plain), "same", "dense", ...
+    for (const json& r : torch)
+      for (auto& [variant, v] : member(r, "torch_ms").items())
+        if (std::find(variants.begin(), variants.end(), variant) == variants.end()) {
+          variants.push_back(variant);
+          p.series.push_back(variant == "torch" ? "torch" : "torch " + variant);
+          p.values.emplace_back();
+        }
+    for (const json& r : torch) {
+      p.groups.push_back(r.value("step", std::string()));
+      p.values[0].push_back(number(r, "ours_ms"));
+      for (size_t v = 0; v < variants.size(); ++v)
+        p.values[v + 1].push_back(number(member(r, "torch_ms"), variants[v].c_str()));
+    }
+    panels.push_back(std::move(p));
+  }
+  return panels;
+}
+
+const char* const kUsage =
+    "usage: mn_bench_report DIR [--compare OLD_SUMMARY.json] [--threshold PCT] [--chart FILE.svg | --no-chart]\n"
+    "  reads DIR/mn_bench_*.json (and DIR/compare_torch.json if present), prints a summary, writes\n"
+    "  DIR/summary.json and the chart (default DIR/summary.svg); --compare prints new / old per figure of\n"
+    "  an earlier summary.json and flags those worse by more than PCT percent (default 10)\n";
+
+int usage_error(const std::string& what) {
+  std::cerr << "mn_bench_report: " << what << "\n" << kUsage;
+  return 2;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc != 2 || std::string(argv[1]) == "--help" || std::string(argv[1]) == "-h") {
-    std::cerr << "usage: mn_bench_report DIR   (reads DIR/mn_bench_*.json, writes DIR/summary.json)\n";
-    return argc == 2 ? 0 : 2;
+  std::optional<fs::path> dir_arg, compare_with, chart;
+  double threshold_pct = 10;
+  bool no_chart = false;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    auto value = [&]() -> std::optional<std::string> {
+      if (i + 1 >= argc) return std::nullopt;
+      return std::string(argv[++i]);
+    };
+    if (a == "--help" || a == "-h") {
+      std::cout << kUsage;
+      return 0;
+    } else if (a == "--compare" || a == "--chart" || a == "--threshold") {
+      const auto v = value();
+      if (!v) return usage_error(a + " needs a value");
+      if (a == "--compare") compare_with = *v;
+      if (a == "--chart") chart = *v;
+      if (a == "--threshold") {
+        char* end = nullptr;
+        threshold_pct = std::strtod(v->c_str(), &end);
+        if (v->empty() || *end != '\0' || !std::isfinite(threshold_pct) || threshold_pct < 0)
+          return usage_error("--threshold needs a percentage >= 0 (e.g. 10), got '" + *v + "'");
+      }
+    } else if (a == "--no-chart") {
+      no_chart = true;
+    } else if (!a.empty() && a[0] == '-') {
+      return usage_error("unknown option '" + a + "'");
+    } else if (dir_arg) {
+      return usage_error("one results directory expected, got '" + dir_arg->string() + "' and '" + a + "'");
+    } else {
+      dir_arg = a;
+    }
   }
-  const fs::path dir = argv[1];
+  if (!dir_arg) return usage_error("no results directory given");
+  if (chart && no_chart) return usage_error("--chart and --no-chart exclude each other");
+  // The earlier summary is read before anything is written: DIR/summary.json may be that file.
+  json before;
+  if (compare_with) {
+    std::ifstream in(*compare_with);
+    if (!in) {
+      std::cerr << "mn_bench_report: cannot read --compare file " << *compare_with << "\n";
+      return 1;
+    }
+    try {
+      before = json::parse(in);
+    } catch (const std::exception& e) {
+      std::cerr << "mn_bench_report: --compare file " << *compare_with << " is not JSON: " << e.what() << "\n";
+      return 1;
+    }
+    if (!before.is_object()) {
+      std::cerr << "mn_bench_report: --compare file " << *compare_with << " is not a summary.json (expected an object)\n";
+      return 1;
+    }
+  }
+  const fs::path dir = *dir_arg;
   std::vector<fs::path> files;
   std::error_code ec;
   for (const auto& e : fs::directory_iterator(dir, ec)) {
@@ -621,6 +1024,13 @@ int main(int argc, char** argv) {
   summary["generators"] = report_generators(find(programs, "mn_bench_generators"));
   for (const auto& p : programs)
     if (!known.count(p.name)) summary["other"][p.name] = report_generic(p);
+  try {
+    const json torch = report_torch(dir / "compare_torch.json");
+    if (!torch.empty()) summary["torch"] = torch;
+  } catch (const std::exception& e) {
+    std::cerr << "mn_bench_report: skipping " << (dir / "compare_torch.json") << ": " << e.what() << "\n";
+  }
+  if (compare_with) summary["comparison"] = compare(summary, before, compare_with->string(), threshold_pct);
 
   if (!headlines.empty()) {
     section("headline figures");
@@ -639,5 +1049,23 @@ int main(int argc, char** argv) {
   const fs::path out = dir / "summary.json";
   std::ofstream(out) << summary.dump(2) << "\n";
   std::cout << "\nwrote " << out.string() << "\n";
+  if (!no_chart) {
+    const std::vector<Panel> panels = chart_panels(summary);
+    const fs::path svg = chart.value_or(dir / "summary.svg");
+    if (panels.empty()) {
+      std::cout << "no chart: neither generator peaks nor PyTorch steps in these results\n";
+    } else {
+      try {
+        write_svg(svg, panels);
+      } catch (const std::exception& e) {
+        std::cerr << "mn_bench_report: " << e.what() << "\n";
+        return 1;
+      }
+      int bars = 0;
+      for (const Panel& p : panels) bars += bars_in(p);
+      std::cout << "wrote " << svg.string() << " (" << panels.size() << " panel" << (panels.size() == 1 ? "" : "s")
+                << ", " << bars << " bars)\n";
+    }
+  }
   return 0;
 }

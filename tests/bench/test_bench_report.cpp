@@ -1,0 +1,261 @@
+// mn_bench_report (the summary `./mn bench` prints) on small synthetic results in tests/data/bench:
+// the tables read the descriptive benchmark names (and the positional ones of older results), intended
+// skips are listed as skipped, --compare gives new / old per figure and flags the worse ones, and the
+// chart is a well-formed SVG with one bar per value.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <regex>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "../run_command.h"
+#include "../temp_dir.h"
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+using mn::testing::run_command;
+using mn::testing::TempDir;
+
+namespace {
+
+const fs::path kData = MN_BENCH_TEST_DATA;
+
+std::string read_text(const fs::path& p) {
+  std::ifstream in(p);
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+void write_text(const fs::path& p, const std::string& text) { std::ofstream(p) << text; }
+
+// The fixture results copied into `dir`.
+void copy_results(const fs::path& dir) {
+  for (const auto& e : fs::directory_iterator(kData / "results")) fs::copy_file(e.path(), dir / e.path().filename());
+}
+
+mn::testing::CommandResult report(const fs::path& dir, const std::string& options = "") {
+  return run_command(std::string("'") + MN_BENCH_REPORT + "' '" + dir.string() + "' " + options);
+}
+
+json read_json(const fs::path& p) {
+  std::ifstream in(p);
+  return json::parse(in);
+}
+
+const json* find_row(const json& rows, const std::string& key, const std::string& value,
+                     const std::string& key2 = "", const json& value2 = nullptr) {
+  for (const json& r : rows)
+    if (r.value(key, std::string()) == value && (key2.empty() || r[key2] == value2)) return &r;
+  return nullptr;
+}
+
+// Checks that `text` is well-formed XML in the subset an SVG writer uses: elements properly nested
+// with one root, attributes quoted, no '<' or bare '&' in text or attribute values. Returns "" or
+// what is wrong; counts the elements by name and by class attribute.
+std::string check_xml(const std::string& text, std::map<std::string, int>& elements, std::map<std::string, int>& classes) {
+  std::vector<std::string> open;
+  int roots = 0;
+  size_t i = 0;
+  auto bad_ampersand = [](const std::string& s) {
+    static const std::regex entity("^&(amp|lt|gt|quot|apos|#[0-9]+);");
+    for (size_t k = s.find('&'); k != std::string::npos; k = s.find('&', k + 1))
+      if (!std::regex_search(s.substr(k, 8), entity)) return true;
+    return false;
+  };
+  while (i < text.size()) {
+    const size_t lt = text.find('<', i);
+    const std::string between = text.substr(i, lt == std::string::npos ? std::string::npos : lt - i);
+    if (bad_ampersand(between)) return "a bare '&' in text: " + between;
+    if (open.empty() && between.find_first_not_of(" \n\t\r") != std::string::npos) return "text outside the root";
+    if (lt == std::string::npos) break;
+    const size_t gt = text.find('>', lt);
+    if (gt == std::string::npos) return "a tag that is not closed";
+    std::string tag = text.substr(lt + 1, gt - lt - 1);
+    i = gt + 1;
+    if (tag.rfind("?", 0) == 0 || tag.rfind("!--", 0) == 0) continue;
+    if (tag.rfind("/", 0) == 0) {
+      if (open.empty() || open.back() != tag.substr(1)) return "</" + tag.substr(1) + "> closes nothing open";
+      open.pop_back();
+      continue;
+    }
+    const bool self_closing = !tag.empty() && tag.back() == '/';
+    if (self_closing) tag.pop_back();
+    std::istringstream in(tag);
+    std::string name;
+    in >> name;
+    if (name.empty() || tag.find('<') != std::string::npos) return "a malformed tag: <" + tag + ">";
+    // Attributes: name="value" pairs separated by spaces.
+    static const std::regex attribute(R"re(\s*([A-Za-z_:][-A-Za-z0-9_:.]*)="([^"<]*)"\s*)re");
+    std::string rest = tag.substr(name.size());
+    std::smatch m;
+    while (std::regex_search(rest, m, attribute, std::regex_constants::match_continuous)) {
+      if (bad_ampersand(m[2].str())) return "a bare '&' in an attribute of <" + name + ">";
+      if (m[1].str() == "class") ++classes[m[2].str()];
+      rest = m.suffix().str();
+    }
+    if (rest.find_first_not_of(" \n\t") != std::string::npos) return "attributes not name=\"value\": <" + tag + ">";
+    ++elements[name];
+    if (open.empty() && ++roots > 1) return "more than one root element";
+    if (!self_closing) open.push_back(name);
+  }
+  if (!open.empty()) return "<" + open.back() + "> is never closed";
+  return roots == 1 ? "" : "no root element";
+}
+
+}  // namespace
+
+TEST_CASE("bench report: tables from descriptive names, intended skips listed as skipped") {
+  TempDir dir("mn_bench_report");
+  copy_results(dir.path());
+  const auto r = report(dir.path(), "--no-chart");
+  INFO(r.all());
+  REQUIRE(r.status == 0);
+  // The generator table: one line per spec, L and strategy, the refused configuration as skipped.
+  CHECK(std::regex_search(r.out, std::regex(R"(guide\s+64\s+76,938\s+slvt\s+2\.00 ms\s+5\.00 ms\s+617,984\s+1,233,920)")));
+  CHECK(std::regex_search(r.out, std::regex(R"(cnn2\s+1024\s+slvt\s+skipped: fixed projection would contain 111,224,832 elements\n)")));
+  CHECK(std::regex_search(r.out, std::regex(R"(cnn2\s+1024\s+108,618\s+lazy_layerwise\s+25\.00 ms\s+45\.00 ms)")));
+  CHECK(r.out.find("peak ordering holds in 2 of 2 configurations") != std::string::npos);
+  // The allocator table reads the named arguments (bytes:64, segments:16).
+  CHECK(std::regex_search(r.out, std::regex(R"(cached small hit, 64 B \(target <= 100 ns\)\s+50\.0 ns)")));
+  CHECK(std::regex_search(r.out, std::regex(R"(empty_cache, 16 cached 12 MiB segments\s+180\.00 us)")));
+  CHECK(r.out.find("cached 64 MiB is 100x faster than malloc") != std::string::npos);
+  // Ours against PyTorch, from compare_torch.json.
+  CHECK(std::regex_search(r.out, std::regex(R"(CNN2 direct, batch 128, Adam\s+8\.00\s+torch\s+10\.00\s+0\.80)")));
+  CHECK(std::regex_search(r.out, std::regex(R"(MLP direct, batch 64 \(ours not built\)\s+n/a\s+torch\s+1\.00\s+n/a\n)")));
+  CHECK(r.out.find("ERROR") == std::string::npos);
+  CHECK_FALSE(fs::exists(dir.path() / "summary.svg"));
+
+  const json s = read_json(dir.path() / "summary.json");
+  const json& rows = s["generators"]["rows"];
+  REQUIRE(rows.size() == 6);
+  const json* slvt = find_row(rows, "strategy", "slvt", "spec", "guide");
+  REQUIRE(slvt != nullptr);
+  CHECK((*slvt)["generate_ms"].get<double>() == doctest::Approx(2.0));
+  CHECK((*slvt)["peak_bytes"].get<double>() == 617984);
+  const json* refused = find_row(rows, "strategy", "slvt", "spec", "cnn2");
+  REQUIRE(refused != nullptr);
+  CHECK((*refused)["skipped"].get<std::string>().rfind("skipped: fixed projection", 0) == 0);
+  CHECK_FALSE(refused->contains("generate_ms"));
+  CHECK(s["allocator"]["small_hit_64B_ns"].get<double>() == doctest::Approx(50));
+  CHECK(s["allocator"]["small_hit_4KiB_ns"].get<double>() == doctest::Approx(60));
+  CHECK(s["allocator"]["empty_cache_ns"]["16"].get<double>() == doctest::Approx(180000));
+  CHECK(s["torch"]["rows"].size() == 3);
+}
+
+TEST_CASE("bench report: results with positional arguments (older programs) give the same summary") {
+  TempDir named("mn_bench_report"), positional("mn_bench_report");
+  copy_results(named.path());
+  copy_results(positional.path());
+  // What the programs wrote before their arguments were named.
+  std::string gen = read_text(kData / "results" / "mn_bench_generators.json");
+  for (auto [from, to] : {std::pair{"strategy:slvt/", "strategy:0/"}, {"strategy:layerwise/", "strategy:1/"},
+                          {"strategy:lazy_layerwise/", "strategy:2/"}, {"spec:guide/", "spec:0/"}, {"spec:cnn2/", "spec:2/"}})
+    gen = std::regex_replace(gen, std::regex(from), to);
+  REQUIRE(gen.find("spec:guide") == std::string::npos);
+  write_text(positional.path() / "mn_bench_generators.json", gen);
+  std::string alloc = read_text(kData / "results" / "mn_bench_allocator.json");
+  alloc = std::regex_replace(std::regex_replace(alloc, std::regex("bytes:"), ""), std::regex("segments:"), "");
+  write_text(positional.path() / "mn_bench_allocator.json", alloc);
+  REQUIRE(report(named.path(), "--no-chart").status == 0);
+  REQUIRE(report(positional.path(), "--no-chart").status == 0);
+  const json a = read_json(named.path() / "summary.json"), b = read_json(positional.path() / "summary.json");
+  CHECK(a["generators"] == b["generators"]);
+  CHECK(a["allocator"] == b["allocator"]);
+}
+
+TEST_CASE("bench report: --compare prints new / old per figure and flags the worse ones") {
+  TempDir dir("mn_bench_report");
+  copy_results(dir.path());
+  const std::string old = (kData / "old_summary.json").string();
+  auto r = report(dir.path(), "--no-chart --compare '" + old + "'");
+  INFO(r.all());
+  REQUIRE(r.status == 0);
+  CHECK(std::regex_search(r.out, std::regex(R"(generate guide L=64 slvt\s+1\.00 ms\s+2\.00 ms\s+2\.000  SLOWER\n)")));
+  CHECK(std::regex_search(r.out, std::regex(R"(generate guide L=64 layerwise\s+3\.00 ms\s+3\.00 ms\s+1\.000\n)")));
+  CHECK(std::regex_search(r.out, std::regex(R"(generate guide L=64 lazy_layerwise\s+5\.00 ms\s+4\.00 ms\s+0\.800\n)")));
+  CHECK(std::regex_search(r.out, std::regex(R"(allocator small_hit_64B_ns\s+40\.0 ns\s+50\.0 ns\s+1\.250  SLOWER\n)")));
+  CHECK(std::regex_search(r.out, std::regex(R"(allocator cached_vs_malloc_64MiB\s+200 x\s+100 x\s+0\.500  LOWER\n)")));
+  CHECK(r.out.find("11 figures compared, 3 worse by more than 10%") != std::string::npos);
+  CHECK(r.out.find("3 only in the old") != std::string::npos);
+  json c = read_json(dir.path() / "summary.json")["comparison"];
+  CHECK(c["compared"] == 11);
+  CHECK(c["worse"] == 3);
+  const json* slvt = find_row(c["rows"], "figure", "generate guide L=64 slvt");
+  REQUIRE(slvt != nullptr);
+  CHECK((*slvt)["ratio"].get<double>() == doctest::Approx(2.0));
+  CHECK((*slvt)["worse"] == true);
+
+  // A wider threshold: 1.25 is within +30%, 2.0 and the halved rate are not.
+  r = report(dir.path(), "--no-chart --threshold 30 --compare '" + old + "'");
+  REQUIRE(r.status == 0);
+  CHECK(std::regex_search(r.out, std::regex(R"(allocator small_hit_64B_ns\s+40\.0 ns\s+50\.0 ns\s+1\.250\n)")));
+  c = read_json(dir.path() / "summary.json")["comparison"];
+  CHECK(c["worse"] == 2);
+  CHECK(c["threshold_pct"].get<double>() == 30);
+
+  // The earlier summary may be the one this run replaces: it is read before anything is written.
+  fs::copy_file(old, dir.path() / "summary.json", fs::copy_options::overwrite_existing);
+  r = report(dir.path(), "--no-chart --compare '" + (dir.path() / "summary.json").string() + "'");
+  REQUIRE(r.status == 0);
+  CHECK(read_json(dir.path() / "summary.json")["comparison"]["worse"] == 3);
+}
+
+TEST_CASE("bench report: the chart is a well-formed SVG with one bar per value") {
+  TempDir dir("mn_bench_report");
+  copy_results(dir.path());
+  auto r = report(dir.path());
+  INFO(r.all());
+  REQUIRE(r.status == 0);
+  const fs::path svg = dir.path() / "summary.svg";
+  REQUIRE(fs::exists(svg));
+  CHECK(r.out.find("wrote " + svg.string() + " (2 panels, 11 bars)") != std::string::npos);
+  const std::string text = read_text(svg);
+  std::map<std::string, int> elements, classes;
+  CHECK(check_xml(text, elements, classes) == "");
+  CHECK(text.rfind("<svg xmlns=\"http://www.w3.org/2000/svg\"", 0) == 0);
+  // Peaks: 3 strategies at guide L=64, 2 at cnn2 L=1024 (slvt refused); PyTorch: ours + 1, ours + 2,
+  // and torch alone where ours is missing.
+  CHECK(classes["panel"] == 2);
+  CHECK(classes["bar"] == 11);
+  CHECK(classes["legend"] == 3 + 4);
+  CHECK(elements["title"] == 11);
+  CHECK(text.find("MLP &lt;784-256-256-10&gt; &amp; layerwise") != std::string::npos);
+  CHECK(text.find("guide L=64, slvt: 618.0 kB") != std::string::npos);
+
+  // --chart elsewhere; the checker itself refuses what is not well-formed.
+  const fs::path other = dir.path() / "chart.svg";
+  r = report(dir.path(), "--chart '" + other.string() + "'");
+  REQUIRE(r.status == 0);
+  CHECK(fs::exists(other));
+  CHECK(check_xml("<svg><g></svg>", elements, classes) != "");
+  CHECK(check_xml("<svg><text>a & b</text></svg>", elements, classes) != "");
+  CHECK(check_xml("<svg x=1></svg>", elements, classes) != "");
+}
+
+TEST_CASE("bench report: bad arguments are refused with a message") {
+  TempDir dir("mn_bench_report");
+  copy_results(dir.path());
+  auto r = report(dir.path(), "--threshold -5 --compare x");
+  CHECK(r.status == 2);
+  CHECK(r.err.find("--threshold needs a percentage >= 0 (e.g. 10), got '-5'") != std::string::npos);
+  r = report(dir.path(), "--compare '" + (dir.path() / "missing.json").string() + "'");
+  CHECK(r.status == 1);
+  CHECK(r.err.find("cannot read --compare file") != std::string::npos);
+  write_text(dir.path() / "not_a_summary.json", "[1, 2]");
+  r = report(dir.path(), "--compare '" + (dir.path() / "not_a_summary.json").string() + "'");
+  CHECK(r.status == 1);
+  CHECK(r.err.find("is not a summary.json (expected an object)") != std::string::npos);
+  r = report(dir.path(), "--frobnicate");
+  CHECK(r.status == 2);
+  CHECK(r.err.find("unknown option '--frobnicate'") != std::string::npos);
+  r = report(dir.path(), "--chart a.svg --no-chart");
+  CHECK(r.status == 2);
+}
