@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Installs a mapping_networks build tree into a scratch prefix, checks what the install exports, then
 # builds and runs the consumer project against it. Usage:
-#   run_consumer_test.sh CMAKE BUILD_DIR WORK_DIR CONSUMER_SRC CXX_COMPILER CONFIG CUDA_ROOT TOOLS
+#   run_consumer_test.sh CMAKE BUILD_DIR WORK_DIR CONSUMER_SRC CXX_COMPILER CONFIG CUDA_ROOT TOOLS SOURCE_DIR
 # CUDA_ROOT is the CUDA toolkit directory the library was built with, or "-" for a build without
-# CUDA; TOOLS is the comma-separated list of command-line programs the install must hold.
+# CUDA; TOOLS is the comma-separated list of command-line programs the install must hold; SOURCE_DIR
+# is the project's source tree.
 #
 # What is checked, beyond "the consumer builds and computes the right numbers":
 # - the exported targets carry no absolute path (every dependency is an imported target the package
@@ -15,14 +16,17 @@
 # - the consumer's own compile flags have no -march=native; its link line names no CUDA library when
 #   the library was built without CUDA, and, with CUDA, takes the CUDA libraries from where the
 #   consumer's CUDA toolkit is (a link to the toolkit under another name), never from the build's path;
-# - the command-line tools are installed and `mn-train --help` runs from the install prefix.
+# - the command-line tools are installed and `mn-train --help` runs from the install prefix;
+# - for a build with CUDA, the configuration without CUDA is checked too, as far as configuring it
+#   shows (a few seconds, nothing compiled): its exported targets name no CUDA library.
 set -euo pipefail
 
-if [[ $# -ne 8 ]]; then
-  echo "usage: $0 CMAKE BUILD_DIR WORK_DIR CONSUMER_SRC CXX_COMPILER CONFIG CUDA_ROOT TOOLS" >&2
+if [[ $# -ne 9 ]]; then
+  echo "usage: $0 CMAKE BUILD_DIR WORK_DIR CONSUMER_SRC CXX_COMPILER CONFIG CUDA_ROOT TOOLS SOURCE_DIR" >&2
   exit 2
 fi
 cmake_bin=$1 build_dir=$2 work_dir=$3 consumer_src=$4 cxx=$5 config=$6 cuda_root=$7 tools=$8
+source_dir=$9
 [[ -n $config ]] || config=Release
 prefix=$work_dir/prefix
 consumer_build=$work_dir/build
@@ -44,28 +48,52 @@ shopt -s nullglob
 targets_files=("$package_dir"/mapping_networksTargets*.cmake)
 shopt -u nullglob
 ((${#targets_files[@]})) || { echo "FAIL: no mapping_networksTargets*.cmake under $prefix" >&2; exit 1; }
-echo "== exported targets (${targets_files[*]##*/})"
-interface_lines=$(grep -h 'INTERFACE_' "${targets_files[@]}" || true)
-echo "$interface_lines"
 
-# A link item that is a path: at the start of the quoted list or after a ';' (also inside $<...:>).
-if grep -E 'INTERFACE_LINK_LIBRARIES' <<<"$interface_lines" | grep -qE '("|;|:)/'; then
-  fail "the exported link interface names absolute paths (it must name imported targets only)"
-fi
-if grep -qF -- '-march=native' <<<"$interface_lines"; then
-  fail "the exported targets pass -march=native on to consumers (it belongs to the library's own compile)"
-fi
-if grep -qF 'Eigen3::' "${targets_files[@]}"; then
-  fail "the exported targets need Eigen3, which no installed header includes"
-fi
+# check_exported LABEL CUDA_ROOT FILES...: the text of mapping_networksTargets*.cmake files.
+check_exported() {
+  local label=$1 cuda=$2
+  shift 2
+  echo "== exported targets, $label (${*##*/})"
+  local lines
+  lines=$(grep -h 'INTERFACE_' "$@" || true)
+  echo "$lines"
+  # A link item that is a path: at the start of the quoted list or after a ';' (also inside $<...:>).
+  if grep -E 'INTERFACE_LINK_LIBRARIES' <<<"$lines" | grep -qE '("|;|:)/'; then
+    fail "$label: the exported link interface names absolute paths (it must name imported targets only)"
+  fi
+  if grep -qF -- '-march=native' <<<"$lines"; then
+    fail "$label: the exported targets pass -march=native on to consumers (it is the library's own flag)"
+  fi
+  if grep -qF 'Eigen3::' "$@"; then
+    fail "$label: the exported targets need Eigen3, which no installed header includes"
+  fi
+  if [[ $cuda != - ]]; then
+    local dir
+    for dir in "$cuda" "$(realpath -m "$cuda")"; do
+      if grep -qF "$dir" "$@"; then
+        fail "$label: the exported targets name the build machine's CUDA directory $dir"
+      fi
+    done
+  elif grep -E 'INTERFACE_LINK_LIBRARIES' <<<"$lines" | grep -qiE 'CUDA::|cudart|cublas|nccl'; then
+    fail "$label: the library is built without CUDA, yet its exported targets link CUDA libraries"
+  fi
+}
+check_exported "this build" "$cuda_root" "${targets_files[@]}"
+
 if [[ $cuda_root != - ]]; then
-  for dir in "$cuda_root" "$(realpath -m "$cuda_root")"; do
-    if grep -qF "$dir" "${targets_files[@]}"; then
-      fail "the exported targets name the build machine's CUDA directory $dir"
-    fi
-  done
-elif grep -E 'INTERFACE_LINK_LIBRARIES' <<<"$interface_lines" | grep -qiE 'CUDA::|cudart|cublas|nccl'; then
-  fail "the library was built without CUDA, yet its exported targets link CUDA libraries"
+  # The same sources configured without CUDA (and without MN_NATIVE): CMake writes the export files
+  # it would install at generate time, so nothing needs compiling.
+  cuda_off=$work_dir/configured-without-cuda
+  "$cmake_bin" -S "$source_dir" -B "$cuda_off" -DCMAKE_BUILD_TYPE="$config" -DCMAKE_CXX_COMPILER="$cxx" \
+    -DMN_WITH_CUDA=OFF -DMN_NATIVE=OFF -DMN_BUILD_TESTS=OFF -DMN_BUILD_EXAMPLES=OFF -DMN_BUILD_BENCH=OFF \
+    >"$work_dir/configure-without-cuda.log" 2>&1 \
+    || { cat "$work_dir/configure-without-cuda.log"; fail "the project does not configure with MN_WITH_CUDA=OFF"; }
+  mapfile -t off_files < <(find "$cuda_off/CMakeFiles/Export" -name 'mapping_networksTargets*.cmake' 2>/dev/null)
+  if ((${#off_files[@]})); then
+    check_exported "configured with MN_WITH_CUDA=OFF" - "${off_files[@]}"
+  else
+    fail "configuring with MN_WITH_CUDA=OFF wrote no mapping_networksTargets*.cmake under $cuda_off/CMakeFiles/Export"
+  fi
 fi
 
 # ---- the installed headers ----
@@ -83,8 +111,9 @@ for unit in "$umbrella" "$all_headers"; do
     fail "the installed headers do not preprocess on their own ($unit)"
     continue
   fi
-  # Our own headers may have CUDA in their names (core/cuda.h declares the stream functions).
-  foreign=$(grep -vF "$include_dir/" <<<"$included" | grep -iE '/eigen3?/|/Eigen/|cuda|cublas|nccl|/omp\.h$' || true)
+  # Only the files from outside the install and this test's folder (which may have "cuda" in its path,
+  # as core/cuda.h, which declares the stream functions, has in its name).
+  foreign=$(grep -vF "$work_dir/" <<<"$included" | grep -iE '/eigen3?/|/Eigen/|cuda|cublas|nccl|/omp\.h$' || true)
   if [[ -n $foreign ]]; then
     fail "$(basename "$unit") pulls in headers a consumer should not need:"$'\n'"$foreign"
   fi

@@ -15,6 +15,6 @@ if(TARGET mapping_networks AND EXISTS ${PROJECT_SOURCE_DIR}/cmake/mn_install.cma
     COMMAND bash ${CMAKE_CURRENT_LIST_DIR}/run_consumer_test.sh
             ${CMAKE_COMMAND} ${PROJECT_BINARY_DIR} ${CMAKE_CURRENT_BINARY_DIR}/install_consumer
             ${CMAKE_CURRENT_LIST_DIR}/consumer ${CMAKE_CXX_COMPILER} $<CONFIG> ${mn_build_cuda_root}
-            "${mn_tools}")
+            "${mn_tools}" ${PROJECT_SOURCE_DIR})
   set_tests_properties(install_consumer PROPERTIES LABELS unit TIMEOUT 600)
 endif()
