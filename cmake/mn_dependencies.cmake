@@ -25,9 +25,8 @@ if(NOT MN_WITH_CUDA STREQUAL "OFF")
     enable_language(CUDA)
     # CMake 3.25 does not know nvcc's flag for CUDA_STANDARD 20; the library passes -std=c++20.
     find_package(CUDAToolkit REQUIRED)
-    # NCCL ships with the CUDA toolkit here but has no CMake config.
-    find_library(NCCL_LIBRARY nccl HINTS /usr/local/cuda/lib64 ${CUDAToolkit_LIBRARY_DIR})
-    find_path(NCCL_INCLUDE_DIR nccl.h HINTS /usr/local/cuda/include ${CUDAToolkit_INCLUDE_DIRS})
+    # NCCL ships with the CUDA toolkit here but has no CMake config: NCCL::nccl when found.
+    include(${CMAKE_CURRENT_LIST_DIR}/mn_find_nccl.cmake)
     set(MN_CUDA_ENABLED ON)
   elseif(MN_WITH_CUDA STREQUAL "ON")
     message(FATAL_ERROR "MN_WITH_CUDA=ON but no CUDA compiler was found")
@@ -50,7 +49,7 @@ endif()
 # machine with neither) ----
 set(MN_NCCL_ENABLED OFF)
 if(MN_CUDA_ENABLED)
-  if(NCCL_LIBRARY AND NCCL_INCLUDE_DIR)
+  if(TARGET NCCL::nccl AND NCCL_INCLUDE_DIR)
     set(MN_NCCL_ENABLED ON)
   elseif(MN_GLOO_ENABLED)
     message(FATAL_ERROR "CUDA and Gloo are on but NCCL was not found (libnccl.so / nccl.h in /usr/local/cuda)")

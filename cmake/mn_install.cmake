@@ -2,11 +2,9 @@
 #   find_package(mapping_networks CONFIG REQUIRED)
 #   target_link_libraries(app PRIVATE mn::mapping_networks)
 # and gets the same target name as a project that uses add_subdirectory (the alias mn::mapping_networks).
+# The command-line programs go to <prefix>/bin (mn_install_tools, called once examples/ is added).
 include(GNUInstallDirs)
 include(CMakePackageConfigHelpers)
-
-
-
 
 set(MN_INSTALL_CMAKEDIR ${CMAKE_INSTALL_LIBDIR}/cmake/mapping_networks)
 
@@ -60,4 +58,24 @@ write_basic_package_version_file(
 install(FILES
   ${PROJECT_BINARY_DIR}/mapping_networksConfig.cmake
   ${PROJECT_BINARY_DIR}/mapping_networksConfigVersion.cmake
+  ${CMAKE_CURRENT_LIST_DIR}/mn_find_nccl.cmake
   DESTINATION ${MN_INSTALL_CMAKEDIR})
+
+# The command-line programs, by target name: the ones of this list that the build has (the demo under
+# either spelling, mn-paper once it exists). Sets MN_INSTALLED_TOOLS to what it installs (the install
+# test checks them). They link the CUDA and NCCL libraries from where this build found them, so their
+# run path keeps those directories (INSTALL_RPATH_USE_LINK_PATH): a program installed on this machine
+# runs without LD_LIBRARY_PATH.
+set(MN_TOOL_TARGETS mn-train mn-run mn-strategies mn-demo mn_demo mn-paper)
+macro(mn_install_tools)
+  set(MN_INSTALLED_TOOLS)
+  foreach(tool ${MN_TOOL_TARGETS})
+    if(TARGET ${tool})
+      list(APPEND MN_INSTALLED_TOOLS ${tool})
+    endif()
+  endforeach()
+  if(MN_INSTALLED_TOOLS)
+    set_target_properties(${MN_INSTALLED_TOOLS} PROPERTIES INSTALL_RPATH_USE_LINK_PATH ON)
+    install(TARGETS ${MN_INSTALLED_TOOLS} RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
+  endif()
+endmacro()

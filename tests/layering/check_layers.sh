@@ -65,10 +65,16 @@ for layer in "${layers[@]}"; do
   done
 done
 
-# Symbols by layer: what each library defines and what it needs.
+# Symbols by layer: what each library defines and what it needs. A layer's own weak definitions (V, W:
+# inline functions and template instantiations every object that uses them carries) count as its own;
+# a higher layer's weak ones do not make a dependency (a C++17 CUDA object that needs an std::string
+# member another compiler emitted inline in nn is satisfied by libstdc++), so only strong definitions
+# (.strong) are searched for upward needs.
 for layer in "${layers[@]}"; do
   "$nm" --defined-only "${LIB[$layer]}" 2>/dev/null | awk 'NF == 3 && $2 ~ /^[A-Z]$/ && $2 != "U" { print $3 }' |
     sort -u >"$work/$layer.defined"
+  "$nm" --defined-only "${LIB[$layer]}" 2>/dev/null | awk 'NF == 3 && $2 ~ /^[A-Z]$/ && $2 !~ /^[UVW]$/ { print $3 }' |
+    sort -u >"$work/$layer.strong"
   "$nm" --undefined-only "${LIB[$layer]}" 2>/dev/null | awk '{ print $NF }' | sort -u >"$work/$layer.needed"
   [[ -s $work/$layer.defined ]] || fail "nm found no symbols in ${LIB[$layer]}"
 done
@@ -77,7 +83,7 @@ for layer in "${layers[@]}"; do
   comm -23 "$work/$layer.needed" "$work/$layer.defined" >"$work/$layer.external"
   for other in "${layers[@]}"; do
     [[ ${ALLOWED[$layer]} == *",$other,"* ]] && continue
-    comm -12 "$work/$layer.external" "$work/$other.defined" >"$work/$layer-$other.upward"
+    comm -12 "$work/$layer.external" "$work/$other.strong" >"$work/$layer-$other.upward"
     if [[ -s $work/$layer-$other.upward ]]; then
       fail "mn_$layer needs $(wc -l <"$work/$layer-$other.upward") symbol(s) that only mn_$other defines, e.g.:"
       head -5 "$work/$layer-$other.upward" | c++filt | sed 's/^/  /'
