@@ -23,6 +23,7 @@
 
 #include "bench/cuda_bench_main.h"
 #include "core/cuda.h"
+#include "core/random.h"
 #include "mapping/mapping_model.h"
 #include "mapping/targets.h"
 #include "nn/compile.h"
