@@ -77,10 +77,9 @@ int main(int argc, char** argv) {
                 static_cast<long long>(model.target_parameter_count()),
                 static_cast<long long>(model.trainable_parameter_count()), model.generator().groups().size(),
                 static_cast<long long>(latent_dim), model.compression_ratio());
-    std::printf("%lld training / %lld test images, batch %lld, Adam lr %g with cosine decay, %lld epochs, "
-                "%d CPU threads\n",
+    std::printf("%lld training / %lld test images, batch %lld, Adam lr %g with cosine decay, %s, %d CPU threads\n",
                 static_cast<long long>(train.size()), static_cast<long long>(test.size()),
-                static_cast<long long>(batch_size), lr, static_cast<long long>(epochs), get_num_threads());
+                static_cast<long long>(batch_size), lr, count_of(epochs, "epoch").c_str(), get_num_threads());
 
     data::DataLoader train_loader(train, {.batch_size = batch_size, .shuffle = true, .seed = seed});
     data::DataLoader test_loader(test, {.batch_size = 1000});

@@ -6,16 +6,23 @@
 //   mn-train --out runs/cnn2-lwt --resume --epochs 15
 //
 // --resume continues the run in --out from its checkpoint: the options that define the run (target,
-// strategy, latent dim, batch size, optimizer, lr, seed, limit, loss, scheduler) and its --epochs come
-// from the checkpoint, so `mn-train --out DIR --resume` is enough; a flag given with --resume must
-// agree with the run (--epochs may differ: the run then continues to that many epochs in total).
-// Every epoch writes DIR/metrics.csv and DIR/checkpoint.safetensors (atomically), and DIR/curves.png
-// when gnuplot is installed. --resume continues from the checkpoint's epoch with the stored latents,
+// strategy, latent dim, batch size, optimizer, lr, seed, limit, loss and its weights, scheduler, the
+// mapper's alpha, clipping, accumulation, early stopping, weight decay) and its --epochs come from the
+// checkpoint, so `mn-train --out DIR --resume` is enough; a flag given with --resume must agree with
+// the run (--epochs may differ: the run then continues to that many epochs in total). A checkpoint
+// written before an option existed ran with its default.
+// Every epoch writes DIR/metrics.csv and DIR/checkpoint.safetensors (atomically); the end of the run
+// draws DIR/curves.png (loss and accuracy per epoch, through DIR/curves.gp) with gnuplot, or warns on
+// stderr that gnuplot is missing. --resume continues from the checkpoint's epoch with the stored latents,
 // optimizer state, history and random-number positions, so 1 + 1 epochs give the same latents as 2.
 // With --json the last line on stdout is one JSON object summarising the run: test_accuracy (after
 // the last epoch), train_accuracy (running accuracy over the last epoch's batches), trainable_params,
 // target_params, compression_ratio, epochs (completed in total), seconds and steps_per_second (of
-// this invocation's training, validation included), cpu_threads (see --threads), interrupted.
+// this invocation's training, validation included), cpu_threads (see --threads), interrupted,
+// stopped_early (--early-stopping-patience), weights and curves (the files written).
+//
+// --write-config FILE saves the options (defaults, --config's, the command line's) as TOML and exits;
+// --config FILE runs them, flags given overriding the file. --version prints the version.
 //
 // Ctrl-C (SIGINT) in a single-process run stops training before the next batch: the epoch in progress
 // is dropped, the completed ones stay in metrics.csv and the checkpoint, the summary is printed (with
@@ -520,8 +527,7 @@ Summary run(const Options& o, Device device, const data::Dataset& train_set, con
     } catch (const MemoryError& e) {
       // The slvt guard speaks of MappingOptions::allow_large; here it is a flag.
       if (o.allow_large) throw;
-      throw MemoryError(str(e.what(), " (mn-train: --allow-large lifts the guard; --strategy layerwise or grouped "
-                                      "avoids the one large projection)"));
+      throw MemoryError(str(e.what(), "; on mn-train's command line: --allow-large"));
     }
     if (!device.is_cpu()) model->to(device);
   }
