@@ -108,10 +108,12 @@ inline void add_version_flag(CLI::App& app, const std::string& program) {
 // command line's) in that format and exits: `--config FILE` then runs the same. write_path receives
 // --write-config's value.
 inline void add_config_options(CLI::App& app, std::string& write_path) {
-  app.set_config("--config", "", "read options from this TOML file (key = value per long flag; flags given override it)");
+  app.set_config("--config", "", "read options from this TOML file (key = value per long flag; flags given override it)")
+      ->type_name("FILE");
   app.allow_config_extras(CLI::config_extras_mode::error);
   app.add_option("--write-config", write_path,
                  "write the effective options (defaults, --config, flags) as a TOML file for --config, and exit")
+      ->type_name("FILE")
       ->configurable(false);
 }
 
