@@ -66,7 +66,7 @@ install(FILES
 # test checks them). They link the CUDA and NCCL libraries from where this build found them, so their
 # run path keeps those directories (INSTALL_RPATH_USE_LINK_PATH): a program installed on this machine
 # runs without LD_LIBRARY_PATH.
-set(MN_TOOL_TARGETS mn-train mn-run mn-strategies mn-demo mn_demo mn-paper)
+set(MN_TOOL_TARGETS mn-train mn-run mn-strategies mn-demo mn-paper)
 macro(mn_install_tools)
   set(MN_INSTALLED_TOOLS)
   foreach(tool ${MN_TOOL_TARGETS})

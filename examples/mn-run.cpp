@@ -33,6 +33,8 @@
 #include <thread>
 #include <vector>
 
+#include "cli_checks.h"
+
 namespace {
 
 using Clock = std::chrono::steady_clock;
@@ -149,17 +151,18 @@ int main(int argc, char** argv) {
   std::string master_addr = "127.0.0.1";
   double grace_seconds = 5.0;
   bool bind_cores = false;
+  mn::examples::add_version_flag(app, "mn-run");
   app.add_option("--nproc-per-node,--nproc_per_node", nproc, "Number of ranks to start")
-      ->check(CLI::Range(1, 1024));
+      ->check(mn::examples::whole_number_in_range(1, 1024));
   app.add_option("--master-port,--master_port", master_port, "Port of rank 0's store (0: pick a free one)")
-      ->check(CLI::Range(0, 65535));
+      ->check(mn::examples::whole_number_in_range(0, 65535));
   app.add_option("--master-addr,--master_addr", master_addr, "Address of rank 0 (this machine)");
   app.add_option("--grace-period", grace_seconds, "Seconds between SIGTERM and SIGKILL when stopping ranks")
-      ->check(CLI::Range(0.0, 3600.0));
+      ->check(mn::examples::finite_number_in_range(0, 3600));
   app.add_flag("--bind-cores", bind_cores,
                "Pin each rank to its own block of (available CPUs / N) CPUs; OpenMP threads default to the block");
   app.prefix_command();  // everything from the program name on belongs to the program
-  app.footer("Example: mn-run --nproc-per-node 2 ./mn_train --epochs 3");
+  app.footer("Example: mn-run --nproc-per-node 2 mn-train --backend gloo --epochs 3");
   CLI11_PARSE(app, argc, argv);
   std::vector<std::string> command = app.remaining();
   if (!command.empty() && command.front() == "--") command.erase(command.begin());

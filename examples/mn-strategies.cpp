@@ -3,18 +3,20 @@
 // the peak memory one generate_parameters() call adds - exact caching-allocator bytes, gradients
 // enabled as in training - and its median time:
 //
-//   $ mn-strategies --spec guide --latent-dim 64
+//   $ mn-strategies --spec guide --latent-dim 64   (--config FILE / --write-config FILE: the options as TOML)
 //   slvt                  peak=   0.62 MB  time=  0.35 ms  (615,936 B)
 //   ...
 #include <CLI/CLI.hpp>
 
 #include <cstdio>
 
+#include "cli_checks.h"
 #include "mapping/generator.h"
 #include "mapping/profiler.h"
 #include "mapping/targets.h"
 
 using namespace mn;
+using namespace mn::examples;
 
 int main(int argc, char** argv) {
   CLI::App app{"Peak memory and time of parameter generation per strategy (the scaling guide's table)"};
@@ -23,28 +25,34 @@ int main(int argc, char** argv) {
   int n_warmup = 2, n_repeat = 5;
   std::vector<int64_t> mlp_hidden{256, 256};
   bool details = false;
+  std::string write_config;
+  add_version_flag(app, "mn-strategies");
+  add_config_options(app, write_config);
   app.add_option("--spec", spec_name,
                  "parameter layout: guide (Conv2d(3,64,3), Conv2d(64,128,3), Linear(128,10)) "
                  "or a built-in target")
       ->check(CLI::IsMember(mapping::spec_names()))
       ->capture_default_str();
+  const int64_t int_max = std::numeric_limits<int>::max();
   app.add_option("--latent-dim", latent_dim, "latent length per group")
-      ->check(CLI::PositiveNumber)
+      ->check(whole_number_at_least(1))
       ->capture_default_str();
   app.add_option("--mlp-hidden", mlp_hidden, "hidden widths of --spec mlp")
+      ->check(whole_number_at_least(1))
       ->delimiter(',')
       ->capture_default_str();
   app.add_option("--warmup", n_warmup, "discarded calls per strategy")
-      ->check(CLI::NonNegativeNumber)
+      ->check(whole_number_in_range(0, int_max))
       ->capture_default_str();
   app.add_option("--repeat", n_repeat, "measured calls per strategy")
-      ->check(CLI::PositiveNumber)
+      ->check(whole_number_in_range(1, int_max))
       ->capture_default_str();
   app.add_option("--device", device_name, "cpu, cuda[:N] or auto")->capture_default_str();
   app.add_flag("--details", details, "also print the layout, the groups and each generator's fixed bytes");
   CLI11_PARSE(app, argc, argv);
 
   try {
+    if (write_config_if_asked(app, write_config, "mn-strategies")) return 0;
     const Device device = Device::parse(device_name);
     if (device.is_cuda())
       MN_CHECK(cuda_available() && device.index < cuda_device_count(), DeviceError, "--device ", device_name,

@@ -1,21 +1,28 @@
 // mn-train: trains a built-in target on Fashion-MNIST, either directly (--strategy direct: the
-// target's own parameters with the chosen optimizer, like mn_demo) or as a mapping network (the
+// target's own parameters with the chosen optimizer, like mn-demo) or as a mapping network (the
 // target frozen, its parameters generated from trainable latents by the MappingTrainer).
 //
 //   mn-train --target cnn2 --strategy layerwise --latent-dim 672 --epochs 10 --out runs/cnn2-lwt
 //   mn-train --out runs/cnn2-lwt --resume --epochs 15
 //
 // --resume continues the run in --out from its checkpoint: the options that define the run (target,
-// strategy, latent dim, batch size, optimizer, lr, seed, limit, loss, scheduler) and its --epochs come
-// from the checkpoint, so `mn-train --out DIR --resume` is enough; a flag given with --resume must
-// agree with the run (--epochs may differ: the run then continues to that many epochs in total).
-// Every epoch writes DIR/metrics.csv and DIR/checkpoint.safetensors (atomically), and DIR/curves.png
-// when gnuplot is installed. --resume continues from the checkpoint's epoch with the stored latents,
+// strategy, latent dim, batch size, optimizer, lr, seed, limit, loss and its weights, scheduler, the
+// mapper's alpha, clipping, accumulation, early stopping, weight decay) and its --epochs come from the
+// checkpoint, so `mn-train --out DIR --resume` is enough; a flag given with --resume must agree with
+// the run (--epochs may differ: the run then continues to that many epochs in total). A checkpoint
+// written before an option existed ran with its default.
+// Every epoch writes DIR/metrics.csv and DIR/checkpoint.safetensors (atomically); the end of the run
+// draws DIR/curves.png (loss and accuracy per epoch, through DIR/curves.gp) with gnuplot, or warns on
+// stderr that gnuplot is missing. --resume continues from the checkpoint's epoch with the stored latents,
 // optimizer state, history and random-number positions, so 1 + 1 epochs give the same latents as 2.
 // With --json the last line on stdout is one JSON object summarising the run: test_accuracy (after
 // the last epoch), train_accuracy (running accuracy over the last epoch's batches), trainable_params,
 // target_params, compression_ratio, epochs (completed in total), seconds and steps_per_second (of
-// this invocation's training, validation included), cpu_threads (see --threads), interrupted.
+// this invocation's training, validation included), cpu_threads (see --threads), interrupted,
+// stopped_early (--early-stopping-patience), weights and curves (the files written).
+//
+// --write-config FILE saves the options (defaults, --config's, the command line's) as TOML and exits;
+// --config FILE runs them, flags given overriding the file. --version prints the version.
 //
 // Ctrl-C (SIGINT) in a single-process run stops training before the next batch: the epoch in progress
 // is dropped, the completed ones stay in metrics.csv and the checkpoint, the summary is printed (with
@@ -47,12 +54,14 @@
 #include <CLI/CLI.hpp>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <sstream>
@@ -108,6 +117,17 @@ struct Options {
   std::string backend;  // empty: one process
   std::string on_nonfinite = "error";  // a NaN/inf loss or gradient: stop (error) or warn and train on
   std::string export_path;  // the target's weights after training; empty: OUT/weights.safetensors
+  // Trainer knobs; their defaults are the library's.
+  double alpha = 0.01;                // MappingOptions::alpha (mapped runs)
+  double lambda_stability = 0.1;      // MappingLossOptions weights (--mapping-loss); 0 turns a term off
+  double lambda_smoothness = 0.01;
+  double lambda_alignment = 0.01;
+  double clip_norm = 0;               // TrainerConfig::gradient_clip_norm; 0: off
+  double clip_value = 0;              // TrainerConfig::gradient_clip_value; 0: off
+  int64_t accumulation_steps = 1;
+  int64_t early_stopping_patience = 0;  // EarlyStopping on val_total_loss; 0: off
+  double weight_decay = -1;           // below 0: the optimizer's usual (see effective_weight_decay)
+  std::string write_config;           // --write-config
   bool direct() const { return strategy == "direct"; }
 };
 
@@ -126,22 +146,78 @@ struct DistInfo {
 struct RunOption {
   const char* key;
   const char* flag;
+  // Sets the option from the checkpoint's value (not null; batch_size is set by adopt_saved_run).
+  void (*adopt)(Options&, const json&);
+  // A checkpoint written before the option existed: false, the run's value is unknown and any flag is
+  // taken (lr); true, the run had the option's default (the knobs added later).
+  bool absent_means_default = false;
 };
-constexpr RunOption kRunOptions[] = {{"target", "--target"},         {"mlp_hidden", "--mlp-hidden"},
-                                     {"strategy", "--strategy"},     {"latent_dim", "--latent-dim"},
-                                     {"batch_size", "--batch-size"}, {"optimizer", "--optimizer"},
-                                     {"seed", "--seed"},             {"mapping_loss", "--mapping-loss"},
-                                     {"limit", "--limit"},           {"scheduler", "--scheduler"},
-                                     {"lr", "--lr"}};
+const RunOption kRunOptions[] = {
+    {"target", "--target", [](Options& o, const json& v) { o.target = v.get<std::string>(); }},
+    {"mlp_hidden", "--mlp-hidden",
+     [](Options& o, const json& v) {
+       if (!v.is_null()) o.mlp_hidden = v.get<std::vector<int64_t>>();
+     }},
+    {"strategy", "--strategy", [](Options& o, const json& v) { o.strategy = v.get<std::string>(); }},
+    {"latent_dim", "--latent-dim",
+     [](Options& o, const json& v) {
+       if (!v.is_null()) o.latent_dim = v.get<int64_t>();
+     }},
+    {"batch_size", "--batch-size", nullptr},
+    {"optimizer", "--optimizer", [](Options& o, const json& v) { o.optimizer = v.get<std::string>(); }},
+    {"seed", "--seed", [](Options& o, const json& v) { o.seed = v.get<uint64_t>(); }},
+    {"mapping_loss", "--mapping-loss", [](Options& o, const json& v) { o.mapping_loss = v.get<bool>(); }},
+    {"limit", "--limit", [](Options& o, const json& v) { o.limit = v.get<int64_t>(); }},
+    {"scheduler", "--scheduler", [](Options& o, const json& v) { o.scheduler = v.get<std::string>(); }},
+    {"lr", "--lr", [](Options& o, const json& v) { o.lr = v.get<double>(); }},
+    {"alpha", "--alpha",
+     [](Options& o, const json& v) {
+       if (!v.is_null()) o.alpha = v.get<double>();
+     },
+     true},
+    {"lambda_stability", "--lambda-stability",
+     [](Options& o, const json& v) {
+       if (!v.is_null()) o.lambda_stability = v.get<double>();
+     },
+     true},
+    {"lambda_smoothness", "--lambda-smoothness",
+     [](Options& o, const json& v) {
+       if (!v.is_null()) o.lambda_smoothness = v.get<double>();
+     },
+     true},
+    {"lambda_alignment", "--lambda-alignment",
+     [](Options& o, const json& v) {
+       if (!v.is_null()) o.lambda_alignment = v.get<double>();
+     },
+     true},
+    {"clip_norm", "--clip-norm", [](Options& o, const json& v) { o.clip_norm = v.get<double>(); }, true},
+    {"clip_value", "--clip-value", [](Options& o, const json& v) { o.clip_value = v.get<double>(); }, true},
+    {"accumulation_steps", "--accumulation-steps",
+     [](Options& o, const json& v) { o.accumulation_steps = v.get<int64_t>(); }, true},
+    {"early_stopping_patience", "--early-stopping-patience",
+     [](Options& o, const json& v) { o.early_stopping_patience = v.get<int64_t>(); }, true},
+    {"weight_decay", "--weight-decay", [](Options& o, const json& v) { o.weight_decay = v.get<double>(); }, true},
+};
 
 double effective_lr(const Options& o) { return o.lr > 0 ? o.lr : (o.direct() ? 1e-3 : 1e-2); }
 
-// What the checkpoint's config records: the run options and the planned --epochs.
+// Without --weight-decay, direct training keeps its optimizer's usual setting (AdamW's default decay);
+// otherwise none.
+double effective_weight_decay(const Options& o) {
+  if (o.weight_decay >= 0) return o.weight_decay;
+  return o.direct() && o.optimizer == "adamw" ? nn::optim::AdamW::with_default_decay().weight_decay : 0.0;
+}
+
+// What the checkpoint's config records: the run options and the planned --epochs. An option that
+// does not apply to the run (the mapper's alpha of a direct run, the weights without --mapping-loss)
+// is null.
 json run_config(const Options& o, int world_size) {
+  const auto mapped = [&o](const json& value) { return o.direct() ? json(nullptr) : value; };
+  const auto regularised = [&o](double weight) { return o.mapping_loss ? json(weight) : json(nullptr); };
   return {{"target", o.target},
           {"mlp_hidden", o.target == "mlp" ? json(o.mlp_hidden) : json(nullptr)},
           {"strategy", o.strategy},
-          {"latent_dim", o.direct() ? json(nullptr) : json(o.latent_dim)},
+          {"latent_dim", mapped(o.latent_dim)},
           {"batch_size", o.batch_size * world_size},
           {"optimizer", o.optimizer},
           {"seed", o.seed},
@@ -149,7 +225,26 @@ json run_config(const Options& o, int world_size) {
           {"limit", o.limit},
           {"scheduler", o.scheduler},
           {"lr", effective_lr(o)},
+          {"alpha", mapped(o.alpha)},
+          {"lambda_stability", regularised(o.lambda_stability)},
+          {"lambda_smoothness", regularised(o.lambda_smoothness)},
+          {"lambda_alignment", regularised(o.lambda_alignment)},
+          {"clip_norm", o.clip_norm},
+          {"clip_value", o.clip_value},
+          {"accumulation_steps", o.accumulation_steps},
+          {"early_stopping_patience", o.early_stopping_patience},
+          {"weight_decay", effective_weight_decay(o)},
           {"epochs", o.epochs}};
+}
+
+// What run_config records for `key` when the knob has its default, for the run `o` describes (the
+// knobs' entries depend only on themselves and on strategy, optimizer and --mapping-loss).
+json default_entry(const Options& o, const char* key, int world_size) {
+  Options defaults;
+  defaults.strategy = o.strategy;
+  defaults.optimizer = o.optimizer;
+  defaults.mapping_loss = o.mapping_loss;
+  return run_config(defaults, world_size).at(key);
 }
 
 // The config of the run saved at `path` (either checkpoint format), after the checks that it holds a
@@ -187,36 +282,31 @@ json saved_run_config(const std::string& path) {
 // with the run (an error names each flag that does not, with both values); --epochs may extend the run
 // (default: the epochs it was started with).
 void adopt_saved_run(Options& o, const CLI::App& app, const json& saved, int world_size, const std::string& path) {
-  const json now = run_config(o, world_size);
   std::string conflicts;
-  try {
-    for (const RunOption& option : kRunOptions) {
-      if (!saved.contains(option.key)) continue;  // older checkpoints do not record lr
-      const json& value = saved.at(option.key);
-      if (app.count(option.flag) > 0) {
-        if (value != now.at(option.key))
-          conflicts += str("\n  ", option.flag, ": the run has ", value.dump(), ", the command line ",
-                           now.at(option.key).dump());
-        continue;
-      }
-      const std::string key = option.key;
-      if (key == "target") o.target = value.get<std::string>();
-      else if (key == "mlp_hidden" && !value.is_null()) o.mlp_hidden = value.get<std::vector<int64_t>>();
-      else if (key == "strategy") o.strategy = value.get<std::string>();
-      else if (key == "latent_dim" && !value.is_null()) o.latent_dim = value.get<int64_t>();
-      else if (key == "optimizer") o.optimizer = value.get<std::string>();
-      else if (key == "seed") o.seed = value.get<uint64_t>();
-      else if (key == "mapping_loss") o.mapping_loss = value.get<bool>();
-      else if (key == "limit") o.limit = value.get<int64_t>();
-      else if (key == "scheduler") o.scheduler = value.get<std::string>();
-      else if (key == "lr") o.lr = value.get<double>();
-      else if (key == "batch_size") {
-        const int64_t global = value.get<int64_t>();
-        MN_CHECK(global > 0 && global % world_size == 0, ValueError, "--resume: ", path, ": the run's global batch ",
-                 global, " does not split over ", world_size, " ranks; give --batch-size");
-        o.batch_size = global / world_size;
-      }
+  // A flag given must match the run's value; an option not given takes it. The command line's entry is
+  // computed as the options stand (what an entry depends on comes earlier in kRunOptions).
+  const auto take = [&](const RunOption& option, const json& value) {
+    if (app.count(option.flag) > 0) {
+      const json given = run_config(o, world_size).at(option.key);
+      if (value != given)
+        conflicts += str("\n  ", option.flag, ": the run has ", value.dump(), ", the command line ", given.dump());
+    } else if (option.adopt != nullptr) {
+      option.adopt(o, value);
+    } else {  // batch_size
+      const int64_t global = value.get<int64_t>();
+      MN_CHECK(global > 0 && global % world_size == 0, ValueError, "--resume: ", path, ": the run's global batch ",
+               global, " does not split over ", world_size, " ranks; give --batch-size");
+      o.batch_size = global / world_size;
     }
+  };
+  try {
+    for (const RunOption& option : kRunOptions)
+      if (saved.contains(option.key)) take(option, saved.at(option.key));
+    // Knobs newer than the checkpoint: it ran with their defaults (known once strategy, optimizer and
+    // --mapping-loss are the run's).
+    for (const RunOption& option : kRunOptions)
+      if (!saved.contains(option.key) && option.absent_means_default)
+        take(option, default_entry(o, option.key, world_size));
     if (app.count("--epochs") == 0) {
       MN_CHECK(saved.contains("epochs"), ValueError, "--resume: ", path,
                " does not record how many epochs the run was started with; give --epochs");
@@ -227,6 +317,20 @@ void adopt_saved_run(Options& o, const CLI::App& app, const json& saved, int wor
   }
   MN_CHECK(conflicts.empty(), ValueError, "--resume: ", path, " continues a run whose options differ from the "
            "command line (leave them out to use the run's):", conflicts);
+}
+
+// A knob set away from its default where the run has no use for it is an error rather than ignored.
+void check_knobs_apply(const Options& o) {
+  const Options defaults;
+  MN_CHECK(!o.direct() || o.alpha == defaults.alpha, ValueError, "--alpha ", o.alpha,
+           " modulates a mapper, and --strategy direct trains the target without one");
+  const std::pair<const char*, double> weights[] = {{"--lambda-stability", o.lambda_stability - defaults.lambda_stability},
+                                                    {"--lambda-smoothness", o.lambda_smoothness - defaults.lambda_smoothness},
+                                                    {"--lambda-alignment", o.lambda_alignment - defaults.lambda_alignment}};
+  for (const auto& [flag, change] : weights)
+    MN_CHECK(o.mapping_loss || change == 0, ValueError, flag, " weighs a term of --mapping-loss; add --mapping-loss");
+  MN_CHECK(!o.mapping_loss || !o.direct(), ValueError,
+           "--mapping-loss regularises the latents of a mapped run, and --strategy direct has none");
 }
 
 // --out must take files before any training: otherwise the first epoch's work is lost when its
@@ -252,14 +356,86 @@ data::Dataset prepare(const data::Dataset& ds, int64_t limit, Device device) {
   return out.to(device);
 }
 
-void plot(const fs::path& csv, const fs::path& png, bool quiet) {
-  if (std::system("command -v gnuplot >/dev/null 2>&1") != 0) return;
-  const std::string script =
-      "set datafile separator ','; set terminal png size 800,400; set output '" + png.string() +
-      "'; set key autotitle columnhead; set xlabel 'epoch'; set ylabel 'accuracy'; plot '" + csv.string() +
-      "' using 1:4 with linespoints, '' using 1:6 with linespoints";
-  if (std::system(("gnuplot -e \"" + script + "\" 2>/dev/null").c_str()) == 0 && !quiet)
-    std::printf("curves: %s\n", png.c_str());
+// The directory entry of PATH holding an executable `name` ("" when none does): the shell's lookup.
+std::string find_program(const std::string& name) {
+  const char* path = std::getenv("PATH");
+  if (path == nullptr) return "";
+  std::istringstream dirs(path);
+  std::string dir;
+  while (std::getline(dirs, dir, ':')) {
+    const fs::path candidate = fs::path(dir.empty() ? "." : dir) / name;
+    std::error_code ec;
+    if (fs::is_regular_file(candidate, ec) && ::access(candidate.c_str(), X_OK) == 0) return candidate.string();
+  }
+  return "";
+}
+
+// `text` as one shell word.
+std::string shell_quote(const std::string& text) {
+  std::string quoted = "'";
+  for (char c : text) quoted += c == '\'' ? std::string("'\\''") : std::string(1, c);
+  return quoted + "'";
+}
+
+// OUT/curves.png from OUT/metrics.csv: loss (left) and accuracy in percent (right) per epoch, training
+// and test, drawn by gnuplot through OUT/curves.gp (kept: `gnuplot curves.gp` in OUT draws it again).
+// Returns the picture's path, or "" with a one-line warning on stderr when gnuplot is not on PATH or
+// fails; nothing when no epoch was recorded.
+std::string plot(const fs::path& out_dir) {
+  std::ifstream csv(out_dir / "metrics.csv");
+  std::string header, row;
+  if (!std::getline(csv, header) || !std::getline(csv, row) || row.empty()) return "";
+  int64_t rows = 1;
+  while (std::getline(csv, row))
+    if (!row.empty()) ++rows;
+  // 1-based column numbers by name, so the plot follows CsvLogger's columns.
+  std::map<std::string, int> column;
+  {
+    std::istringstream names(header);
+    std::string name;
+    for (int i = 1; std::getline(names, name, ','); ++i) column[name] = i;
+  }
+  for (const char* name : {"epoch", "train_loss", "test_loss", "train_accuracy", "test_accuracy"})
+    if (column.count(name) == 0) {
+      std::fprintf(stderr, "mn-train: warning: no curves.png: %s lacks the column '%s'\n",
+                   (out_dir / "metrics.csv").c_str(), name);
+      return "";
+    }
+  const auto series = [&column](const char* y, const char* scale, const char* title) {
+    return str("'metrics.csv' using ", column["epoch"], ":($", column[y], scale, ") with linespoints title '", title,
+               "'");
+  };
+  {
+    std::ofstream gp(out_dir / "curves.gp");
+    gp << "# mn-train's curves: run `gnuplot curves.gp` in this directory\n"
+       << "set datafile separator ','\n"
+       << "set terminal pngcairo size 1000,400\n"
+       << "set output 'curves.png'\n"
+       << "set multiplot layout 1,2\n"
+       << "set xlabel 'epoch'\nset xtics " << std::max<int64_t>(1, rows / 10) << "\nset grid\nset key top right\n"
+       << "set ylabel 'loss'\nset title 'loss'\n"
+       << "plot " << series("train_loss", "", "train") << ", " << series("test_loss", "", "test") << "\n"
+       << "set key bottom right\nset ylabel 'accuracy (%)'\nset title 'accuracy'\n"
+       << "plot " << series("train_accuracy", "*100", "train") << ", " << series("test_accuracy", "*100", "test")
+       << "\n"
+       << "unset multiplot\n";
+  }
+  std::error_code ec;
+  fs::remove(out_dir / "curves.png", ec);  // an earlier run's picture would pass for this one's
+  const std::string gnuplot = find_program("gnuplot");
+  if (gnuplot.empty()) {
+    std::fprintf(stderr, "mn-train: warning: no curves.png: gnuplot is not on PATH (install gnuplot-nox, e.g. with "
+                 "./mn deps); the numbers are in %s\n", (out_dir / "metrics.csv").c_str());
+    return "";
+  }
+  const std::string command = str("cd ", shell_quote(out_dir.string()), " && ", shell_quote(gnuplot),
+                                  " curves.gp >/dev/null 2>&1");
+  if (std::system(command.c_str()) != 0) {
+    std::fprintf(stderr, "mn-train: warning: no curves.png: gnuplot failed on %s (run it there to see why)\n",
+                 (out_dir / "curves.gp").c_str());
+    return "";
+  }
+  return (out_dir / "curves.png").string();
 }
 
 json num(double v) { return std::isfinite(v) ? json(v) : json(nullptr); }
@@ -272,6 +448,7 @@ struct Summary {
   std::string compile_report;  // --compile: CompiledFunction::explain()
   bool interrupted = false;    // Ctrl-C stopped it
   bool evaluated_only = false; // no epoch trained in this invocation: test_accuracy measured at the end
+  bool stopped_early = false;  // --early-stopping-patience ended the run before --epochs
   std::string exported;        // where the weights went ("" when they were not written)
 };
 
@@ -296,18 +473,33 @@ data::Dataset test_shard(const data::Dataset& test, const DistInfo& dist) {
 }
 
 // The trainer's configuration. Direct training keeps its optimizers' usual settings (SGD with momentum
-// 0.9, AdamW with its default decay) and leaves the global generator where the target's init left it.
+// 0.9, AdamW with its default decay unless --weight-decay) and leaves the global generator where the
+// target's init left it.
 train::TrainerConfig trainer_config(const Options& o) {
   train::TrainerConfig c{.max_epochs = o.epochs,
                          .optimizer = o.optimizer,
                          .learning_rate = effective_lr(o),
+                         .weight_decay = effective_weight_decay(o),
                          .scheduler = o.scheduler,
+                         .accumulation_steps = o.accumulation_steps,
                          .seed = o.direct() ? std::nullopt : std::optional<uint64_t>(o.seed),
                          .compile = o.compile,
                          .on_nonfinite = o.on_nonfinite};
   if (o.direct() && o.optimizer == "sgd") c.momentum = 0.9;
-  if (o.direct() && o.optimizer == "adamw") c.weight_decay = nn::optim::AdamW::with_default_decay().weight_decay;
+  if (o.clip_norm > 0) c.gradient_clip_norm = o.clip_norm;
+  if (o.clip_value > 0) c.gradient_clip_value = o.clip_value;
   return c;
+}
+
+// --mapping-loss: the library's regularisers with the weights given; a weight of 0 leaves its term out.
+mapping::MappingLossOptions mapping_loss_options(const Options& o) {
+  mapping::MappingLossOptions m{.lambda_stability = o.lambda_stability,
+                                .lambda_smoothness = o.lambda_smoothness,
+                                .lambda_alignment = o.lambda_alignment};
+  if (o.lambda_stability == 0) m.stability = mapping::no_term;
+  if (o.lambda_smoothness == 0) m.smoothness = mapping::no_term;
+  if (o.lambda_alignment == 0) m.alignment = mapping::no_term;
+  return m;
 }
 
 // Builds the model (the target, or a MappingModel around it), its trainer and the callbacks, resumes,
@@ -325,11 +517,18 @@ Summary run(const Options& o, Device device, const data::Dataset& train_set, con
     mapping::MappingOptions mo{.latent_dim = o.latent_dim,
                                .strategy = o.strategy,
                                .seed = o.seed,
+                               .alpha = o.alpha,
                                .allow_large = o.allow_large,
                                .empty_cache_on_cuda = !o.keep_cuda_cache,
                                .stream_layers = o.stream_layers};
     if (o.strategy == "grouped") mo.groups = weight_bias_groups(*target);
-    model.emplace(target, mo);
+    try {
+      model.emplace(target, mo);
+    } catch (const MemoryError& e) {
+      // The slvt guard speaks of MappingOptions::allow_large; here it is a flag.
+      if (o.allow_large) throw;
+      throw MemoryError(str(e.what(), "; on mn-train's command line: --allow-large"));
+    }
     if (!device.is_cpu()) model->to(device);
   }
 
@@ -356,6 +555,12 @@ Summary run(const Options& o, Device device, const data::Dataset& train_set, con
     // line per epoch, then the summary).
     if (tty || !o.json) callbacks.push_back(std::make_shared<train::ProgressCallback>());
     if (!tty) callbacks.push_back(std::make_shared<train::EpochSummary>());
+  }
+  // On every rank: the ranks see the same (all-reduced) validation loss, so they stop together.
+  if (o.early_stopping_patience > 0)
+    callbacks.push_back(std::make_shared<train::EarlyStopping>(train::history_keys::kValTotalLoss,
+                                                                o.early_stopping_patience));
+  if (dist.main()) {
     callbacks.push_back(std::make_shared<train::ModelCheckpoint>(
         checkpoint, 1, train::CheckpointMetadata{{{"program", "mn-train"}}, run_config(o, dist.world_size).dump()}));
   }
@@ -365,7 +570,7 @@ Summary run(const Options& o, Device device, const data::Dataset& train_set, con
                                                trainer_config(o), callbacks);
   } else {
     std::shared_ptr<mapping::Loss> loss = std::make_shared<mapping::ClassificationLoss>();
-    if (o.mapping_loss) loss = std::make_shared<mapping::MappingLoss>(loss);
+    if (o.mapping_loss) loss = std::make_shared<mapping::MappingLoss>(loss, mapping_loss_options(o));
     trainer = std::make_unique<mapping::MappingTrainer>(*model, train_loader, &test_loader, loss, trainer_config(o),
                                                         callbacks);
   }
@@ -418,6 +623,7 @@ Summary run(const Options& o, Device device, const data::Dataset& train_set, con
   if (ddp) s.bytes_per_step = static_cast<int64_t>(ddp->bytes_per_step());
   s.compile_report = trainer->compile_report();
   s.interrupted = sigint->interrupted() && trainer->epoch() < o.epochs;
+  s.stopped_early = !s.interrupted && trainer->epoch() < o.epochs;
   if (trainer->epoch() == first_epoch && !s.interrupted) {
     // Nothing trained in this invocation (--epochs 0, or the run already has them all): the test
     // accuracy is measured now instead of read from a history that may be empty.
@@ -445,6 +651,8 @@ Summary run(const Options& o, Device device, const data::Dataset& train_set, con
 int main(int argc, char** argv) {
   CLI::App app{"Train a built-in target on Fashion-MNIST, directly or as a mapping network"};
   Options o;
+  add_version_flag(app, "mn-train");
+  add_config_options(app, o.write_config);
   app.add_option("--target", o.target, "target network")
       ->check(CLI::IsMember(mapping::target_names()))
       ->capture_default_str();
@@ -465,6 +673,26 @@ int main(int argc, char** argv) {
       ->check(whole_number_at_least(1))
       ->capture_default_str();
   app.add_option("--lr", o.lr, "learning rate (default 1e-3 direct, 1e-2 mapped)")->check(positive_finite_number());
+  app.add_option("--weight-decay", o.weight_decay,
+                 "optimizer weight decay (default: AdamW's 0.01 for direct adamw, else 0)")
+      ->check(finite_number_in_range(0));
+  app.add_option("--clip-norm", o.clip_norm, "clip the gradients' total L2 norm to this (0: no clipping)")
+      ->check(finite_number_in_range(0))
+      ->capture_default_str();
+  app.add_option("--clip-value", o.clip_value, "clip every gradient element to [-v, v] (0: no clipping)")
+      ->check(finite_number_in_range(0))
+      ->capture_default_str();
+  app.add_option("--accumulation-steps", o.accumulation_steps,
+                 "batches whose gradients add up before each optimizer step")
+      ->check(whole_number_at_least(1))
+      ->capture_default_str();
+  app.add_option("--early-stopping-patience", o.early_stopping_patience,
+                 "stop when the test loss (val_total_loss) has not improved for this many epochs (0: never)")
+      ->check(whole_number_at_least(0))
+      ->capture_default_str();
+  app.add_option("--alpha", o.alpha, "mapped runs: modulation of the fixed mappers by the latents (W + alpha 1 z^T)")
+      ->check(finite_number_in_range(0))
+      ->capture_default_str();
   app.add_option("--optimizer", o.optimizer, "optimizer")
       ->check(CLI::IsMember({"adam", "adamw", "sgd"}))
       ->capture_default_str();
@@ -482,6 +710,15 @@ int main(int argc, char** argv) {
   app.add_option("--export", o.export_path,
                  "write the target's trained weights (only them, PyTorch names) here; default OUT/weights.safetensors");
   app.add_flag("--mapping-loss", o.mapping_loss, "add the stability, smoothness and alignment regularisers");
+  app.add_option("--lambda-stability", o.lambda_stability, "--mapping-loss: weight of the stability term (0: off)")
+      ->check(finite_number_in_range(0))
+      ->capture_default_str();
+  app.add_option("--lambda-smoothness", o.lambda_smoothness, "--mapping-loss: weight of the smoothness term (0: off)")
+      ->check(finite_number_in_range(0))
+      ->capture_default_str();
+  app.add_option("--lambda-alignment", o.lambda_alignment, "--mapping-loss: weight of the alignment term (0: off)")
+      ->check(finite_number_in_range(0))
+      ->capture_default_str();
   app.add_flag("--allow-large", o.allow_large, "allow fixed projections above 1e8 elements");
   app.add_flag("--stream-layers", o.stream_layers,
                "generate each layer's parameters just before it runs and again in backward: one layer's "
@@ -490,11 +727,12 @@ int main(int argc, char** argv) {
                "lazy_layerwise on cuda: keep the allocator's cache between groups (no per-group device sync "
                "and re-allocation, and --compile can capture; reserved memory then stays at the peak)");
   app.add_option("--limit", o.limit, "use only the first N training and test images (0 = all)")
-      ->check(whole_number_at_least(0));
+      ->check(whole_number_at_least(0))
+      ->capture_default_str();
   app.add_option("--threads", o.threads,
                  "threads of the CPU kernels (default: OMP_NUM_THREADS, else every CPU this process may use); "
                  "on a shared machine, the free cores")
-      ->check(whole_number_at_least(1));
+      ->check(whole_number_in_range(1, std::numeric_limits<int>::max()));
   app.add_flag("--json", o.json, "print a JSON summary as the last line of stdout");
   app.add_flag("--compile", o.compile,
                "capture each training step (forward, loss, backward) once per batch shape and replay it "
@@ -509,6 +747,7 @@ int main(int argc, char** argv) {
 
   DistInfo dist;
   try {
+    if (write_config_if_asked(app, o.write_config, "mn-train")) return 0;
     if (o.threads > 0) set_num_threads(o.threads);
     // --device auto: the GPU when there is one, except for gloo ranks, which train on the CPU.
     Device device = o.device == "auto" && o.backend == "gloo" ? kCPU : Device::parse(o.device);
@@ -545,6 +784,7 @@ int main(int argc, char** argv) {
       const std::string checkpoint = (fs::path(o.out) / "checkpoint.safetensors").string();
       adopt_saved_run(o, app, saved_run_config(checkpoint), dist.world_size, checkpoint);
     }
+    check_knobs_apply(o);
     if (device.is_cuda())
       MN_CHECK(cuda_available() && device.index < cuda_device_count(), DeviceError, "--device ", o.device,
                ": CUDA is not available here (built without CUDA, or no usable GPU); use --device cpu");
@@ -558,7 +798,7 @@ int main(int argc, char** argv) {
     const Summary s = run(o, device, train_set, test, out_dir, tty, dist);
     if (dist.active) dist::cleanup_ddp();
     if (!dist.main()) return 0;  // rank 0 reports for the job
-    plot(out_dir / "metrics.csv", out_dir / "curves.png", o.json);
+    const std::string curves = plot(out_dir);
     if (o.json) {
       json j = {{"target", o.target},
                 {"strategy", o.strategy},
@@ -572,7 +812,9 @@ int main(int argc, char** argv) {
                 {"seconds", s.seconds},
                 {"steps_per_second", num(s.seconds > 0 ? static_cast<double>(s.steps) / s.seconds : 0.0)},
                 {"cpu_threads", get_num_threads()},
-                {"interrupted", s.interrupted}};
+                {"interrupted", s.interrupted},
+                {"stopped_early", s.stopped_early}};
+      if (!curves.empty()) j["curves"] = curves;
       if (!s.compile_report.empty()) j["compiled"] = s.compile_report;
       if (!s.exported.empty()) j["weights"] = s.exported;
       if (dist.active) {
@@ -583,12 +825,16 @@ int main(int argc, char** argv) {
       }
       std::printf("%s\n", j.dump().c_str());
     } else if (s.evaluated_only && std::isnan(s.train_accuracy)) {
-      std::printf("test accuracy %.2f%% without training (0 epochs)\n", 100.0 * s.test_accuracy);
+      std::printf("test %.2f%% accuracy without training (0 epochs)\n", 100.0 * s.test_accuracy);
     } else {
-      std::printf("test accuracy %.2f%%, train accuracy %.2f%% after %lld epochs (%.1f s); %s\n",
-                  100.0 * s.test_accuracy, 100.0 * s.train_accuracy, static_cast<long long>(s.epochs),
-                  s.seconds, (out_dir / "metrics.csv").c_str());
+      if (s.stopped_early)
+        std::printf("stopped early: the test loss did not improve for %s\n",
+                    count_of(o.early_stopping_patience, "epoch").c_str());
+      std::printf("test %.2f%%, train %.2f%% accuracy after %s, %.1f s; %s\n", 100.0 * s.test_accuracy,
+                  100.0 * s.train_accuracy, count_of(s.epochs, "epoch").c_str(), s.seconds,
+                  (out_dir / "metrics.csv").c_str());
       if (!s.exported.empty()) std::printf("weights: %s\n", s.exported.c_str());
+      if (!curves.empty()) std::printf("curves: %s\n", curves.c_str());
       if (!s.compile_report.empty()) std::printf("%s", s.compile_report.c_str());
     }
     if (s.interrupted) {

@@ -271,7 +271,17 @@ TEST_CASE("mn-train: flag values it cannot use are errors that name the flag and
                         Case{"--epochs -1", "--epochs: expected a whole number of at least 0, got '-1'"},
                         Case{"--batch-size 0", "--batch-size: expected a whole number of at least 1, got '0'"},
                         Case{"--batch-size 1.5", "--batch-size: expected a whole number of at least 1, got '1.5'"},
-                        Case{"--limit -3", "--limit: expected a whole number of at least 0, got '-3'"}}) {
+                        Case{"--limit -3", "--limit: expected a whole number of at least 0, got '-3'"},
+                        Case{"--threads 0", "--threads: expected a whole number from 1 to 2147483647, got '0'"},
+                        Case{"--batch-size 99999999999999999999",
+                             "--batch-size: expected a whole number from 1 to 9223372036854775807, got "
+                             "'99999999999999999999'"},
+                        Case{"--clip-norm -1", "--clip-norm: expected a finite number of at least 0, got '-1'"},
+                        Case{"--weight-decay nan", "--weight-decay: expected a finite number of at least 0, got 'nan'"},
+                        Case{"--accumulation-steps 0",
+                             "--accumulation-steps: expected a whole number of at least 1, got '0'"},
+                        Case{"--early-stopping-patience -2",
+                             "--early-stopping-patience: expected a whole number of at least 0, got '-2'"}}) {
     INFO("flags " << c.flags);
     const CommandResult r = run(exe, str(c.flags, " --out ", dir / "never"));
     CHECK(r.status != 0);
@@ -481,4 +491,274 @@ TEST_CASE("mn-train: the target's weights are exported alone, for mapped and dir
   summary(run(exe, str("--target mlp --mlp-hidden 16 --strategy direct --epochs 1 --json ", kSmall, " --out ", dir / "x",
                        " --export ", file)));
   CHECK(fs::exists(file));
+}
+
+namespace {
+
+// The run config a checkpoint records (metadata "config"), as JSON.
+json checkpoint_config(const fs::path& checkpoint) {
+  const safetensors::File f = safetensors::load(checkpoint.string());
+  REQUIRE(f.metadata.count("config") == 1);
+  return json::parse(f.metadata.at("config"));
+}
+
+// Rewrites the checkpoint's run config through `edit`, keeping everything else.
+template <class Edit>
+void edit_checkpoint_config(const fs::path& checkpoint, Edit edit) {
+  safetensors::File f = safetensors::load(checkpoint.string());
+  json config = json::parse(f.metadata.at("config"));
+  edit(config);
+  f.metadata["config"] = config.dump();
+  safetensors::NamedTensors tensors;
+  for (const auto& e : f.tensors) tensors.emplace_back(e.name, e.tensor);
+  safetensors::save(checkpoint.string(), tensors, f.metadata);
+}
+
+// A small, quick mapped run.
+const char* const kTiny = "--target mlp --mlp-hidden 32 --strategy layerwise --latent-dim 16 --limit 256 --batch-size 64 "
+                          "--seed 5 --threads 1";
+
+// A program built next to mn-train ("" when it is not there).
+std::string sibling(const std::string& exe, const char* name) {
+  const fs::path path = fs::path(exe).parent_path() / name;
+  return fs::exists(path) ? path.string() : std::string();
+}
+
+}  // namespace
+
+TEST_CASE("mn-train: --write-config saves the options and --config runs the same; flags override the file") {
+  std::string exe;
+  if (!ready(exe)) return;
+  TempDir tmp("mn_train_config");
+  const fs::path dir = tmp.path();
+  const std::string options = str(kTiny, " --epochs 2 --clip-norm 0.5 --accumulation-steps 2 --weight-decay 0.001 "
+                                         "--alpha 0.02 --mapping-loss --lambda-smoothness 0");
+  const fs::path config = dir / "run.toml";
+  const CommandResult written = run(exe, str(options, " --write-config ", config));
+  INFO(written.all());
+  REQUIRE(written.status == 0);
+  CHECK_FALSE(fs::exists(dir / "a"));  // it writes the file and exits: nothing trained
+  const std::string text = read_text(config);
+  CHECK(text.find("clip-norm=0.5") != std::string::npos);
+  CHECK(text.find("mlp-hidden=32") != std::string::npos);
+  CHECK(text.find("write-config") == std::string::npos);
+
+  const json flags = summary(run(exe, str(options, " --json --out ", dir / "a")));
+  const json from_file = summary(run(exe, str("--config ", config, " --json --out ", dir / "b")));
+  for (const char* key : {"test_accuracy", "train_accuracy", "trainable_params", "target_params", "epochs"}) {
+    INFO("key " << key);
+    CHECK(flags[key] == from_file[key]);
+  }
+  check_same_tensors((dir / "a" / "checkpoint.safetensors").string(), (dir / "b" / "checkpoint.safetensors").string(),
+                     "latent");
+  CHECK(checkpoint_config(dir / "a" / "checkpoint.safetensors") ==
+        checkpoint_config(dir / "b" / "checkpoint.safetensors"));
+  // The command line wins over the file.
+  CHECK(summary(run(exe, str("--config ", config, " --epochs 1 --json --out ", dir / "c")))["epochs"] == 1);
+  // A key that is no option, and a value an option refuses, are errors naming them.
+  std::ofstream(dir / "bad.toml") << "epochz = 3\n";
+  CommandResult bad = run(exe, str("--config ", dir / "bad.toml", " --out ", dir / "never"));
+  CHECK(bad.status != 0);
+  CHECK(bad.all().find("epochz") != std::string::npos);
+  std::ofstream(dir / "bad2.toml") << "batch-size = 0\n";
+  bad = run(exe, str("--config ", dir / "bad2.toml", " --out ", dir / "never"));
+  CHECK(bad.status != 0);
+  CHECK(bad.all().find("--batch-size: expected a whole number of at least 1, got '0'") != std::string::npos);
+  CHECK_FALSE(fs::exists(dir / "never"));
+}
+
+TEST_CASE("mn-demo: --write-config and --config give the same run") {
+  std::string exe;
+  if (!ready(exe)) return;
+  const std::string demo = sibling(exe, "mn-demo");
+  if (demo.empty()) {
+    MESSAGE("skipped: mn-demo is not built next to mn-train");
+    return;
+  }
+  TempDir tmp("mn_demo_config");
+  const fs::path dir = tmp.path();
+  const std::string options = "--limit 256 --epochs 1 --batch-size 64 --latent-dim 32 --seed 2 --threads 1";
+  REQUIRE(run(demo, str(options, " --write-config ", dir / "demo.toml")).status == 0);
+  const CommandResult a = run(demo, str(options, " --out ", dir / "a"));
+  const CommandResult b = run(demo, str("--config ", dir / "demo.toml", " --out ", dir / "b"));
+  INFO(a.all() << b.all());
+  REQUIRE(a.status == 0);
+  REQUIRE(b.status == 0);
+  // The accuracy line ("test 12.34%, train 56.78% accuracy after 1 epoch, ...") up to the timing.
+  const auto accuracy = [](const std::string& out) {
+    const size_t at = out.find("\ntest ");
+    const size_t end = out.find(" epoch,", at);
+    return at == std::string::npos || end == std::string::npos ? std::string() : out.substr(at, end - at);
+  };
+  CHECK_FALSE(accuracy(a.out).empty());
+  CHECK(accuracy(a.out) == accuracy(b.out));
+  check_same_tensors((dir / "a" / "checkpoint.safetensors").string(), (dir / "b" / "checkpoint.safetensors").string(),
+                     "latent");
+}
+
+TEST_CASE("mn-train: epoch lines and the summary speak in percent, with 'epoch' singular for one") {
+  std::string exe;
+  if (!ready(exe)) return;
+  TempDir tmp("mn_train_format");
+  const fs::path dir = tmp.path();
+  for (int epochs : {1, 2}) {
+    INFO("epochs " << epochs);
+    const CommandResult r = run(exe, str(kTiny, " --epochs ", epochs, " --out ", dir / str(epochs)));
+    INFO(r.all());
+    REQUIRE(r.status == 0);
+    const std::vector<std::string> lines = mn::testing::nonempty_lines(r.out);
+    int epoch_lines = 0;
+    for (const std::string& line : lines)
+      if (line.rfind(str("epoch 1/", epochs, ": "), 0) == 0 || line.rfind(str("epoch 2/", epochs, ": "), 0) == 0) {
+        ++epoch_lines;
+        // "epoch 1/2: train 23.44% (loss 2.2000), test 30.47% (loss 2.1000), 0.4 s"
+        CHECK(line.find(": train ") != std::string::npos);
+        CHECK(line.find("% (loss ") != std::string::npos);
+        CHECK(line.find(", test ") != std::string::npos);
+        CHECK(line.find("acc 0.") == std::string::npos);
+      }
+    CHECK(epoch_lines == epochs);
+    CHECK(r.out.find(epochs == 1 ? "accuracy after 1 epoch," : "accuracy after 2 epochs,") != std::string::npos);
+    CHECK(r.out.find("nan") == std::string::npos);
+  }
+}
+
+TEST_CASE("mn-train: the trainer's knobs change the run and are part of its identity") {
+  std::string exe;
+  if (!ready(exe)) return;
+  TempDir tmp("mn_train_knobs");
+  const fs::path dir = tmp.path();
+  const fs::path base = dir / "base";
+  summary(run(exe, str(kTiny, " --epochs 1 --json --out ", base)));
+  const json base_config = checkpoint_config(base / "checkpoint.safetensors");
+  CHECK(base_config["clip_norm"] == 0.0);
+  CHECK(base_config["accumulation_steps"] == 1);
+  CHECK(base_config["alpha"] == 0.01);
+  CHECK(base_config["lambda_stability"].is_null());  // no --mapping-loss
+  const std::vector<float> base_latent =
+      safetensors::load((base / "checkpoint.safetensors").string()).at("latent/1").to_vector<float>();
+  struct Knob {
+    const char* flags;
+    const char* key;
+    json value;
+  };
+  int n = 0;
+  for (const Knob& k : {Knob{"--clip-norm 0.001", "clip_norm", 0.001}, Knob{"--clip-value 0.0001", "clip_value", 0.0001},
+                        Knob{"--accumulation-steps 2", "accumulation_steps", 2},
+                        Knob{"--weight-decay 0.5", "weight_decay", 0.5}, Knob{"--alpha 0.5", "alpha", 0.5},
+                        Knob{"--mapping-loss --lambda-stability 5", "lambda_stability", 5.0}}) {
+    INFO("flags " << k.flags);
+    const fs::path out = dir / str("knob", n++);
+    summary(run(exe, str(kTiny, " --epochs 1 --json ", k.flags, " --out ", out)));
+    const json config = checkpoint_config(out / "checkpoint.safetensors");
+    CHECK(config[k.key] == k.value);
+    CHECK(safetensors::load((out / "checkpoint.safetensors").string()).at("latent/1").to_vector<float>() != base_latent);
+  }
+  // A knob the run has no use for is an error, not ignored.
+  for (const auto& [flags, message] :
+       std::vector<std::pair<std::string, std::string>>{
+           {"--strategy direct --alpha 0.5", "--alpha 0.5 modulates a mapper"},
+           {"--lambda-alignment 1", "--lambda-alignment weighs a term of --mapping-loss; add --mapping-loss"},
+           {"--strategy direct --mapping-loss", "--mapping-loss regularises the latents of a mapped run"}}) {
+    INFO("flags " << flags);
+    const CommandResult r = run(exe, str("--target mlp --limit 64 --epochs 1 ", flags, " --out ", dir / "never"));
+    CHECK(r.status != 0);
+    CHECK(r.all().find(message) != std::string::npos);
+  }
+}
+
+TEST_CASE("mn-train: --early-stopping-patience stops a run whose test loss stalls") {
+  std::string exe;
+  if (!ready(exe)) return;
+  TempDir tmp("mn_train_early");
+  const fs::path dir = tmp.path();
+  // SGD at lr 1e-30 leaves the weights as they are: the test loss never improves after epoch 1, so
+  // patience 1 stops after epoch 2 of 5.
+  const std::string options = "--target mlp --mlp-hidden 16 --strategy direct --optimizer sgd --lr 1e-30 "
+                              "--limit 128 --batch-size 64 --threads 1 --early-stopping-patience 1 --epochs 5";
+  const json j = summary(run(exe, str(options, " --json --out ", dir / "a")));
+  CHECK(j["epochs"] == 2);
+  CHECK(j["stopped_early"] == true);
+  CHECK(csv_rows((dir / "a" / "metrics.csv").string()) == 3);  // header + 2 epochs
+  CHECK(checkpoint_config(dir / "a" / "checkpoint.safetensors")["early_stopping_patience"] == 1);
+  const CommandResult plain = run(exe, str(options, " --out ", dir / "b"));
+  CHECK(plain.out.find("stopped early: the test loss did not improve for 1 epoch") != std::string::npos);
+}
+
+TEST_CASE("mn-train: --resume of a checkpoint without the newer knobs runs them at their defaults") {
+  std::string exe;
+  if (!ready(exe)) return;
+  TempDir tmp("mn_train_old_resume");
+  const fs::path dir = tmp.path();
+  const fs::path out = dir / "run";
+  summary(run(exe, str(kTiny, " --epochs 1 --json --out ", out)));
+  const fs::path checkpoint = out / "checkpoint.safetensors";
+  const char* const newer[] = {"alpha",      "lambda_stability",   "lambda_smoothness",       "lambda_alignment",
+                               "clip_norm",  "clip_value",         "accumulation_steps",      "early_stopping_patience",
+                               "weight_decay"};
+  const auto strip = [&newer](json& config) {
+    for (const char* key : newer) config.erase(key);
+  };
+  edit_checkpoint_config(checkpoint, strip);
+  const fs::path saved = dir / "saved.safetensors";
+  fs::copy_file(checkpoint, saved);
+  // No flags: the knobs take their defaults, and the resumed run records them.
+  CHECK(summary(run(exe, str("--resume --epochs 2 --json --out ", out)))["epochs"] == 2);
+  const json resumed = checkpoint_config(checkpoint);
+  CHECK(resumed["clip_norm"] == 0.0);
+  CHECK(resumed["alpha"] == 0.01);
+  CHECK(resumed["weight_decay"] == 0.0);
+  // A flag that differs from the default is a conflict with the run, named with both values.
+  fs::copy_file(saved, checkpoint, fs::copy_options::overwrite_existing);
+  const CommandResult conflict = run(exe, str("--resume --epochs 2 --clip-norm 0.5 --alpha 0.01 --out ", out));
+  CHECK(conflict.status != 0);
+  CHECK(conflict.all().find("--clip-norm: the run has 0.0, the command line 0.5") != std::string::npos);
+  CHECK(conflict.all().find("--alpha") == std::string::npos);  // the default agrees
+  // A run that set a knob keeps it on --resume without the flag.
+  const fs::path clipped = dir / "clipped";
+  summary(run(exe, str(kTiny, " --epochs 1 --clip-norm 0.25 --json --out ", clipped)));
+  summary(run(exe, str("--resume --epochs 2 --json --out ", clipped)));
+  CHECK(checkpoint_config(clipped / "checkpoint.safetensors")["clip_norm"] == 0.25);
+}
+
+TEST_CASE("mn-train: the slvt size guard names --allow-large") {
+  std::string exe;
+  if (!ready(exe)) return;
+  TempDir tmp("mn_train_guard");
+  const fs::path dir = tmp.path();
+  // CNN2's 108,618 parameters x 1000 exceed the guard's 1e8 elements.
+  const CommandResult r = run(exe, str("--strategy slvt --latent-dim 1000 --epochs 1 --limit 64 --out ", dir / "o"));
+  CHECK(r.status != 0);
+  CHECK(r.all().find("max_projection_elements") != std::string::npos);
+  CHECK(r.all().find("--allow-large") != std::string::npos);
+}
+
+TEST_CASE("mn-train: curves.png plots loss and accuracy; without gnuplot a one-line warning") {
+  std::string exe;
+  if (!ready(exe)) return;
+  TempDir tmp("mn_train_curves");
+  const fs::path dir = tmp.path();
+  // A PATH without gnuplot (mn-train itself is started by its full path).
+  const CommandResult bare = mn::testing::run_command(str("PATH=", dir / "empty", " ", exe, " ", kTiny,
+                                                          " --epochs 1 --json --out ", dir / "bare"));
+  INFO(bare.all());
+  CHECK(bare.status == 0);
+  const std::vector<std::string> warning = mn::testing::nonempty_lines(bare.err);
+  REQUIRE(warning.size() == 1);
+  CHECK(warning[0].find("mn-train: warning: no curves.png: gnuplot is not on PATH") != std::string::npos);
+  CHECK_FALSE(fs::exists(dir / "bare" / "curves.png"));
+  CHECK(fs::exists(dir / "bare" / "curves.gp"));  // the script is there for a later `gnuplot curves.gp`
+
+  if (mn::testing::run_command("command -v gnuplot").status != 0) {
+    MESSAGE("skipped the picture: gnuplot is not installed (apt-get install gnuplot-nox, or ./mn deps)");
+    return;
+  }
+  const json j = summary(run(exe, str(kTiny, " --epochs 2 --json --out ", dir / "drawn")));
+  REQUIRE(j.contains("curves"));
+  CHECK(j["curves"] == (dir / "drawn" / "curves.png").string());
+  const std::string png = read_bytes((dir / "drawn" / "curves.png").string());
+  REQUIRE(png.size() > 8);
+  CHECK(png.substr(0, 8) == std::string("\x89PNG\r\n\x1a\n", 8));  // the PNG signature
+  const std::string script = read_text(dir / "drawn" / "curves.gp");
+  for (const char* column : {"loss", "accuracy"}) CHECK(script.find(column) != std::string::npos);
 }

@@ -22,6 +22,13 @@ double seconds_since(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 
+// value with `decimals` digits after the point.
+std::string fixed(double value, int decimals) {
+  char text[64];
+  std::snprintf(text, sizeof(text), "%.*f", decimals, value);
+  return text;
+}
+
 }  // namespace
 
 // ---- metric files ----
@@ -120,11 +127,19 @@ void EpochSummary::on_epoch_start(Trainer&, int64_t) { start_ = std::chrono::ste
 
 void EpochSummary::on_epoch_end(Trainer& trainer, int64_t epoch, const Metrics& m) {
   namespace k = history_keys;
-  std::fprintf(out_, "epoch %lld/%lld: train loss %.4f acc %.4f", static_cast<long long>(epoch + 1),
-               static_cast<long long>(trainer.config().max_epochs), metric_or_nan(m, k::kTrainTaskLoss),
-               metric_or_nan(m, k::kTrainAccuracy));
-  if (m.count(k::kValAccuracy)) std::fprintf(out_, ", test acc %.4f", m.at(k::kValAccuracy));
-  std::fprintf(out_, " (%.1f s)\n", seconds_since(start_));
+  // "train 84.50% (loss 0.4321)" or, without an accuracy metric, "train loss 0.4321".
+  const auto part = [&m](const char* label, const char* accuracy, const char* loss) {
+    std::string text = label;
+    if (m.count(accuracy))
+      text += str(" ", fixed(100.0 * m.at(accuracy), 2), "% (loss ", fixed(metric_or_nan(m, loss), 4), ")");
+    else
+      text += str(" loss ", fixed(metric_or_nan(m, loss), 4));
+    return text;
+  };
+  std::string line = str("epoch ", epoch + 1, "/", trainer.config().max_epochs, ": ",
+                         part("train", k::kTrainAccuracy, k::kTrainTaskLoss));
+  if (m.count(k::kValAccuracy) || m.count(k::kValTaskLoss)) line += ", " + part("test", k::kValAccuracy, k::kValTaskLoss);
+  std::fprintf(out_, "%s, %.1f s\n", line.c_str(), seconds_since(start_));
   std::fflush(out_);
 }
 

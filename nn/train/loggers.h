@@ -42,7 +42,7 @@ class CsvLogger : public EpochFileLogger {
  public:
   using Columns = std::vector<std::pair<std::string, std::string>>;
   // train_loss, train_accuracy, test_loss, test_accuracy, lr: the task losses and accuracies of the
-  // training and validation passes (mn-train's and mn_demo's metrics.csv).
+  // training and validation passes (mn-train's and mn-demo's metrics.csv).
   static Columns default_columns();
   explicit CsvLogger(std::string path, Columns columns = default_columns());
   std::string name() const override { return "CsvLogger"; }
@@ -86,8 +86,9 @@ class ModelCheckpoint : public Callback {
   int64_t saved_epoch_ = 0;  // trainer.epoch() at the last save (or at fit start)
 };
 
-// "epoch e/E: train loss 0.4321 acc 0.8450, test acc 0.8512 (3.2 s)" after every epoch (test values
-// when the epoch validated), flushed, on a C stream (stdout by default).
+// "epoch e/E: train 84.50% (loss 0.4321), test 85.12% (loss 0.4012), 3.2 s" after every epoch: accuracy
+// in percent and the task loss, test values when the epoch validated, "train loss 0.4321" for a task
+// without accuracy; flushed, on a C stream (stdout by default).
 class EpochSummary : public Callback {
  public:
   explicit EpochSummary(std::FILE* out = stdout) : out_(out) {}

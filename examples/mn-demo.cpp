@@ -5,7 +5,8 @@
 // MappingModel, MappingTrainer, a metrics callback, a seed-only checkpoint and the export of the
 // generated parameters as a PyTorch-loadable state dict.
 //
-//   mn_demo [--epochs 3] [--latent-dim 672] [--batch-size 256] [--lr 0.01] [--seed 0] [--out out/demo]
+//   mn-demo [--epochs 3] [--latent-dim 672] [--batch-size 256] [--lr 0.01] [--seed 0] [--out out/demo]
+//   mn-demo --epochs 5 --write-config demo.toml   # save the options; mn-demo --config demo.toml runs them
 //
 // For longer runs, other targets and strategies, resuming and JSON output use mn-train.
 #include <CLI/CLI.hpp>
@@ -35,21 +36,32 @@ int main(int argc, char** argv) {
   int threads = 0;
   double lr = 1e-2;
   uint64_t seed = 0;
-  std::string out_dir = "out/demo", data_dir = data::default_fashion_mnist_root();
-  app.add_option("--epochs", epochs, "training epochs")->check(whole_number_at_least(1));
-  app.add_option("--latent-dim", latent_dim, "latent length per layer")->check(whole_number_at_least(1));
-  app.add_option("--batch-size", batch_size, "batch size")->check(whole_number_at_least(1));
-  app.add_option("--lr", lr, "Adam learning rate of the latents (cosine decay to 0)")->check(positive_finite_number());
-  app.add_option("--seed", seed, "seed of the target init, mappers, latents and shuffling")->check(unsigned_whole_number());
+  std::string out_dir = "out/demo", data_dir = data::default_fashion_mnist_root(), write_config;
+  add_version_flag(app, "mn-demo");
+  add_config_options(app, write_config);
+  app.add_option("--epochs", epochs, "training epochs")->check(whole_number_at_least(1))->capture_default_str();
+  app.add_option("--latent-dim", latent_dim, "latent length per layer")
+      ->check(whole_number_at_least(1))
+      ->capture_default_str();
+  app.add_option("--batch-size", batch_size, "batch size")->check(whole_number_at_least(1))->capture_default_str();
+  app.add_option("--lr", lr, "Adam learning rate of the latents (cosine decay to 0)")
+      ->check(positive_finite_number())
+      ->capture_default_str();
+  app.add_option("--seed", seed, "seed of the target init, mappers, latents and shuffling")
+      ->check(unsigned_whole_number())
+      ->capture_default_str();
   app.add_option("--limit", limit, "use only the first N training and test images (0 = all)")
-      ->check(whole_number_at_least(0));
-  app.add_option("--data", data_dir, "Fashion-MNIST directory");
-  app.add_option("--out", out_dir, "directory for metrics.csv, checkpoint.safetensors and generated.safetensors");
+      ->check(whole_number_at_least(0))
+      ->capture_default_str();
+  app.add_option("--data", data_dir, "Fashion-MNIST directory")->capture_default_str();
+  app.add_option("--out", out_dir, "directory for metrics.csv, checkpoint.safetensors and generated.safetensors")
+      ->capture_default_str();
   app.add_option("--threads", threads, "threads of the CPU kernels (default: OMP_NUM_THREADS, else all CPUs)")
       ->check(whole_number_at_least(1));
   CLI11_PARSE(app, argc, argv);
 
   try {
+    if (write_config_if_asked(app, write_config, "mn-demo")) return 0;
     if (threads > 0) set_num_threads(threads);
     manual_seed(seed);
     data::Dataset train = data::load_fashion_mnist("train", data_dir).head(limit);
@@ -65,10 +77,9 @@ int main(int argc, char** argv) {
                 static_cast<long long>(model.target_parameter_count()),
                 static_cast<long long>(model.trainable_parameter_count()), model.generator().groups().size(),
                 static_cast<long long>(latent_dim), model.compression_ratio());
-    std::printf("%lld training / %lld test images, batch %lld, Adam lr %g with cosine decay, %lld epochs, "
-                "%d CPU threads\n",
+    std::printf("%lld training / %lld test images, batch %lld, Adam lr %g with cosine decay, %s, %d CPU threads\n",
                 static_cast<long long>(train.size()), static_cast<long long>(test.size()),
-                static_cast<long long>(batch_size), lr, static_cast<long long>(epochs), get_num_threads());
+                static_cast<long long>(batch_size), lr, count_of(epochs, "epoch").c_str(), get_num_threads());
 
     data::DataLoader train_loader(train, {.batch_size = batch_size, .shuffle = true, .seed = seed});
     data::DataLoader test_loader(test, {.batch_size = 1000});
@@ -94,15 +105,15 @@ int main(int argc, char** argv) {
 
     namespace k = train::history_keys;
     const double test_acc = history.at(k::kValAccuracy).back(), train_acc = history.at(k::kTrainAccuracy).back();
-    std::printf("test accuracy %.2f%% (train %.2f%%) after %lld epochs, %.1f s of training\n", 100 * test_acc,
-                100 * train_acc, static_cast<long long>(epochs), seconds);
+    std::printf("test %.2f%%, train %.2f%% accuracy after %s, %.1f s of training\n", 100 * test_acc,
+                100 * train_acc, count_of(epochs, "epoch").c_str(), seconds);
     std::printf("trainable %lld of %lld parameters: compression %.1fx; checkpoint %s (%lld bytes), generated "
                 "CNN2 state dict %s\n",
                 static_cast<long long>(model.trainable_parameter_count()),
                 static_cast<long long>(model.target_parameter_count()), model.compression_ratio(),
                 checkpoint.c_str(), static_cast<long long>(fs::file_size(checkpoint)), generated.c_str());
-  } catch (const Error& e) {
-    std::fprintf(stderr, "mn_demo: %s\n", e.what());
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "mn-demo: %s\n", e.what());
     return 1;
   }
   return 0;
