@@ -762,3 +762,29 @@ TEST_CASE("mn-train: curves.png plots loss and accuracy; without gnuplot a one-l
   const std::string script = read_text(dir / "drawn" / "curves.gp");
   for (const char* column : {"loss", "accuracy"}) CHECK(script.find(column) != std::string::npos);
 }
+
+TEST_CASE("mn-train: without a terminal, plain progress lines report step, loss, samples/s and the ETAs") {
+  std::string exe;
+  if (!ready(exe)) return;
+  TempDir dir("mn_train_progress");
+  // 16 batches: a line every tenth of the epoch (and at its end), none of them a redrawn bar.
+  const CommandResult r = run(exe, str("--target mlp --mlp-hidden 16 --strategy layerwise --latent-dim 8 --epochs 2 "
+                                       "--limit 512 --batch-size 32 --threads 1 --out ", dir / "run"));
+  INFO(r.all());
+  REQUIRE(r.status == 0);
+  size_t progress = 0;
+  for (const std::string& line : mn::testing::nonempty_lines(r.out)) {
+    if (line.rfind("epoch 2/2 ", 0) != 0 || line.find(" samples/s") == std::string::npos) continue;
+    ++progress;
+    CHECK(line.find("/16 (") != std::string::npos);
+    CHECK(line.find("eta ") != std::string::npos);
+    CHECK(line.find("run eta ") != std::string::npos);
+    CHECK(line.find("loss ") != std::string::npos);
+  }
+  CHECK(progress >= 8);
+  CHECK(r.out.find('\r') == std::string::npos);
+  // --json keeps stdout for programs: no progress lines.
+  const CommandResult quiet = run(exe, str("--target mlp --mlp-hidden 16 --strategy layerwise --latent-dim 8 --epochs 1 "
+                                           "--limit 512 --batch-size 32 --threads 1 --json --out ", dir / "json"));
+  CHECK(quiet.out.find("samples/s") == std::string::npos);
+}
