@@ -7,11 +7,22 @@
 // One thread, pinned with --threads 1 (1 and 2 threads gave the same bytes at 80f8169, but the
 // expected values are only claimed for the one).
 //
-// The expected tensors were computed on x86-64 with AVX-512 and MN_NATIVE=ON; a machine whose
-// kernels round differently (another instruction set) may get other last bits. Never rewrite these
-// files from newer code: their point is that they come from before the change.
+// The expected tensors were computed on x86-64 with AVX-512 and MN_NATIVE=ON in a Release build; a
+// machine whose kernels round differently (another instruction set) may get other last bits. Builds
+// configured otherwise (the sanitizer job at -O1, MN_NATIVE=OFF: MN_PRE17_BITWISE unset by
+// tests/CMakeLists.txt) round differently on any machine, so there the accuracies may differ by two
+// images and the latents by 1e-3 of their largest magnitude, and the direct weights' hashes are not
+// compared. Never rewrite these files from newer code: their point is that they come from before the
+// change.
+#ifdef MN_PRE17_BITWISE
+constexpr bool kBitwise = true;
+#else
+constexpr bool kBitwise = false;
+#endif
 #include <doctest/doctest.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
@@ -56,8 +67,9 @@ fs::path resume_one_epoch(const std::string& exe, const mn::testing::TempDir& di
   REQUIRE_NOTHROW(j = json::parse(r.last_line()));
   CHECK(j.at("epochs") == 2);
   // Exact: each accuracy is a count over 512 images, which a double holds exactly.
-  CHECK(j.at("test_accuracy").get<double>() == expected.test_accuracy);
-  CHECK(j.at("train_accuracy").get<double>() == expected.train_accuracy);
+  const double slack = kBitwise ? 0.0 : 2.0 / 512;
+  CHECK(std::abs(j.at("test_accuracy").get<double>() - expected.test_accuracy) <= slack);
+  CHECK(std::abs(j.at("train_accuracy").get<double>() - expected.train_accuracy) <= slack);
   return out;
 }
 
@@ -80,7 +92,17 @@ void check_latents(const fs::path& checkpoint, const fs::path& expected_file) {
     REQUIRE(got.contains(e.name));
     REQUIRE(got.at(e.name).sizes() == e.tensor.sizes());
     REQUIRE(got.at(e.name).dtype() == DType::f32);
-    CHECK(first_difference(got.at(e.name).to_vector<float>(), e.tensor.to_vector<float>()) == "");
+    const std::vector<float> g = got.at(e.name).to_vector<float>(), w = e.tensor.to_vector<float>();
+    if (kBitwise) {
+      CHECK(first_difference(g, w) == "");
+    } else {
+      double diff = 0, norm = 0;
+      for (size_t i = 0; i < w.size(); ++i) {
+        diff = std::max(diff, std::abs(static_cast<double>(g[i]) - w[i]));
+        norm = std::max(norm, std::abs(static_cast<double>(w[i])));
+      }
+      CHECK(diff <= 1e-3 * norm);
+    }
   }
 }
 
@@ -136,6 +158,6 @@ TEST_CASE("pre-17 checkpoint: direct MLP run resumes to the recorded epoch 2") {
     INFO("tensor " << name);
     REQUIRE(got.contains(name));
     REQUIRE(got.at(name).dtype() == DType::f32);
-    CHECK(fnv1a(got.at(name)) == hash);
+    if (kBitwise) CHECK(fnv1a(got.at(name)) == hash);
   }
 }
