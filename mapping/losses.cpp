@@ -21,8 +21,6 @@ void require_defined(const Tensor& t, const char* loss, const char* field) {
   MN_CHECK(t.defined(), ValueError, loss, " requires ", field, " in the training context, got an undefined tensor");
 }
 
-using train::task_output;
-
 // Latents that can carry a gradient, with the count of their values (the smoothness normaliser).
 std::vector<Tensor> differentiable_latents(const TrainingContext& c, int64_t& total_numel) {
   std::vector<Tensor> latents;
@@ -82,17 +80,12 @@ LossOutput RegressionLoss::compute(const TrainingContext& c) const {
   return train::regression_loss(c.predictions, c.targets);
 }
 
-TaskLoss::TaskLoss(Function fn, std::string name) : fn_(std::move(fn)), name_(std::move(name)) {
-  MN_CHECK(static_cast<bool>(fn_), ValueError, "TaskLoss needs a loss function, got an empty one");
+TaskLoss::TaskLoss(Function fn, std::string name) : name_(std::move(name)) {
+  MN_CHECK(static_cast<bool>(fn), ValueError, "TaskLoss needs a loss function, got an empty one");
+  objective_ = train::task_loss(std::move(fn), name_);
 }
 
-LossOutput TaskLoss::compute(const TrainingContext& c) const {
-  Tensor value = fn_(c.predictions, c.targets);
-  MN_CHECK(value.defined() && value.numel() == 1, ValueError, name_,
-           ": the loss function must return a one-element tensor, got ",
-           value.defined() ? value.sizes().str() : std::string("an undefined tensor"));
-  return task_output(value.dim() == 0 ? value : value.reshape(Shape{}));
-}
+LossOutput TaskLoss::compute(const TrainingContext& c) const { return objective_.compute(c.predictions, c.targets); }
 
 // ---- stability ----
 

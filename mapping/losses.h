@@ -107,8 +107,8 @@ class TaskLoss : public Loss {
   std::string name() const override { return name_; }
 
  private:
-  Function fn_;
   std::string name_;
+  train::Objective objective_;  // train::task_loss: the one place a scalar loss function becomes a LossOutput
 };
 
 // ---- regularisers ----

@@ -117,7 +117,7 @@ LossOutput Trainer::train_step(const Batch& batch, int64_t accumulation_steps, c
     out = config_.compile ? compiled_backward_step(batch, accumulation_steps) : backward_step(batch, accumulation_steps);
   }
   if (step != nullptr)
-    if (Tensor probe = optim::nonfinite_grad_probe(trainable_parameters()); probe.defined())
+    if (Tensor probe = optim::nonfinite_grad_probe(optimizer_->params()); probe.defined())
       out.pending_metrics[kGradProbe] = {probe, 1.0};
   out.read_metrics();
   if (step != nullptr) {

@@ -100,8 +100,8 @@ void Trainer::restore_buffers(const nn::StateDict& saved) {
 }
 
 Device Trainer::device() const {
-  const std::vector<Tensor> params = trainable_parameters();
-  return params.empty() ? kCPU : params.front().device();
+  // The optimizer holds trainable_parameters() (built once): asked for every batch, no list rebuilt.
+  return optimizer_ && !optimizer_->params().empty() ? optimizer_->params().front().device() : kCPU;
 }
 
 Tensor Trainer::forward_batch(const Batch& batch) {
