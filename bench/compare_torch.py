@@ -23,21 +23,14 @@ import math
 import os
 import statistics
 import subprocess
+import sys
 import time
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
-
-def cnn2():
-    return nn.Sequential(nn.Conv2d(1, 16, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(16, 32, 3), nn.ReLU(),
-                         nn.MaxPool2d(2), nn.Flatten(), nn.Linear(800, 128), nn.ReLU(), nn.Linear(128, 10))
-
-
-def mlp():
-    return nn.Sequential(nn.Flatten(), nn.Linear(784, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
-                         nn.Linear(256, 10))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from torch_targets import cnn2, mlp, resnet20, vit  # noqa: E402  (the twins of mapping/targets.h)
 
 
 def time_steps(step, repeats, inner):
@@ -52,8 +45,8 @@ def time_steps(step, repeats, inner):
     return statistics.median(samples)
 
 
-def direct_step(batch, device="cpu"):
-    net = cnn2().to(device)
+def direct_step(batch, make_target=cnn2, device="cpu"):
+    net = make_target().to(device)
     opt = torch.optim.Adam(net.parameters(), lr=1e-3)
     x = torch.randn(batch, 1, 28, 28, device=device)
     y = torch.randint(0, 10, (batch,), device=device)
@@ -137,7 +130,7 @@ def ours(build, threads, repeats):
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     # Only the plain steps: BM_MappedStepBound (the bandwidth bound) is ./mn bench's business.
     out = subprocess.run([binary, f"--benchmark_repetitions={repeats}", "--benchmark_report_aggregates_only=true",
-                          "--benchmark_format=json", "--benchmark_filter=^BM_(CNN2|MLP)_"],
+                          "--benchmark_format=json", "--benchmark_filter=^BM_(CNN2|MLP|ResNet20|ViT)_"],
                          env=env, check=True, capture_output=True, text=True).stdout
     medians = {}
     for b in json.loads(out)["benchmarks"]:
@@ -164,6 +157,12 @@ def main():
           for m in ("same", "dense", "literal")}),
         ("MLP 784-256-256-10 layerwise L=64, batch 64", mine.get("BM_MLP_LayerwiseStep"),
          {m: time_steps(mapped_step(mlp, 64, (64, 784), m), args.repeats, 10) for m in ("same", "dense", "literal")}),
+        ("ResNet-20 direct, batch 128, Adam", mine.get("BM_ResNet20_DirectStep"),
+         {"torch": time_steps(direct_step(128, resnet20), args.repeats, 2)}),
+        ("ResNet-20 layerwise 43x224, batch 128", mine.get("BM_ResNet20_LayerwiseStep"),
+         {m: time_steps(mapped_step(resnet20, 224, (128, 1, 28, 28), m), args.repeats, 2) for m in ("same", "dense")}),
+        ("ViT direct, batch 128, Adam", mine.get("BM_ViT_DirectStep"),
+         {"torch": time_steps(direct_step(128, vit), args.repeats, 2)}),
     ]
     print(f"threads={args.threads} torch={torch.__version__} (medians, ms per step; ratio = ours / torch)")
     print(f"{'step':46s} {'ours':>9s}  {'torch variant':>14s} {'torch':>9s} {'ratio':>7s}")
