@@ -1,7 +1,8 @@
 // Full training steps (forward + backward + optimizer), the figures bench/compare_torch.py sets
 // beside PyTorch: CNN2 trained directly (batch 128, Adam), CNN2 through a layerwise mapping network
 // (4 groups x 672, batch 256) and MLP 784-256-256-10 layerwise L = 64 (batch 64, no regularisers),
-// and the MLP trained directly (batch 64).
+// and the MLP trained directly (batch 64); ResNet-20 directly and layerwise (43 groups x 232 = 9,976
+// trainable), batch 64.
 //
 // BM_MappedStepBound/<target> sets a mapped step against its bandwidth bound, all measured in this
 // process: each iteration runs one direct step of the target (its own parameters, Adam, same batch)
@@ -109,6 +110,15 @@ BENCHMARK(BM_StreamedStep)
 
 static void BM_MLP_DirectStep(benchmark::State& state) { direct_step(state, "mlp", {0, 784}); }
 BENCHMARK(BM_MLP_DirectStep)->ArgName("batch")->Arg(64)->Unit(benchmark::kMillisecond)->UseRealTime();
+
+// ResNet-20 (mapping/resnet.h), the issue-18 pair: the mapped step should stay within 1.3x the direct one.
+static void BM_ResNet20_DirectStep(benchmark::State& state) { direct_step(state, "resnet20", {0, 1, 28, 28}); }
+BENCHMARK(BM_ResNet20_DirectStep)->ArgName("batch")->Arg(64)->Unit(benchmark::kMillisecond)->UseRealTime();
+
+static void BM_ResNet20_LayerwiseStep(benchmark::State& state) {
+  mapped_step(state, "resnet20", 232, {64, 1, 28, 28});
+}
+BENCHMARK(BM_ResNet20_LayerwiseStep)->Unit(benchmark::kMillisecond)->UseRealTime();
 
 namespace {
 
