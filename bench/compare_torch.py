@@ -159,8 +159,8 @@ def main():
          {m: time_steps(mapped_step(mlp, 64, (64, 784), m), args.repeats, 10) for m in ("same", "dense", "literal")}),
         ("ResNet-20 direct, batch 128, Adam", mine.get("BM_ResNet20_DirectStep"),
          {"torch": time_steps(direct_step(128, resnet20), args.repeats, 2)}),
-        ("ResNet-20 layerwise 43x224, batch 128", mine.get("BM_ResNet20_LayerwiseStep"),
-         {m: time_steps(mapped_step(resnet20, 224, (128, 1, 28, 28), m), args.repeats, 2) for m in ("same", "dense")}),
+        ("ResNet-20 layerwise 43x232, batch 128", mine.get("BM_ResNet20_LayerwiseStep"),
+         {m: time_steps(mapped_step(resnet20, 232, (128, 1, 28, 28), m), args.repeats, 2) for m in ("same", "dense")}),
         ("ViT direct, batch 128, Adam", mine.get("BM_ViT_DirectStep"),
          {"torch": time_steps(direct_step(128, vit), args.repeats, 2)}),
     ]

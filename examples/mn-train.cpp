@@ -520,6 +520,9 @@ Summary run(const Options& o, Device device, const data::Dataset& train_set, con
                                .alpha = o.alpha,
                                .allow_large = o.allow_large,
                                .empty_cache_on_cuda = !o.keep_cuda_cache,
+                               // BatchNorm targets (resnet*): the running statistics the mapped model
+                               // trains are kept for evaluation, the checkpoint and the export.
+                               .write_back_buffers = true,
                                .stream_layers = o.stream_layers};
     if (o.strategy == "grouped") mo.groups = weight_bias_groups(*target);
     try {

@@ -420,6 +420,9 @@ void export_generated_parameters(const std::string& path, const MappingModel& mo
   }
   safetensors::NamedTensors tensors;
   for (const auto& [name, t] : tree.items()) tensors.emplace_back(name, t);
+  // The buffers (BatchNorm running statistics) too, so the file is the target's whole state dict, as
+  // torch's load_state_dict(strict=True) wants it.
+  for (const auto& [name, t] : model.buffers()) tensors.emplace_back(name, t.detach());
   safetensors::StringMap metadata{{"format", encode("mapping_networks.generated_parameters")},
                                   {"package_version", encode(kPackageVersion)},
                                   {"strategy", encode(model.strategy())},

@@ -92,9 +92,11 @@ CheckpointInfo load_checkpoint(const std::string& path, MappingModel& model, Map
 // a model: what was saved, e.g. to rebuild a matching model before load_checkpoint.
 CheckpointInfo read_checkpoint(const std::string& path);
 
-// The generated target parameters, under the target's own names (no prefix), as a plain safetensors
-// state dict that PyTorch's safetensors.torch.load_file or nn::safetensors::load reads; metadata
-// records the strategy, seed and package version. Atomic like save_checkpoint.
+// The generated target parameters and the model's carried buffers (MappingModel::buffers(), e.g.
+// BatchNorm running statistics), under the target's own names (no prefix): the target's whole state
+// dict, as a plain safetensors file that PyTorch's safetensors.torch.load_file or
+// nn::safetensors::load reads; metadata records the strategy, seed and package version. Atomic like
+// save_checkpoint.
 void export_generated_parameters(const std::string& path, const MappingModel& model);
 
 }  // namespace mn::mapping

@@ -49,6 +49,7 @@
 #include "mapping/orthogonal.h"
 #include "mapping/parameter_spec.h"
 #include "mapping/profiler.h"
+#include "mapping/resnet.h"  // BasicBlock, ResNet, resnet20, resnet18
 #include "mapping/targets.h"
 #include "mapping/trainer.h"
 

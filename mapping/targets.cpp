@@ -2,6 +2,7 @@
 
 #include <sstream>
 
+#include "mapping/resnet.h"
 #include "nn/layers.h"
 
 namespace mn::mapping {
@@ -60,13 +61,15 @@ std::shared_ptr<nn::Sequential> lenet() {
 
 }  // namespace
 
-std::vector<std::string> target_names() { return {"cnn1", "cnn2", "mlp", "lenet"}; }
+std::vector<std::string> target_names() { return {"cnn1", "cnn2", "mlp", "lenet", "resnet20", "resnet18"}; }
 
 std::shared_ptr<nn::Module> make_target(const std::string& name, const TargetOptions& options) {
   if (name == "cnn1") return cnn1();
   if (name == "cnn2") return cnn2();
   if (name == "mlp") return mlp(options.mlp_hidden);
   if (name == "lenet") return lenet();
+  if (name == "resnet20") return resnet20();
+  if (name == "resnet18") return resnet18();
   throw ValueError(str("Unknown target '", name, "'; choose from: ", joined(target_names())));
 }
 

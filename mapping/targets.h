@@ -1,7 +1,9 @@
 #pragma once
 // Built-in target architectures shared by the example programs, tests and benchmarks. Every runnable
 // target classifies 1x28x28 images (Fashion-MNIST) into 10 classes; parameter names are those of a
-// PyTorch nn.Sequential ("0.weight", "3.bias", ...), so exported weights load by the same names.
+// PyTorch nn.Sequential ("0.weight", "3.bias", ...), or of torchvision's ResNet for the residual
+// targets ("layer2.0.downsample.0.weight", see mapping/resnet.h), so exported weights load by the same
+// names.
 //
 //   cnn2   the paper's LeNet-inspired CNN (supplement Table 1), 108,618 parameters:
 //          conv 1->16 3x3, ReLU, maxpool 2, conv 16->32 3x3, ReLU, maxpool 2, flatten,
@@ -13,6 +15,12 @@
 //          parameters)
 //   lenet  LeNet-5 style: conv 1->6 5x5 pad 2, ReLU, maxpool 2, conv 6->16 5x5, ReLU, maxpool 2,
 //          flatten (400), FC 400->120, ReLU, FC 120->84, ReLU, FC 84->10 (61,706 parameters)
+//   resnet20  CIFAR ResNet-20: 3x3 stem conv 1->16 + BatchNorm + ReLU, 3 stages x 3 BasicBlocks at
+//          16/32/64 channels (stride 2 entering stages 2 and 3; 1x1 conv + BatchNorm shortcuts there),
+//          global average pool, FC 64->10: 272,186 parameters (43 layer-wise groups)
+//   resnet18  torchvision's ResNet-18 with a 3x3 stride-1 stem (1->64) and no max pool: 4 stages x 2
+//          BasicBlocks at 64/128/256/512 channels, global average pool, FC 512->10: 11,172,810
+//          parameters (41 groups)
 //
 // Benchmark specs additionally know "guide": the scaling guide's memory-benchmark stack
 // Conv2d(3,64,3), Conv2d(64,128,3), Linear(128,10) (76,938 parameters). It is only a parameter
@@ -31,7 +39,7 @@ struct TargetOptions {
   std::vector<int64_t> mlp_hidden{256, 256};  // hidden widths of "mlp"
 };
 
-// Names make_target() accepts, in display order: cnn1, cnn2, mlp, lenet.
+// Names make_target() accepts, in display order: cnn1, cnn2, mlp, lenet, resnet20, resnet18.
 std::vector<std::string> target_names();
 // A freshly initialised target (parameters drawn from the default generator, as nn layers do).
 // Unknown names are a ValueError listing the choices.

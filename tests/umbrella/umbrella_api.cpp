@@ -227,6 +227,7 @@ void compile_api() {
 void mapping_api(const fs::path& dir) {
   CHECK(mn::mapping::make_target("cnn2")->parameter_count() == 108618);
   CHECK(!mn::mapping::target_names().empty());
+  CHECK(mn::mapping::resnet20()->parameter_count() == 272186);
   CHECK(mn::mapping::target_spec("mlp", {.mlp_hidden = {16}}).total_numel() == 784 * 16 + 16 + 16 * 10 + 10);
 
   const mn::mapping::ParameterSpec spec = mn::mapping::ParameterSpec::from_module(*small_net());
