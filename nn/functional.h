@@ -3,6 +3,7 @@
 // activations and losses. Layers in nn/ are thin modules over these.
 #include <array>
 #include <string>
+#include <vector>
 
 #include "autograd/ops.h"
 
@@ -31,6 +32,15 @@ Tensor avg_pool2d(const Tensor& x, std::array<int64_t, 2> kernel, std::array<int
 // x [N,C] or [N,C,*]. Running stats (may be undefined) are updated in place in training mode.
 Tensor batch_norm(const Tensor& x, Tensor running_mean, Tensor running_var, const Tensor& weight,
                   const Tensor& bias, bool training, double momentum = 0.1, double eps = 1e-5);
+
+// Layer norm over the trailing dims `normalized_shape` of x [*, normalized_shape]; weight and bias
+// (optional) have shape normalized_shape. Group norm of x [N, C, *] over num_groups groups of C /
+// num_groups channels (C divisible by num_groups); weight and bias (optional) [C]. Both use the biased
+// variance, as PyTorch.
+Tensor layer_norm(const Tensor& x, const std::vector<int64_t>& normalized_shape, const Tensor& weight = Tensor(),
+                  const Tensor& bias = Tensor(), double eps = 1e-5);
+Tensor group_norm(const Tensor& x, int64_t num_groups, const Tensor& weight = Tensor(), const Tensor& bias = Tensor(),
+                  double eps = 1e-5);
 
 // Inverted dropout: zeroes with probability p and scales survivors by 1/(1-p) in training mode.
 Tensor dropout(const Tensor& x, double p = 0.5, bool training = true, Generator* gen = nullptr);

@@ -111,6 +111,67 @@ class Sigmoid : public Module {
   Sigmoid() : Module("Sigmoid") {}
   Tensor forward(const Tensor& x) override { return sigmoid(x); }
 };
+class SiLU : public Module {
+ public:
+  SiLU() : Module("SiLU") {}
+  Tensor forward(const Tensor& x) override { return silu(x); }
+};
+class LogSigmoid : public Module {
+ public:
+  LogSigmoid() : Module("LogSigmoid") {}
+  Tensor forward(const Tensor& x) override { return logsigmoid(x); }
+};
+// Activations with scalar settings (no parameters), PyTorch's defaults.
+class LeakyReLU : public Module {
+ public:
+  explicit LeakyReLU(double negative_slope = 0.01) : Module("LeakyReLU"), negative_slope(negative_slope) {}
+  Tensor forward(const Tensor& x) override { return leaky_relu(x, negative_slope); }
+  double negative_slope;
+};
+class ELU : public Module {
+ public:
+  explicit ELU(double alpha = 1.0) : Module("ELU"), alpha(alpha) {}
+  Tensor forward(const Tensor& x) override { return elu(x, alpha); }
+  double alpha;
+};
+class Hardtanh : public Module {
+ public:
+  // ValueError unless min_val <= max_val.
+  explicit Hardtanh(double min_val = -1.0, double max_val = 1.0);
+  Tensor forward(const Tensor& x) override { return hardtanh(x, min_val, max_val); }
+  double min_val, max_val;
+};
+class Softplus : public Module {
+ public:
+  explicit Softplus(double beta = 1.0, double threshold = 20.0)
+      : Module("Softplus"), beta(beta), threshold(threshold) {}
+  Tensor forward(const Tensor& x) override { return softplus(x, beta, threshold); }
+  double beta, threshold;
+};
+
+// LayerNorm over the trailing dims `normalized_shape`; with elementwise_affine, parameters "weight"
+// (ones) and "bias" (zeros) of that shape.
+class LayerNorm : public Module {
+ public:
+  explicit LayerNorm(std::vector<int64_t> normalized_shape, double eps = 1e-5, bool elementwise_affine = true);
+  explicit LayerNorm(int64_t normalized_shape, double eps = 1e-5, bool elementwise_affine = true)
+      : LayerNorm(std::vector<int64_t>{normalized_shape}, eps, elementwise_affine) {}
+  Tensor forward(const Tensor& x) override;
+  std::vector<int64_t> normalized_shape;
+  double eps;
+  bool elementwise_affine;
+};
+
+// GroupNorm of x [N, num_channels, *] over num_groups groups (num_channels divisible by num_groups,
+// else ValueError); with affine, parameters "weight" (ones) and "bias" (zeros) of shape [num_channels].
+class GroupNorm : public Module {
+ public:
+  GroupNorm(int64_t num_groups, int64_t num_channels, double eps = 1e-5, bool affine = true);
+  Tensor forward(const Tensor& x) override;
+  int64_t num_groups, num_channels;
+  double eps;
+  bool affine;
+};
 
 // Children named "0", "1", ... applied in order.
 class Sequential : public Module {
