@@ -2,7 +2,6 @@
 // Neural-network operations (differentiable): linear, convolution, pooling, batch norm, dropout,
 // activations and losses. Layers in nn/ are thin modules over these.
 #include <array>
-#include <optional>
 #include <string>
 
 #include "autograd/ops.h"

@@ -3,9 +3,7 @@
 // initialisation (so a target built here has the same distributions as in PyTorch).
 #include <array>
 #include <memory>
-#include <string>
 #include <tuple>
-#include <utility>
 #include <vector>
 
 #include "nn/functional.h"
