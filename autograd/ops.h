@@ -40,7 +40,7 @@ Tensor relu(const Tensor& x);
 Tensor gelu(const Tensor& x);  // exact (erf) form
 Tensor tanh(const Tensor& x);
 Tensor sigmoid(const Tensor& x);
-Tensor softplus(const Tensor& x);  // log(1 + exp(x)), stable
+Tensor softplus(const Tensor& x);  // softplus(x, 1, 20)
 Tensor square(const Tensor& x);
 Tensor reciprocal(const Tensor& x);
 Tensor sin(const Tensor& x);
@@ -48,6 +48,15 @@ Tensor cos(const Tensor& x);
 Tensor erf(const Tensor& x);
 // Bounds may be omitted (std::nullopt) on either side; gradient passes where lo <= x <= hi.
 Tensor clamp(const Tensor& x, std::optional<double> lo, std::optional<double> hi);
+// Activations with PyTorch's formulas, gradients and NaN rules (autograd/functions/activation.cpp).
+// softplus: x where x * beta > threshold, else log(1 + exp(x * beta)) / beta.
+Tensor softplus(const Tensor& x, double beta, double threshold = 20.0);
+Tensor silu(const Tensor& x);                                        // x * sigmoid(x)
+Tensor leaky_relu(const Tensor& x, double negative_slope = 0.01);   // x > 0 ? x : slope * x
+Tensor elu(const Tensor& x, double alpha = 1.0);                     // x > 0 ? x : alpha * (exp(x) - 1)
+// clamp to [min_val, max_val]; gradient 0 at and beyond the bounds. ValueError when min_val > max_val.
+Tensor hardtanh(const Tensor& x, double min_val = -1.0, double max_val = 1.0);
+Tensor logsigmoid(const Tensor& x);                                  // log(sigmoid(x)), stable
 
 // ---- comparisons and selection (no gradient; masks are f32 0/1) ----
 Tensor eq(const Tensor& a, const Tensor& b);

@@ -38,14 +38,20 @@ MN_HOST_DEVICE inline int64_t saturating_i64(F v) {
 
 // ---- elementwise ----
 enum class UnaryOp : uint8_t {
-  Neg, Exp, Log, Log1p, Sqrt, Rsqrt, Abs, Sign, Relu, Gelu, Tanh, Sigmoid, Softplus, Square,
-  Reciprocal, Sin, Cos, Erf,
+  Neg, Exp, Log, Log1p, Sqrt, Rsqrt, Abs, Sign, Relu, Gelu, Tanh, Sigmoid,
+  Softplus,    // x * alpha > beta ? x : log1p(exp(x * alpha)) / alpha  (alpha = beta, beta = threshold)
+  Square, Reciprocal, Sin, Cos, Erf,
   PowScalar,   // x ^ alpha
   Clamp,       // min(max(x, alpha), beta)
   AddScalar,   // x + alpha
   MulScalar,   // x * alpha
   RDivScalar,  // alpha / x
   RSubScalar,  // alpha - x
+  Silu,        // x * sigmoid(x)
+  LeakyRelu,   // x > 0 ? x : alpha * x
+  Elu,         // x > 0 ? x : alpha * (exp(x) - 1)
+  Hardtanh,    // clamp(x, alpha, beta), NaN stays NaN
+  LogSigmoid,  // log(sigmoid(x)) = min(x, 0) - log1p(exp(-|x|))
 };
 // out may alias in (in-place). Dtype of in and out are equal (f32), except Neg/Abs/Sign/AddScalar/
 // MulScalar/Clamp which also take i64.
@@ -59,11 +65,20 @@ enum class BinaryOp : uint8_t {
   GeluBackward,            // a = grad, b = x:  a * gelu'(x)   (erf form)
   TanhBackward,            // a = grad, b = y:  a * (1 - y^2)
   SigmoidBackward,         // a = grad, b = y:  a * y * (1 - y)
-  SoftplusBackward,        // a = grad, b = x:  a * sigmoid(x)
+  SoftplusBackward,        // a = grad, b = x:  x*alpha > beta ? a : a * sigmoid(x*alpha)  (binary_params)
+  SiluBackward,            // a = grad, b = x:  a * s * (1 + x * (1 - s)), s = sigmoid(x)
+  LogSigmoidBackward,      // a = grad, b = x:  a * sigmoid(-x)
+  LeakyReluBackward,       // a = grad, b = x:  x > 0 ? a : a * alpha  (binary_params)
+  EluBackward,             // a = grad, b = x:  x <= 0 ? a * alpha * exp(x) : a  (binary_params)
+  HardtanhBackward,        // a = grad, b = x:  x <= alpha || x >= beta ? 0 : a  (binary_params)
 };
 // a and b have out's shape (expanded views); out may alias a.
 using BinaryFn = void(BinaryOp op, const Tensor& a, const Tensor& b, Tensor& out);
 inline Op<BinaryFn> binary("binary");
+// The binary ops that take scalar parameters (math::binary_takes_params: the activation backwards
+// marked binary_params above), f32 only; `binary` refuses them (TypeError), this slot refuses the rest.
+using BinaryParamsFn = void(BinaryOp op, const Tensor& a, const Tensor& b, Tensor& out, double alpha, double beta);
+inline Op<BinaryParamsFn> binary_params("binary_params");
 
 // out = cond != 0 ? a : b (all expanded to out's shape; cond f32).
 using WhereFn = void(const Tensor& cond, const Tensor& a, const Tensor& b, Tensor& out);
@@ -177,6 +192,27 @@ using BatchNormBackwardFn = void(const Tensor& grad_out, const Tensor& x, const 
                                  const Tensor& save_mean, const Tensor& save_invstd, bool training,
                                  Tensor& grad_x, Tensor& grad_weight, Tensor& grad_bias);
 inline Op<BatchNormBackwardFn> batch_norm_backward("batch_norm_backward");
+
+// ---- row normalisation: layer norm and group norm (kernels/cpu/norm.cpp, kernels/cuda/norm.cu) ----
+// x is contiguous, seen as R rows of L values; each row is normalised with its own mean and biased
+// variance: y = (x - mean) * rstd, rstd = 1 / sqrt(var + eps). The optional affine weight/bias
+// (contiguous, C entries) is indexed by channel: the rows cycle through `groups` groups of C / groups
+// channels, each channel holding `inner` consecutive values of the row, so element j of row r has
+// channel (r % groups) * (L / inner) + j / inner. Layer norm: groups = inner = 1, C = L. Group norm
+// of x [N, C, S]: R = N * groups, L = C / groups * S, inner = S.
+struct RowNormLayout {
+  int64_t rows = 0, row_len = 0, groups = 1, inner = 1;
+  int64_t channels() const { return groups * (row_len / inner); }
+};
+// mean and rstd: [R] contiguous (saved for the backward).
+using RowNormFn = void(const Tensor& x, const Tensor& weight, const Tensor& bias, const RowNormLayout& layout,
+                       double eps, Tensor& out, Tensor& mean, Tensor& rstd);
+inline Op<RowNormFn> row_norm_forward("row_norm_forward");
+// Any of grad_x, grad_weight, grad_bias may be undefined (not needed); weight may be undefined.
+using RowNormBackwardFn = void(const Tensor& grad_out, const Tensor& x, const Tensor& weight, const Tensor& mean,
+                               const Tensor& rstd, const RowNormLayout& layout, Tensor& grad_x, Tensor& grad_weight,
+                               Tensor& grad_bias);
+inline Op<RowNormBackwardFn> row_norm_backward("row_norm_backward");
 
 // Registration entry points of the backends (called once by ensure_registered).
 void register_cpu_kernels();

@@ -45,7 +45,35 @@ MN_HOST_DEVICE MN_SCALAR_INLINE float sigmoid(float x) {
   const float e = expf(x);
   return e / (1.0f + e);
 }
-MN_HOST_DEVICE MN_SCALAR_INLINE float softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
+// PyTorch's softplus: linear above the threshold (on x * beta), log1p(exp(x * beta)) / beta below.
+MN_HOST_DEVICE MN_SCALAR_INLINE float softplus(float x, float beta, float threshold) {
+  const float z = x * beta;
+  return z > threshold ? x : log1pf(expf(z)) / beta;
+}
+MN_HOST_DEVICE MN_SCALAR_INLINE float softplus_backward(float g, float x, float beta, float threshold) {
+  const float z = x * beta;
+  return z > threshold ? g : g * sigmoid(z);  // sigmoid(z) = e^z / (e^z + 1) without the overflow
+}
+MN_HOST_DEVICE MN_SCALAR_INLINE float silu(float x) { return x * sigmoid(x); }
+MN_HOST_DEVICE MN_SCALAR_INLINE float silu_backward(float g, float x) {
+  const float s = sigmoid(x);
+  return g * s * (1.0f + x * (1.0f - s));
+}
+// x > 0 false for NaN: NaN * slope stays NaN; the gradient there is g * slope (as PyTorch).
+MN_HOST_DEVICE MN_SCALAR_INLINE float leaky_relu(float x, float slope) { return x > 0.0f ? x : x * slope; }
+MN_HOST_DEVICE MN_SCALAR_INLINE float leaky_relu_backward(float g, float x, float slope) {
+  return x > 0.0f ? g : g * slope;
+}
+MN_HOST_DEVICE MN_SCALAR_INLINE float elu(float x, float alpha) { return x <= 0.0f ? alpha * expm1f(x) : x; }
+MN_HOST_DEVICE MN_SCALAR_INLINE float elu_backward(float g, float x, float alpha) {
+  return x <= 0.0f ? g * alpha * expf(x) : g;
+}
+// Zero gradient at and beyond the bounds, g elsewhere (a NaN x passes g, as PyTorch's hardtanh_backward).
+MN_HOST_DEVICE MN_SCALAR_INLINE float hardtanh_backward(float g, float x, float lo, float hi) {
+  return x <= lo || x >= hi ? 0.0f : g;
+}
+// log(sigmoid(x)) without overflow or cancellation for large |x|.
+MN_HOST_DEVICE MN_SCALAR_INLINE float log_sigmoid(float x) { return fminf(x, 0.0f) - log1pf(expf(-fabsf(x))); }
 
 // ---------------- NaN-aware selections (T = float or int64_t) ----------------
 
@@ -90,9 +118,20 @@ MN_HOST_DEVICE constexpr bool unary_takes_i64(UnaryOp op) {
     case UnaryOp::Cos:
     case UnaryOp::Erf:
     case UnaryOp::PowScalar:
-    case UnaryOp::RDivScalar: return false;
+    case UnaryOp::RDivScalar:
+    case UnaryOp::Silu:
+    case UnaryOp::LeakyRelu:
+    case UnaryOp::Elu:
+    case UnaryOp::Hardtanh:
+    case UnaryOp::LogSigmoid: return false;
   }
   return false;
+}
+
+// Binary ops that read the scalar parameters alpha and beta (the binary_params kernel slot).
+MN_HOST_DEVICE constexpr bool binary_takes_params(BinaryOp op) {
+  return op == BinaryOp::SoftplusBackward || op == BinaryOp::LeakyReluBackward || op == BinaryOp::EluBackward ||
+         op == BinaryOp::HardtanhBackward;
 }
 
 enum class BinaryKind { Arith, FloatArith, Compare };
@@ -111,7 +150,12 @@ MN_HOST_DEVICE constexpr BinaryKind binary_kind(BinaryOp op) {
     case BinaryOp::GeluBackward:
     case BinaryOp::TanhBackward:
     case BinaryOp::SigmoidBackward:
-    case BinaryOp::SoftplusBackward: return BinaryKind::FloatArith;
+    case BinaryOp::SoftplusBackward:
+    case BinaryOp::SiluBackward:
+    case BinaryOp::LogSigmoidBackward:
+    case BinaryOp::LeakyReluBackward:
+    case BinaryOp::EluBackward:
+    case BinaryOp::HardtanhBackward: return BinaryKind::FloatArith;
     case BinaryOp::Eq:
     case BinaryOp::Ne:
     case BinaryOp::Lt:
@@ -139,7 +183,7 @@ MN_HOST_DEVICE MN_SCALAR_INLINE float unary(UnaryOp op, float x, float a, float 
     case UnaryOp::Gelu: return gelu(x);
     case UnaryOp::Tanh: return tanhf(x);
     case UnaryOp::Sigmoid: return sigmoid(x);
-    case UnaryOp::Softplus: return softplus(x);
+    case UnaryOp::Softplus: return softplus(x, a, b);
     case UnaryOp::Square: return x * x;
     case UnaryOp::Reciprocal: return 1.0f / x;
     case UnaryOp::Sin: return sinf(x);
@@ -155,6 +199,11 @@ MN_HOST_DEVICE MN_SCALAR_INLINE float unary(UnaryOp op, float x, float a, float 
     case UnaryOp::MulScalar: return x * a;
     case UnaryOp::RDivScalar: return a / x;
     case UnaryOp::RSubScalar: return a - x;
+    case UnaryOp::Silu: return silu(x);
+    case UnaryOp::LeakyRelu: return leaky_relu(x, a);
+    case UnaryOp::Elu: return elu(x, a);
+    case UnaryOp::Hardtanh: return clamp(x, a, b);
+    case UnaryOp::LogSigmoid: return log_sigmoid(x);
   }
   op_unreachable("unary", static_cast<int>(op));
 }
@@ -185,7 +234,12 @@ MN_HOST_DEVICE MN_SCALAR_INLINE int64_t unary(UnaryOp op, int64_t x, int64_t a, 
     case UnaryOp::Cos:
     case UnaryOp::Erf:
     case UnaryOp::PowScalar:
-    case UnaryOp::RDivScalar: break;  // float only
+    case UnaryOp::RDivScalar:
+    case UnaryOp::Silu:
+    case UnaryOp::LeakyRelu:
+    case UnaryOp::Elu:
+    case UnaryOp::Hardtanh:
+    case UnaryOp::LogSigmoid: break;  // float only
   }
   op_unreachable("i64 unary", static_cast<int>(op));
 }
@@ -211,14 +265,20 @@ MN_HOST_DEVICE MN_SCALAR_INLINE float compare(BinaryOp op, T x, T y) {
     case BinaryOp::GeluBackward:
     case BinaryOp::TanhBackward:
     case BinaryOp::SigmoidBackward:
-    case BinaryOp::SoftplusBackward: break;  // not comparisons
+    case BinaryOp::SoftplusBackward:
+    case BinaryOp::SiluBackward:
+    case BinaryOp::LogSigmoidBackward:
+    case BinaryOp::LeakyReluBackward:
+    case BinaryOp::EluBackward:
+    case BinaryOp::HardtanhBackward: break;  // not comparisons
   }
   op_unreachable("compare", static_cast<int>(op));
 }
 
-// Arithmetic ops on two floats: a is x (or the gradient of a backward), b is y (or its saved input
-// or output).
-MN_HOST_DEVICE MN_SCALAR_INLINE float binary(BinaryOp op, float x, float y) {
+// Arithmetic ops on two floats: x is the first operand (or the gradient of a backward), y the second
+// (or the backward's saved input or output); p and q are the scalar parameters of the ops
+// binary_takes_params lists (alpha and beta in kernels.h).
+MN_HOST_DEVICE MN_SCALAR_INLINE float binary(BinaryOp op, float x, float y, float p = 0.0f, float q = 0.0f) {
   switch (op) {
     case BinaryOp::Add: return x + y;
     case BinaryOp::Sub: return x - y;
@@ -231,7 +291,12 @@ MN_HOST_DEVICE MN_SCALAR_INLINE float binary(BinaryOp op, float x, float y) {
     case BinaryOp::GeluBackward: return x * gelu_grad(y);
     case BinaryOp::TanhBackward: return x * (1.0f - y * y);
     case BinaryOp::SigmoidBackward: return x * y * (1.0f - y);
-    case BinaryOp::SoftplusBackward: return x * sigmoid(y);
+    case BinaryOp::SoftplusBackward: return softplus_backward(x, y, p, q);
+    case BinaryOp::SiluBackward: return silu_backward(x, y);
+    case BinaryOp::LogSigmoidBackward: return x * sigmoid(-y);
+    case BinaryOp::LeakyReluBackward: return leaky_relu_backward(x, y, p);
+    case BinaryOp::EluBackward: return elu_backward(x, y, p);
+    case BinaryOp::HardtanhBackward: return hardtanh_backward(x, y, p, q);
     case BinaryOp::Eq:
     case BinaryOp::Ne:
     case BinaryOp::Lt:
@@ -257,6 +322,11 @@ MN_HOST_DEVICE MN_SCALAR_INLINE int64_t binary(BinaryOp op, int64_t x, int64_t y
     case BinaryOp::TanhBackward:
     case BinaryOp::SigmoidBackward:
     case BinaryOp::SoftplusBackward:
+    case BinaryOp::SiluBackward:
+    case BinaryOp::LogSigmoidBackward:
+    case BinaryOp::LeakyReluBackward:
+    case BinaryOp::EluBackward:
+    case BinaryOp::HardtanhBackward:
     case BinaryOp::Eq:
     case BinaryOp::Ne:
     case BinaryOp::Lt:

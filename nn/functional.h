@@ -3,6 +3,7 @@
 // activations and losses. Layers in nn/ are thin modules over these.
 #include <array>
 #include <string>
+#include <vector>
 
 #include "autograd/ops.h"
 
@@ -32,6 +33,15 @@ Tensor avg_pool2d(const Tensor& x, std::array<int64_t, 2> kernel, std::array<int
 Tensor batch_norm(const Tensor& x, Tensor running_mean, Tensor running_var, const Tensor& weight,
                   const Tensor& bias, bool training, double momentum = 0.1, double eps = 1e-5);
 
+// Layer norm over the trailing dims `normalized_shape` of x [*, normalized_shape]; weight and bias
+// (optional) have shape normalized_shape. Group norm of x [N, C, *] over num_groups groups of C /
+// num_groups channels (C divisible by num_groups); weight and bias (optional) [C]. Both use the biased
+// variance, as PyTorch.
+Tensor layer_norm(const Tensor& x, const std::vector<int64_t>& normalized_shape, const Tensor& weight = Tensor(),
+                  const Tensor& bias = Tensor(), double eps = 1e-5);
+Tensor group_norm(const Tensor& x, int64_t num_groups, const Tensor& weight = Tensor(), const Tensor& bias = Tensor(),
+                  double eps = 1e-5);
+
 // Inverted dropout: zeroes with probability p and scales survivors by 1/(1-p) in training mode.
 Tensor dropout(const Tensor& x, double p = 0.5, bool training = true, Generator* gen = nullptr);
 
@@ -40,5 +50,31 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& target, double label_sm
                      Reduction reduction = Reduction::Mean, int64_t ignore_index = -100);
 Tensor nll_loss(const Tensor& log_probs, const Tensor& target, Reduction reduction = Reduction::Mean);
 Tensor mse_loss(const Tensor& input, const Tensor& target, Reduction reduction = Reduction::Mean);
+
+// ---- attention ----
+// Scaled dot-product attention, PyTorch 2.x semantics: softmax(Q K^T * scale + mask) V with
+// query [..., L, E], key [..., S, E], value [..., S, Ev] (batch dims broadcast) -> [..., L, Ev].
+// scale defaults to 1 / sqrt(E). attn_mask is an f32 tensor added to the scores, broadcastable to
+// [..., L, S]: 0 lets a query see a key, -inf hides it. There is no bool dtype, so PyTorch's boolean
+// mask (true = take part) is spelled as the additive one: from an f32 0/1 mask m with 1 = take part,
+// where(m, scalar_tensor(0.0), scalar_tensor(-INFINITY)). An i64 mask is a TypeError. is_causal hides
+// key j from query i when j > i (top-left aligned as torch.tril); giving it together with attn_mask
+// is a ValueError, as in PyTorch. A query row with every key hidden yields NaN, as PyTorch's math
+// path does. Dropout (probability dropout_p, drawn from gen or the default generator) is applied to
+// the attention weights whenever dropout_p > 0: pass 0 in evaluation, as PyTorch's caller does.
+Tensor scaled_dot_product_attention(const Tensor& query, const Tensor& key, const Tensor& value,
+                                    const Tensor& attn_mask = Tensor(), double dropout_p = 0.0, bool is_causal = false,
+                                    std::optional<double> scale = std::nullopt, Generator* gen = nullptr);
+// The same, also returning the attention weights [..., L, S] after dropout (what
+// nn::MultiheadAttention reports with need_weights).
+struct AttentionOutput {
+  Tensor output;
+  Tensor weights;
+};
+AttentionOutput scaled_dot_product_attention_with_weights(const Tensor& query, const Tensor& key, const Tensor& value,
+                                                          const Tensor& attn_mask = Tensor(), double dropout_p = 0.0,
+                                                          bool is_causal = false,
+                                                          std::optional<double> scale = std::nullopt,
+                                                          Generator* gen = nullptr);
 
 }  // namespace mn::nn::functional

@@ -311,18 +311,6 @@ Tensor sigmoid(const Tensor& x) {
   return out;
 }
 
-Tensor softplus(const Tensor& x) {
-  require_float("softplus", x);
-  Tensor out = unary_raw(UnaryOp::Softplus, x);
-  if (autograd::needs_grad({&x}))
-    autograd::record("SoftplusBackward", {&x}, {&out}, [sx = SavedTensor::input(x)](const GradContext& c) -> TensorList {
-      Tensor x = sx.unpack("SoftplusBackward");
-      if (!autograd::grad_mode_enabled()) return {fused_backward(BinaryOp::SoftplusBackward, c.grad(), x)};
-      return {mul(c.grad(), sigmoid(x))};
-    });
-  return out;
-}
-
 Tensor square(const Tensor& x) {
   require_float("square", x);
   Tensor out = unary_raw(UnaryOp::Square, x);

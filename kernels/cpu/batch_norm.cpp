@@ -6,13 +6,15 @@
 
 #include <cmath>
 
+#include "kernels/cpu/loops.h"
 #include "kernels/kernels.h"
 
 namespace mn::kernels {
 namespace {
 
+using cpu::ordered_sum;
+
 constexpr int64_t kParallelWork = 32768;
-constexpr int kLanes = 16;
 
 struct ChannelLayout {
   int64_t batch, channels, inner;  // [N, C, S]
@@ -33,20 +35,6 @@ Tensor dense(const Tensor& t) {
 }
 
 const float* data_or_null(const Tensor& t) { return t.defined() ? t.data<float>() : nullptr; }
-
-// sum over i of f(i) for i in [0, n), in a fixed order: kLanes interleaved float sums (vectorised),
-// combined in double.
-template <class F>
-double ordered_sum(int64_t n, F&& f) {
-  float lanes[kLanes] = {};
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes)
-    for (int l = 0; l < kLanes; ++l) lanes[l] += f(i + l);
-  double total = 0;
-  for (int l = 0; l < kLanes; ++l) total += lanes[l];
-  for (; i < n; ++i) total += f(i);
-  return total;
-}
 
 template <class F>
 void for_each_channel(const ChannelLayout& s, F&& f) {

@@ -54,6 +54,11 @@ void unary_typed(UnaryOp op, const Tensor& in, Tensor& out, T a, T b) {
     case UnaryOp::MulScalar: return unary_as<UnaryOp::MulScalar>(in, out, a, b);
     case UnaryOp::RDivScalar: return unary_as<UnaryOp::RDivScalar>(in, out, a, b);
     case UnaryOp::RSubScalar: return unary_as<UnaryOp::RSubScalar>(in, out, a, b);
+    case UnaryOp::Silu: return unary_as<UnaryOp::Silu>(in, out, a, b);
+    case UnaryOp::LeakyRelu: return unary_as<UnaryOp::LeakyRelu>(in, out, a, b);
+    case UnaryOp::Elu: return unary_as<UnaryOp::Elu>(in, out, a, b);
+    case UnaryOp::Hardtanh: return unary_as<UnaryOp::Hardtanh>(in, out, a, b);
+    case UnaryOp::LogSigmoid: return unary_as<UnaryOp::LogSigmoid>(in, out, a, b);
   }
   op_unreachable("unary", static_cast<int>(op));
 }
@@ -66,47 +71,66 @@ void unary_cpu(UnaryOp op, const Tensor& in, Tensor& out, double alpha, double b
   unary_typed<int64_t>(op, in, out, saturating_i64(alpha), saturating_i64(beta));
 }
 
+// p and q: the scalar parameters of the ops math::binary_takes_params lists (0 for the others).
 template <BinaryOp kOp, class T>
-void binary_as(const Tensor& a, const Tensor& b, Tensor& out) {
+void binary_as(const Tensor& a, const Tensor& b, Tensor& out, float p, float q) {
   constexpr math::BinaryKind kind = math::binary_kind(kOp);
   if constexpr (kind == math::BinaryKind::Compare)
     map<float, T, T>(out, [](T x, T y) { return math::compare(kOp, x, y); }, a, b);
-  else if constexpr (std::is_same_v<T, float> || kind == math::BinaryKind::Arith)
+  else if constexpr (std::is_same_v<T, float>)
+    map<T, T, T>(out, [p, q](T x, T y) { return math::binary(kOp, x, y, p, q); }, a, b);
+  else if constexpr (kind == math::BinaryKind::Arith)
     map<T, T, T>(out, [](T x, T y) { return math::binary(kOp, x, y); }, a, b);
   else
     op_unreachable("i64 binary", static_cast<int>(kOp));  // binary_cpu refuses these first
 }
 
 template <class T>
-void binary_typed(BinaryOp op, const Tensor& a, const Tensor& b, Tensor& out) {
+void binary_typed(BinaryOp op, const Tensor& a, const Tensor& b, Tensor& out, float p = 0.0f, float q = 0.0f) {
   switch (op) {
-    case BinaryOp::Add: return binary_as<BinaryOp::Add, T>(a, b, out);
-    case BinaryOp::Sub: return binary_as<BinaryOp::Sub, T>(a, b, out);
-    case BinaryOp::Mul: return binary_as<BinaryOp::Mul, T>(a, b, out);
-    case BinaryOp::Div: return binary_as<BinaryOp::Div, T>(a, b, out);
-    case BinaryOp::Pow: return binary_as<BinaryOp::Pow, T>(a, b, out);
-    case BinaryOp::Maximum: return binary_as<BinaryOp::Maximum, T>(a, b, out);
-    case BinaryOp::Minimum: return binary_as<BinaryOp::Minimum, T>(a, b, out);
-    case BinaryOp::Eq: return binary_as<BinaryOp::Eq, T>(a, b, out);
-    case BinaryOp::Ne: return binary_as<BinaryOp::Ne, T>(a, b, out);
-    case BinaryOp::Lt: return binary_as<BinaryOp::Lt, T>(a, b, out);
-    case BinaryOp::Le: return binary_as<BinaryOp::Le, T>(a, b, out);
-    case BinaryOp::Gt: return binary_as<BinaryOp::Gt, T>(a, b, out);
-    case BinaryOp::Ge: return binary_as<BinaryOp::Ge, T>(a, b, out);
-    case BinaryOp::ReluBackward: return binary_as<BinaryOp::ReluBackward, T>(a, b, out);
-    case BinaryOp::GeluBackward: return binary_as<BinaryOp::GeluBackward, T>(a, b, out);
-    case BinaryOp::TanhBackward: return binary_as<BinaryOp::TanhBackward, T>(a, b, out);
-    case BinaryOp::SigmoidBackward: return binary_as<BinaryOp::SigmoidBackward, T>(a, b, out);
-    case BinaryOp::SoftplusBackward: return binary_as<BinaryOp::SoftplusBackward, T>(a, b, out);
+    case BinaryOp::Add: return binary_as<BinaryOp::Add, T>(a, b, out, p, q);
+    case BinaryOp::Sub: return binary_as<BinaryOp::Sub, T>(a, b, out, p, q);
+    case BinaryOp::Mul: return binary_as<BinaryOp::Mul, T>(a, b, out, p, q);
+    case BinaryOp::Div: return binary_as<BinaryOp::Div, T>(a, b, out, p, q);
+    case BinaryOp::Pow: return binary_as<BinaryOp::Pow, T>(a, b, out, p, q);
+    case BinaryOp::Maximum: return binary_as<BinaryOp::Maximum, T>(a, b, out, p, q);
+    case BinaryOp::Minimum: return binary_as<BinaryOp::Minimum, T>(a, b, out, p, q);
+    case BinaryOp::Eq: return binary_as<BinaryOp::Eq, T>(a, b, out, p, q);
+    case BinaryOp::Ne: return binary_as<BinaryOp::Ne, T>(a, b, out, p, q);
+    case BinaryOp::Lt: return binary_as<BinaryOp::Lt, T>(a, b, out, p, q);
+    case BinaryOp::Le: return binary_as<BinaryOp::Le, T>(a, b, out, p, q);
+    case BinaryOp::Gt: return binary_as<BinaryOp::Gt, T>(a, b, out, p, q);
+    case BinaryOp::Ge: return binary_as<BinaryOp::Ge, T>(a, b, out, p, q);
+    case BinaryOp::ReluBackward: return binary_as<BinaryOp::ReluBackward, T>(a, b, out, p, q);
+    case BinaryOp::GeluBackward: return binary_as<BinaryOp::GeluBackward, T>(a, b, out, p, q);
+    case BinaryOp::TanhBackward: return binary_as<BinaryOp::TanhBackward, T>(a, b, out, p, q);
+    case BinaryOp::SigmoidBackward: return binary_as<BinaryOp::SigmoidBackward, T>(a, b, out, p, q);
+    case BinaryOp::SoftplusBackward: return binary_as<BinaryOp::SoftplusBackward, T>(a, b, out, p, q);
+    case BinaryOp::SiluBackward: return binary_as<BinaryOp::SiluBackward, T>(a, b, out, p, q);
+    case BinaryOp::LogSigmoidBackward: return binary_as<BinaryOp::LogSigmoidBackward, T>(a, b, out, p, q);
+    case BinaryOp::LeakyReluBackward: return binary_as<BinaryOp::LeakyReluBackward, T>(a, b, out, p, q);
+    case BinaryOp::EluBackward: return binary_as<BinaryOp::EluBackward, T>(a, b, out, p, q);
+    case BinaryOp::HardtanhBackward: return binary_as<BinaryOp::HardtanhBackward, T>(a, b, out, p, q);
   }
   op_unreachable("binary", static_cast<int>(op));
 }
 
 void binary_cpu(BinaryOp op, const Tensor& a, const Tensor& b, Tensor& out) {
+  if (math::binary_takes_params(op))
+    throw TypeError(str("binary op ", static_cast<int>(op), " takes scalar parameters: call binary_params"));
   if (a.dtype() == DType::f32) return binary_typed<float>(op, a, b, out);
   if (math::binary_kind(op) == math::BinaryKind::FloatArith)
     throw TypeError(str("binary op ", static_cast<int>(op), " is not defined for dtype ", dtype_name(a.dtype())));
   binary_typed<int64_t>(op, a, b, out);
+}
+
+void binary_params_cpu(BinaryOp op, const Tensor& a, const Tensor& b, Tensor& out, double alpha, double beta) {
+  if (!math::binary_takes_params(op))
+    throw TypeError(str("binary op ", static_cast<int>(op), " takes no scalar parameters: call binary"));
+  if (a.dtype() != DType::f32 || b.dtype() != DType::f32)
+    throw TypeError(str("binary op ", static_cast<int>(op), " expects f32 operands, got ", dtype_name(a.dtype()),
+                        " and ", dtype_name(b.dtype())));
+  binary_typed<float>(op, a, b, out, static_cast<float>(alpha), static_cast<float>(beta));
 }
 
 void where_cpu(const Tensor& cond, const Tensor& a, const Tensor& b, Tensor& out) {
@@ -150,6 +174,7 @@ void random_cpu(Tensor& out, Distribution dist, double p1, double p2, const Phil
 void register_cpu_elementwise() {
   unary.set(DeviceType::CPU, unary_cpu);
   binary.set(DeviceType::CPU, binary_cpu);
+  binary_params.set(DeviceType::CPU, binary_params_cpu);
   where.set(DeviceType::CPU, where_cpu);
   fill.set(DeviceType::CPU, fill_cpu);
   copy.set(DeviceType::CPU, copy_cpu);

@@ -12,6 +12,7 @@ void register_cpu_conv();         // kernels/cpu/conv.cpp: conv2d_*
 void register_cpu_pool();         // kernels/cpu/pool.cpp: max/avg pool2d
 void register_cpu_batch_norm();   // kernels/cpu/batch_norm.cpp
 void register_cpu_optim();        // kernels/cpu/optim.cpp: adam_step, sgd_step
+void register_cpu_norm();         // kernels/cpu/norm.cpp: row_norm_* (layer norm, group norm)
 
 void register_cpu_kernels() {
   register_cpu_elementwise();
@@ -23,6 +24,7 @@ void register_cpu_kernels() {
   register_cpu_pool();
   register_cpu_batch_norm();
   register_cpu_optim();
+  register_cpu_norm();
 }
 
 }  // namespace mn::kernels

@@ -171,7 +171,16 @@ struct Arith {
   __device__ T operator()(T x, T y) const { return math::binary(op, x, y); }
 };
 
+// The activation backwards with scalar parameters (math::binary_takes_params), f32 only.
+struct ArithParams {
+  BinaryOp op;
+  float p, q;
+  __device__ float operator()(float x, float y) const { return math::binary(op, x, y, p, q); }
+};
+
 void binary_cuda(BinaryOp op, const Tensor& a, const Tensor& b, Tensor& out) {
+  if (math::binary_takes_params(op))
+    throw TypeError(str("binary op ", static_cast<int>(op), " takes scalar parameters: call binary_params"));
   const math::BinaryKind kind = math::binary_kind(op);
   const bool f32 = a.dtype() == DType::f32;
   if (kind == math::BinaryKind::Compare) {
@@ -182,6 +191,15 @@ void binary_cuda(BinaryOp op, const Tensor& a, const Tensor& b, Tensor& out) {
   if (kind == math::BinaryKind::FloatArith)
     throw TypeError(str("binary op ", static_cast<int>(op), " is not defined for dtype ", dtype_name(a.dtype())));
   launch2<int64_t, int64_t, int64_t>(a, b, out, Arith<int64_t>{op});
+}
+
+void binary_params_cuda(BinaryOp op, const Tensor& a, const Tensor& b, Tensor& out, double alpha, double beta) {
+  if (!math::binary_takes_params(op))
+    throw TypeError(str("binary op ", static_cast<int>(op), " takes no scalar parameters: call binary"));
+  if (a.dtype() != DType::f32 || b.dtype() != DType::f32)
+    throw TypeError(str("binary op ", static_cast<int>(op), " expects f32 operands, got ", dtype_name(a.dtype()),
+                        " and ", dtype_name(b.dtype())));
+  launch2<float, float, float>(a, b, out, ArithParams{op, static_cast<float>(alpha), static_cast<float>(beta)});
 }
 
 // ---------------- where ----------------
@@ -201,6 +219,7 @@ void where_cuda(const Tensor& cond, const Tensor& a, const Tensor& b, Tensor& ou
 void register_cuda_elementwise() {
   unary.set(DeviceType::CUDA, unary_cuda);
   binary.set(DeviceType::CUDA, binary_cuda);
+  binary_params.set(DeviceType::CUDA, binary_params_cuda);
   where.set(DeviceType::CUDA, where_cuda);
 }
 

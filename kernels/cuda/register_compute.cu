@@ -10,6 +10,7 @@ void register_cuda_softmax();      // kernels/cuda/softmax.cu: softmax, softmax_
 void register_cuda_conv();         // kernels/cuda/conv.cu: conv2d_*
 void register_cuda_pool();         // kernels/cuda/pool.cu: max/avg pool2d
 void register_cuda_batch_norm();   // kernels/cuda/batch_norm.cu
+void register_cuda_norm();         // kernels/cuda/norm.cu: row_norm_* (layer norm, group norm)
 
 void register_cuda_compute_kernels() {
   register_cuda_elementwise();
@@ -19,6 +20,7 @@ void register_cuda_compute_kernels() {
   register_cuda_conv();
   register_cuda_pool();
   register_cuda_batch_norm();
+  register_cuda_norm();
 }
 
 }  // namespace mn::kernels

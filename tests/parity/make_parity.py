@@ -284,8 +284,90 @@ def var_std():
     save("var_std", out)
 
 
+def attention():
+    """Scaled dot-product attention in torch math (1.13 has no F.scaled_dot_product_attention):
+    softmax(Q K^T * scale + mask) V, with an additive mask, the causal mask (j > i hidden, also for
+    L != S), an explicit scale, and a fully hidden row (NaN as PyTorch gives); and
+    torch.nn.MultiheadAttention with batch_first both ways (cross-attention, both masks, averaged
+    weights) and self-attention with per-head weights. Module parameters are stored as
+    <tag>_<parameter name>, their gradients as <tag>_grad_<parameter name>; PyTorch's boolean
+    key_padding_mask (true = hide) is stored as the additive mask (-inf = hide) our API takes."""
+    torch.manual_seed(18)
+    out = {}
+    inf = float("inf")
+
+    def sdpa(q, k, v, mask=None, causal=False, scale=None):
+        s = 1.0 / math.sqrt(q.size(-1)) if scale is None else scale
+        scores = (q * s) @ k.transpose(-2, -1)
+        if causal:
+            L, S = q.size(-2), k.size(-2)
+            mask = torch.zeros(L, S).masked_fill(torch.ones(L, S, dtype=torch.bool).triu(1), -inf)
+        if mask is not None:
+            scores = scores + mask
+        return torch.softmax(scores, -1) @ v
+
+    mask = torch.randn(2, 1, 4, 6)
+    mask[0, 0, 1, 2] = -inf
+    mask[1, 0, 3, :5] = -inf
+    hidden_row = torch.zeros(4, 6)
+    hidden_row[2, :] = -inf
+    configs = {
+        "plain": ((2, 3, 4, 5), (2, 3, 6, 5), (2, 3, 6, 7), None, False, None),
+        "mask": ((2, 3, 4, 5), (2, 3, 6, 5), (2, 3, 6, 7), mask, False, None),
+        "causal": ((2, 5, 4), (2, 5, 4), (2, 5, 3), None, True, None),
+        "causal_rect": ((2, 3, 4), (2, 5, 4), (2, 5, 3), None, True, None),
+        "scale": ((3, 4, 5), (3, 6, 5), (3, 6, 2), None, False, 0.3),
+        "hidden_row": ((2, 4, 5), (2, 6, 5), (2, 6, 3), hidden_row, False, None),
+    }
+    for tag, (qs, ks, vs, m, causal, scale) in configs.items():
+        q, k, v = leaf(*qs), leaf(*ks), leaf(*vs)
+        y = sdpa(q, k, v, m, causal, scale)
+        weighted_backward(y, f"sdpa_{tag}_y", out)
+        out.update({f"sdpa_{tag}_q": q, f"sdpa_{tag}_k": k, f"sdpa_{tag}_v": v, f"sdpa_{tag}_y": y,
+                    f"sdpa_{tag}_gq": q.grad, f"sdpa_{tag}_gk": k.grad, f"sdpa_{tag}_gv": v.grad})
+        if m is not None:
+            out[f"sdpa_{tag}_mask"] = m
+        out[f"sdpa_{tag}_config"] = torch.tensor([int(causal), 0 if scale is None else 1])
+        if scale is not None:
+            out[f"sdpa_{tag}_scale"] = torch.tensor([scale])
+
+    E, H, L, S, N = 8, 2, 4, 5, 3
+    for batch_first in (False, True):
+        tag = f"mha_bf{int(batch_first)}"
+        mha = torch.nn.MultiheadAttention(E, H, batch_first=batch_first)
+        shape = (lambda T: (N, T, E)) if batch_first else (lambda T: (T, N, E))
+        q, k, v = leaf(*shape(L)), leaf(*shape(S)), leaf(*shape(S))
+        padding = torch.zeros(N, S, dtype=torch.bool)
+        padding[0, 4] = True
+        padding[2, 1:3] = True
+        attn_mask = torch.randn(L, S) * 0.5
+        y, w = mha(q, k, v, key_padding_mask=padding, attn_mask=attn_mask)
+        wy, ww = torch.rand_like(y) + 0.5, torch.rand_like(w) + 0.5
+        ((y * wy).sum() + (w * ww).sum()).backward()
+        out.update({f"{tag}_q": q, f"{tag}_k": k, f"{tag}_v": v, f"{tag}_y": y, f"{tag}_w": w,
+                    f"{tag}_y_weight": wy, f"{tag}_w_weight": ww, f"{tag}_gq": q.grad, f"{tag}_gk": k.grad,
+                    f"{tag}_gv": v.grad, f"{tag}_attn_mask": attn_mask,
+                    f"{tag}_key_padding_mask": torch.zeros(N, S).masked_fill(padding, -inf)})
+        for name, p in mha.named_parameters():
+            out[f"{tag}_{name}"] = p.detach()
+            out[f"{tag}_grad_{name}"] = p.grad
+    tag = "mha_self"
+    mha = torch.nn.MultiheadAttention(E, 4)
+    x = leaf(L, N, E)
+    y, w = mha(x, x, x, average_attn_weights=False)
+    wy, ww = torch.rand_like(y) + 0.5, torch.rand_like(w) + 0.5
+    ((y * wy).sum() + (w * ww).sum()).backward()
+    out.update({f"{tag}_x": x, f"{tag}_y": y, f"{tag}_w": w, f"{tag}_y_weight": wy, f"{tag}_w_weight": ww,
+                f"{tag}_gx": x.grad})
+    for name, p in mha.named_parameters():
+        out[f"{tag}_{name}"] = p.detach()
+        out[f"{tag}_grad_{name}"] = p.grad
+    save("attention", out)
+
+
 CASES = {"conv2d": conv2d, "pooling": pooling, "batch_norm": batch_norm, "lstm": lstm, "losses": losses,
-         "optim": optimizers, "nan": nan_propagation, "adam_beta2": adam_beta2, "var_std": var_std}
+         "optim": optimizers, "nan": nan_propagation, "adam_beta2": adam_beta2, "var_std": var_std,
+         "attention": attention}
 
 if __name__ == "__main__":
     # With no arguments every case is written; otherwise only the named ones. The first six cases draw
