@@ -29,7 +29,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "parity"))
 from torch_targets import cnn2, mlp, resnet20, vit  # noqa: E402  (the twins of mapping/targets.h)
 
 

@@ -50,6 +50,7 @@
 #include "mapping/parameter_spec.h"
 #include "mapping/profiler.h"
 #include "mapping/resnet.h"  // BasicBlock, ResNet, resnet20, resnet18
+#include "mapping/vit.h"     // VisionTransformer, EncoderBlock, vit
 #include "mapping/targets.h"
 #include "mapping/trainer.h"
 

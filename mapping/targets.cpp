@@ -3,6 +3,7 @@
 #include <sstream>
 
 #include "mapping/resnet.h"
+#include "mapping/vit.h"
 #include "nn/layers.h"
 
 namespace mn::mapping {
@@ -61,7 +62,7 @@ std::shared_ptr<nn::Sequential> lenet() {
 
 }  // namespace
 
-std::vector<std::string> target_names() { return {"cnn1", "cnn2", "mlp", "lenet", "resnet20", "resnet18"}; }
+std::vector<std::string> target_names() { return {"cnn1", "cnn2", "mlp", "lenet", "resnet20", "resnet18", "vit"}; }
 
 std::shared_ptr<nn::Module> make_target(const std::string& name, const TargetOptions& options) {
   if (name == "cnn1") return cnn1();
@@ -70,6 +71,7 @@ std::shared_ptr<nn::Module> make_target(const std::string& name, const TargetOpt
   if (name == "lenet") return lenet();
   if (name == "resnet20") return resnet20();
   if (name == "resnet18") return resnet18();
+  if (name == "vit") return vit();
   throw ValueError(str("Unknown target '", name, "'; choose from: ", joined(target_names())));
 }
 

@@ -1,9 +1,10 @@
 #pragma once
 // Built-in target architectures shared by the example programs, tests and benchmarks. Every runnable
 // target classifies 1x28x28 images (Fashion-MNIST) into 10 classes; parameter names are those of a
-// PyTorch nn.Sequential ("0.weight", "3.bias", ...), or of torchvision's ResNet for the residual
-// targets ("layer2.0.downsample.0.weight", see mapping/resnet.h), so exported weights load by the same
-// names.
+// PyTorch nn.Sequential ("0.weight", "3.bias", ...), or of torchvision's ResNet and
+// VisionTransformer for the residual and attention targets ("layer2.0.downsample.0.weight",
+// "encoder.layers.encoder_layer_0.self_attention.in_proj_weight"; mapping/resnet.h, mapping/vit.h),
+// so exported weights load by the same names.
 //
 //   cnn2   the paper's LeNet-inspired CNN (supplement Table 1), 108,618 parameters:
 //          conv 1->16 3x3, ReLU, maxpool 2, conv 16->32 3x3, ReLU, maxpool 2, flatten,
@@ -21,6 +22,9 @@
 //   resnet18  torchvision's ResNet-18 with a 3x3 stride-1 stem (1->64) and no max pool: 4 stages x 2
 //          BasicBlocks at 64/128/256/512 channels, global average pool, FC 512->10: 11,172,810
 //          parameters (41 groups)
+//   vit    a small Vision Transformer: 4x4 patches -> 49 tokens + class token, width 128, 4 pre-norm
+//          blocks of 4-head attention and a GELU MLP (512), final LayerNorm, head on the class
+//          token: 803,338 parameters (29 groups)
 //
 // Benchmark specs additionally know "guide": the scaling guide's memory-benchmark stack
 // Conv2d(3,64,3), Conv2d(64,128,3), Linear(128,10) (76,938 parameters). It is only a parameter
@@ -39,7 +43,7 @@ struct TargetOptions {
   std::vector<int64_t> mlp_hidden{256, 256};  // hidden widths of "mlp"
 };
 
-// Names make_target() accepts, in display order: cnn1, cnn2, mlp, lenet, resnet20, resnet18.
+// Names make_target() accepts, in display order: cnn1, cnn2, mlp, lenet, resnet20, resnet18, vit.
 std::vector<std::string> target_names();
 // A freshly initialised target (parameters drawn from the default generator, as nn layers do).
 // Unknown names are a ValueError listing the choices.

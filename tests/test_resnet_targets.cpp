@@ -17,39 +17,18 @@
 #include "nn/safetensors.h"
 #include "tests/mn_train_exe.h"
 #include "tests/run_command.h"
+#include "tests/target_twins.h"
 #include "tests/temp_dir.h"
 #include "tests/test_support.h"
 
 using namespace mn;
 using namespace mn::mapping;
+using mn::testing::fixture;
+using mn::testing::listing;
+using mn::testing::max_rel_diff;
 using mn::testing::random_tensor;
 
 namespace {
-
-safetensors::File fixture(const std::string& name) {
-  return safetensors::load(std::string(MN_TEST_DATA_DIR) + "/" + name + ".safetensors");
-}
-
-// "name d0,d1,..." per tensor, as make_targets.py writes the twin's listings.
-std::string listing(const nn::NamedTensors& named) {
-  std::ostringstream out;
-  for (size_t i = 0; i < named.size(); ++i) {
-    if (i > 0) out << "\n";
-    out << named[i].first << " ";
-    const Shape& s = named[i].second.sizes();
-    for (size_t d = 0; d < s.size(); ++d) out << (d > 0 ? "," : "") << s[d];
-  }
-  return out.str();
-}
-
-// Largest |a - b| / (1 + |b|) over the elements.
-double max_rel_diff(const Tensor& a, const Tensor& b) {
-  REQUIRE(a.sizes() == b.sizes());
-  const std::vector<float> x = a.to_vector<float>(), y = b.to_vector<float>();
-  double worst = 0;
-  for (size_t i = 0; i < x.size(); ++i) worst = std::max(worst, std::abs(double(x[i]) - y[i]) / (1.0 + std::abs(y[i])));
-  return worst;
-}
 
 std::vector<std::pair<std::string, std::vector<std::string>>> weights_and_others(const nn::Module& target) {
   std::vector<std::string> weights, others;

@@ -1,8 +1,9 @@
 #!/usr/bin/python3
-"""The torch twins of the residual targets (mapping/resnet.h), for tests/test_resnet_targets.cpp.
+"""Parity data for the residual and attention targets (mapping/resnet.h, mapping/vit.h) from their
+torch twins (tests/parity/torch_targets.py), for tests/test_resnet_targets.cpp and tests/test_vit_target.cpp.
 
 Run by hand with Debian's python3-torch (1.13; torchvision is not installed, so the twins are written
-here in plain torch with torchvision's module names):
+in plain torch with torchvision's module names):
 
     build/examples/mn-train --target resnet20 --strategy direct --epochs 1 --limit 256 --batch-size 64 \
         --seed 7 --threads 2 --out /tmp/r20 --export tests/data/resnet20_weights.safetensors
@@ -20,6 +21,12 @@ writes tests/data/parity_resnet_targets.safetensors:
 and, in the metadata, each twin's named_parameters and named_buffers in torch's order, one
 "name shape" per line (shape comma-separated, empty for a scalar): resnet20_parameters,
 resnet20_buffers, resnet18_parameters, resnet18_buffers. No resnet18 weights are stored.
+
+It also writes tests/data/parity_vit_target.safetensors: the default vit's names and shapes in the
+metadata (vit_parameters), and a small ViT of the same structure (width 32, 2 blocks of 4 heads, MLP
+64) with torch-initialised weights under "small.<name>", a fixed input and the twin's output
+("small_output"), and the gradient of sum(output * output_weight) with respect to the input
+("small_grad_input"), which the C++ side loads by name into mapping::VisionTransformer.
 """
 import copy
 import json
@@ -28,63 +35,10 @@ import struct
 import sys
 
 import torch
-import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from make_parity import OUT, save  # noqa: E402
-
-
-class BasicBlock(nn.Module):
-    def __init__(self, in_planes, planes, stride):
-        super().__init__()
-        self.conv1 = nn.Conv2d(in_planes, planes, 3, stride, 1, bias=False)
-        self.bn1 = nn.BatchNorm2d(planes)
-        self.relu = nn.ReLU()
-        self.conv2 = nn.Conv2d(planes, planes, 3, 1, 1, bias=False)
-        self.bn2 = nn.BatchNorm2d(planes)
-        self.downsample = None
-        if stride != 1 or in_planes != planes:
-            self.downsample = nn.Sequential(nn.Conv2d(in_planes, planes, 1, stride, bias=False),
-                                            nn.BatchNorm2d(planes))
-
-    def forward(self, x):
-        out = self.relu(self.bn1(self.conv1(x)))
-        out = self.bn2(self.conv2(out))
-        return self.relu(out + (x if self.downsample is None else self.downsample(x)))
-
-
-class ResNet(nn.Module):
-    """torchvision.models.ResNet's names, with a 3x3 stride-1 stem and no max pool."""
-
-    def __init__(self, widths, blocks, in_channels=1, num_classes=10):
-        super().__init__()
-        self.conv1 = nn.Conv2d(in_channels, widths[0], 3, 1, 1, bias=False)
-        self.bn1 = nn.BatchNorm2d(widths[0])
-        self.relu = nn.ReLU()
-        planes = widths[0]
-        for k, (width, count) in enumerate(zip(widths, blocks)):
-            stage = []
-            for i in range(count):
-                stage.append(BasicBlock(planes, width, 2 if k > 0 and i == 0 else 1))
-                planes = width
-            setattr(self, f"layer{k + 1}", nn.Sequential(*stage))
-        self.stages = len(widths)
-        self.avgpool = nn.AdaptiveAvgPool2d(1)
-        self.fc = nn.Linear(planes, num_classes)
-
-    def forward(self, x):
-        x = self.relu(self.bn1(self.conv1(x)))
-        for k in range(self.stages):
-            x = getattr(self, f"layer{k + 1}")(x)
-        return self.fc(torch.flatten(self.avgpool(x), 1))
-
-
-def resnet20():
-    return ResNet([16, 32, 64], [3, 3, 3])
-
-
-def resnet18():
-    return ResNet([64, 128, 256, 512], [2, 2, 2, 2])
+from torch_targets import VisionTransformer, resnet18, resnet20, vit  # noqa: E402
 
 
 def read_safetensors(path):
@@ -130,5 +84,21 @@ def main():
          metadata)
 
 
+def vit_case():
+    torch.manual_seed(1)
+    small = VisionTransformer(width=32, depth=2, heads=4, mlp_dim=64)
+    with torch.no_grad():  # a class token that is not all zeros, so its path is tested too
+        small.class_token.normal_(std=0.5)
+    x = torch.randn(3, 1, 28, 28, requires_grad=True)
+    y = small(x)
+    w = torch.rand_like(y) + 0.5
+    (y * w).sum().backward()
+    tensors = {f"small.{name}": t for name, t in small.state_dict().items()}
+    tensors.update({"input": x, "small_output": y, "output_weight": w, "small_grad_input": x.grad})
+    print("vit", sum(p.numel() for p in vit().parameters()), "parameters")
+    save("vit_target", tensors, {"vit_parameters": listing(vit().named_parameters())})
+
+
 if __name__ == "__main__":
+    vit_case()
     main()

@@ -1,6 +1,7 @@
 """PyTorch twins of the library's built-in targets (mapping/targets.h), with the same parameter and
-buffer names, so weights exported by mn-train load into them by name. Plain torch (Debian ships no
-torchvision); shared by bench/compare_torch.py and the parity scripts in tests/parity/.
+buffer names (torchvision's for the ResNets and the ViT), so weights exported by mn-train load into them
+with load_state_dict(strict=True). Plain torch: Debian ships no torchvision. Used by
+tests/parity/make_targets.py (the targets' parity data) and bench/compare_torch.py.
 """
 import collections
 
@@ -80,7 +81,8 @@ class EncoderBlock(nn.Module):
         self.ln_1 = nn.LayerNorm(width, eps=1e-6)
         self.self_attention = nn.MultiheadAttention(width, heads, batch_first=True)
         self.ln_2 = nn.LayerNorm(width, eps=1e-6)
-        self.mlp = nn.Sequential(nn.Linear(width, mlp_dim), nn.GELU(), nn.Linear(mlp_dim, width))
+        self.mlp = nn.Sequential(nn.Linear(width, mlp_dim), nn.GELU(), nn.Dropout(0.0), nn.Linear(mlp_dim, width),
+                                 nn.Dropout(0.0))
 
     def forward(self, x):
         y = self.ln_1(x)
@@ -107,6 +109,7 @@ class VisionTransformer(nn.Module):
 
     def __init__(self, patch=4, width=128, depth=4, heads=4, mlp_dim=512, classes=10):
         super().__init__()
+        self.width = width
         self.conv_proj = nn.Conv2d(1, width, patch, patch)
         self.class_token = nn.Parameter(torch.zeros(1, 1, width))
         tokens = (28 // patch) ** 2 + 1
