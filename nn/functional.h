@@ -59,7 +59,8 @@ Tensor l1_loss(const Tensor& input, const Tensor& target, Reduction reduction = 
 Tensor smooth_l1_loss(const Tensor& input, const Tensor& target, Reduction reduction = Reduction::Mean,
                       double beta = 1.0);
 // input holds log-probabilities; target probabilities (log-probabilities with log_target):
-// target (log target - input), 0 where target == 0. BatchMean: sum / input.size(0).
+// target (log target - input), 0 where target == 0 (where PyTorch's xlogy also gives the target a NaN
+// gradient, the t log t term gives it 0). BatchMean: sum / input.size(0).
 Tensor kl_div(const Tensor& input, const Tensor& target, Reduction reduction = Reduction::Mean,
               bool log_target = false);
 
