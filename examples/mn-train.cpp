@@ -100,6 +100,7 @@ struct Options {
   int64_t batch_size = 128;
   double lr = 0;  // 0: 1e-3 for direct training, 1e-2 for latents
   std::string optimizer = "adam";
+  bool amsgrad = false;  // adam, adamw
   std::string scheduler;
   uint64_t seed = 0;
   std::string device = "cpu";
@@ -197,6 +198,7 @@ const RunOption kRunOptions[] = {
     {"early_stopping_patience", "--early-stopping-patience",
      [](Options& o, const json& v) { o.early_stopping_patience = v.get<int64_t>(); }, true},
     {"weight_decay", "--weight-decay", [](Options& o, const json& v) { o.weight_decay = v.get<double>(); }, true},
+    {"amsgrad", "--amsgrad", [](Options& o, const json& v) { o.amsgrad = v.get<bool>(); }, true},
 };
 
 double effective_lr(const Options& o) { return o.lr > 0 ? o.lr : (o.direct() ? 1e-3 : 1e-2); }
@@ -234,6 +236,7 @@ json run_config(const Options& o, int world_size) {
           {"accumulation_steps", o.accumulation_steps},
           {"early_stopping_patience", o.early_stopping_patience},
           {"weight_decay", effective_weight_decay(o)},
+          {"amsgrad", o.amsgrad},
           {"epochs", o.epochs}};
 }
 
@@ -331,6 +334,8 @@ void check_knobs_apply(const Options& o) {
     MN_CHECK(o.mapping_loss || change == 0, ValueError, flag, " weighs a term of --mapping-loss; add --mapping-loss");
   MN_CHECK(!o.mapping_loss || !o.direct(), ValueError,
            "--mapping-loss regularises the latents of a mapped run, and --strategy direct has none");
+  MN_CHECK(!o.amsgrad || o.optimizer == "adam" || o.optimizer == "adamw", ValueError,
+           "--amsgrad is an option of --optimizer adam and adamw, not ", o.optimizer);
 }
 
 // --out must take files before any training: otherwise the first epoch's work is lost when its
@@ -480,6 +485,7 @@ train::TrainerConfig trainer_config(const Options& o) {
                          .optimizer = o.optimizer,
                          .learning_rate = effective_lr(o),
                          .weight_decay = effective_weight_decay(o),
+                         .amsgrad = o.amsgrad,
                          .scheduler = o.scheduler,
                          .accumulation_steps = o.accumulation_steps,
                          .seed = o.direct() ? std::nullopt : std::optional<uint64_t>(o.seed),
@@ -697,8 +703,9 @@ int main(int argc, char** argv) {
       ->check(finite_number_in_range(0))
       ->capture_default_str();
   app.add_option("--optimizer", o.optimizer, "optimizer")
-      ->check(CLI::IsMember({"adam", "adamw", "sgd"}))
+      ->check(CLI::IsMember({"adam", "adamw", "sgd", "rmsprop"}))
       ->capture_default_str();
+  app.add_flag("--amsgrad", o.amsgrad, "adam/adamw: the amsgrad variant (running maximum of the second moment)");
   app.add_option("--scheduler", o.scheduler, "learning-rate schedule (default none)")
       ->check(CLI::IsMember({"", "cosine", "step", "exponential", "plateau"}));
   app.add_option("--seed", o.seed, "seed of the target init, mappers, latents and shuffling")

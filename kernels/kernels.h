@@ -133,15 +133,20 @@ using SoftmaxBackwardFn = void(const Tensor& grad_out, const Tensor& out, int di
 inline Op<SoftmaxBackwardFn> softmax_backward("softmax_backward");
 
 // ---- losses ----
-// logits [N, C] f32, target [N] i64 class indices. loss[n] = (1-s) * -log p[target] + s * mean_c(-log p_c)
-// (0 where target == ignore_index); lse[n] = logsumexp of row n (saved for backward). Out-of-range
-// targets -> IndexError naming the value and C.
-using CrossEntropyFn = void(const Tensor& logits, const Tensor& target, double smoothing, int64_t ignore_index,
-                            Tensor& loss, Tensor& lse);
+// logits [N, C] f32, target [N] i64 class indices, weight [C] f32 class weights or undefined (all 1).
+// With w_t = weight[target[n]] and W = sum_c weight[c]:
+//   loss[n] = (1-s) * w_t * -log p[target] + (s/C) * sum_c weight[c] * -log p_c
+// (PyTorch's per-row cross entropy with weight and label smoothing; without weight the second term is
+// s * mean_c(-log p_c)); 0 where target == ignore_index. lse[n] = logsumexp of row n (saved for
+// backward). Out-of-range targets -> IndexError naming the value and C.
+using CrossEntropyFn = void(const Tensor& logits, const Tensor& target, const Tensor& weight, double smoothing,
+                            int64_t ignore_index, Tensor& loss, Tensor& lse);
 inline Op<CrossEntropyFn> cross_entropy_forward("cross_entropy_forward");
-// grad_logits[n, c] = grad_loss[n] * (softmax[n, c] - (1-s) * [c == target] - s / C)
+// grad_logits[n, c] = grad_loss[n] * (softmax[n, c] * ((1-s) w_t + (s/C) W) - (1-s) w_t [c == target]
+//                                     - (s/C) weight[c]); 0 in ignored rows.
 using CrossEntropyBackwardFn = void(const Tensor& grad_loss, const Tensor& logits, const Tensor& target,
-                                    const Tensor& lse, double smoothing, int64_t ignore_index, Tensor& grad_logits);
+                                    const Tensor& weight, const Tensor& lse, double smoothing, int64_t ignore_index,
+                                    Tensor& grad_logits);
 inline Op<CrossEntropyBackwardFn> cross_entropy_backward("cross_entropy_backward");
 
 // ---- convolution (NCHW, im2col + GEMM) ----
@@ -242,6 +247,22 @@ struct SgdParams {
 // momentum_buffer may be undefined when momentum == 0.
 using SgdStepFn = void(Tensor& param, const Tensor& grad, Tensor& momentum_buffer, const SgdParams& p);
 inline Op<SgdStepFn> sgd_step("sgd_step");
+
+// Adam/AdamW with amsgrad: as adam_step, then max_exp_avg_sq = maximum(max_exp_avg_sq, exp_avg_sq)
+// (NaN propagates) stands for exp_avg_sq in the denominator.
+using AdamAmsgradStepFn = void(Tensor& param, const Tensor& grad, Tensor& exp_avg, Tensor& exp_avg_sq,
+                               Tensor& max_exp_avg_sq, const AdamParams& p);
+inline Op<AdamAmsgradStepFn> adam_amsgrad_step("adam_amsgrad_step");
+
+struct RmspropParams {
+  double lr, alpha, eps, weight_decay, momentum;
+  bool centered;
+};
+// torch.optim.RMSprop. momentum_buffer is defined exactly when momentum > 0, grad_avg exactly when
+// centered.
+using RmspropStepFn = void(Tensor& param, const Tensor& grad, Tensor& square_avg, Tensor& momentum_buffer,
+                           Tensor& grad_avg, const RmspropParams& p);
+inline Op<RmspropStepFn> rmsprop_step("rmsprop_step");
 
 void register_cpu_optim();  // kernels/cpu/optim.cpp
 

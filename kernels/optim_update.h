@@ -27,11 +27,32 @@ inline void check_optimizer_operand(const char* op, const Tensor& param, const T
 }
 
 inline void check_adam_operands(const Tensor& param, const Tensor& grad, const Tensor& exp_avg,
-                                const Tensor& exp_avg_sq) {
-  check_optimizer_operand("adam_step", param, param, "param");
-  check_optimizer_operand("adam_step", param, grad, "grad");
-  check_optimizer_operand("adam_step", param, exp_avg, "exp_avg");
-  check_optimizer_operand("adam_step", param, exp_avg_sq, "exp_avg_sq");
+                                const Tensor& exp_avg_sq, const char* op = "adam_step") {
+  check_optimizer_operand(op, param, param, "param");
+  check_optimizer_operand(op, param, grad, "grad");
+  check_optimizer_operand(op, param, exp_avg, "exp_avg");
+  check_optimizer_operand(op, param, exp_avg_sq, "exp_avg_sq");
+}
+
+inline void check_adam_amsgrad_operands(const Tensor& param, const Tensor& grad, const Tensor& exp_avg,
+                                        const Tensor& exp_avg_sq, const Tensor& max_exp_avg_sq) {
+  check_adam_operands(param, grad, exp_avg, exp_avg_sq, "adam_amsgrad_step");
+  check_optimizer_operand("adam_amsgrad_step", param, max_exp_avg_sq, "max_exp_avg_sq");
+}
+
+// square_avg always; momentum_buffer exactly when momentum > 0, grad_avg exactly when centered.
+inline void check_rmsprop_operands(const Tensor& param, const Tensor& grad, const Tensor& square_avg,
+                                   const Tensor& momentum_buffer, const Tensor& grad_avg, const RmspropParams& p) {
+  const char* op = "rmsprop_step";
+  check_optimizer_operand(op, param, param, "param");
+  check_optimizer_operand(op, param, grad, "grad");
+  check_optimizer_operand(op, param, square_avg, "square_avg");
+  MN_CHECK(momentum_buffer.defined() == (p.momentum > 0), ValueError, op, ": 'momentum_buffer' must be given ",
+           "exactly when momentum > 0 (momentum ", p.momentum, ")");
+  if (momentum_buffer.defined()) check_optimizer_operand(op, param, momentum_buffer, "momentum_buffer");
+  MN_CHECK(grad_avg.defined() == p.centered, ValueError, op, ": 'grad_avg' must be given exactly when centered",
+           " (centered ", p.centered ? "true" : "false", ")");
+  if (grad_avg.defined()) check_optimizer_operand(op, param, grad_avg, "grad_avg");
 }
 
 // The momentum buffer may be undefined (momentum 0).
@@ -66,10 +87,9 @@ inline AdamCoefficients adam_coefficients(const AdamParams& p) {
   return k;
 }
 
-// torch.optim.Adam/AdamW (single-tensor path): m = b1*m + (1-b1)*g; v = b2*v + (1-b2)*g*g;
-// w -= step_size * m / (sqrt(v) / sqrt(bc2) + eps). Dividing by sqrt(bc2), not multiplying by its
-// reciprocal, keeps PyTorch's rounding.
-MN_HOST_DEVICE inline void adam_update(float& w, float g, float& m, float& v, const AdamCoefficients& k) {
+// Weight decay and the moments of torch.optim.Adam/AdamW (single-tensor path): m = b1*m + (1-b1)*g;
+// v = b2*v + (1-b2)*g*g.
+MN_HOST_DEVICE inline void adam_moments(float& w, float g, float& m, float& v, const AdamCoefficients& k) {
   if (k.weight_decay != 0.0f) {
     if (k.decoupled)
       w *= k.decay;
@@ -78,7 +98,22 @@ MN_HOST_DEVICE inline void adam_update(float& w, float g, float& m, float& v, co
   }
   m = k.beta1 * m + k.one_minus_beta1 * g;
   v = k.beta2 * v + k.one_minus_beta2 * g * g;
+}
+
+// The moments, then w -= step_size * m / (sqrt(v) / sqrt(bc2) + eps). Dividing by sqrt(bc2), not
+// multiplying by its reciprocal, keeps PyTorch's rounding.
+MN_HOST_DEVICE inline void adam_update(float& w, float g, float& m, float& v, const AdamCoefficients& k) {
+  adam_moments(w, g, m, v, k);
   w -= k.step_size * m / (sqrtf(v) / k.bias_correction2_sqrt + k.eps);
+}
+
+// amsgrad (PyTorch 1.13): the running maximum vmax = maximum(vmax, v) replaces v in the denominator;
+// torch.maximum propagates a NaN from either side.
+MN_HOST_DEVICE inline void adam_amsgrad_update(float& w, float g, float& m, float& v, float& vmax,
+                                               const AdamCoefficients& k) {
+  adam_moments(w, g, m, v, k);
+  vmax = (v != v || vmax != vmax) ? v + vmax : (v > vmax ? v : vmax);
+  w -= k.step_size * m / (sqrtf(vmax) / k.bias_correction2_sqrt + k.eps);
 }
 
 struct SgdCoefficients {
@@ -101,6 +136,39 @@ MN_HOST_DEVICE inline void sgd_update(float& w, float g, float* b, const SgdCoef
     g = k.nesterov ? g + k.momentum * *b : *b;
   }
   w -= k.lr * g;
+}
+
+struct RmspropCoefficients {
+  float lr, alpha, one_minus_alpha, eps, weight_decay, momentum;
+};
+
+inline RmspropCoefficients rmsprop_coefficients(const RmspropParams& p) {
+  return RmspropCoefficients{static_cast<float>(p.lr),  static_cast<float>(p.alpha),
+                             static_cast<float>(1.0 - p.alpha), static_cast<float>(p.eps),
+                             static_cast<float>(p.weight_decay), static_cast<float>(p.momentum)};
+}
+
+// torch.optim.RMSprop (single-tensor path): sq = alpha*sq + (1-alpha)*g*g; centered: ga = alpha*ga +
+// (1-alpha)*g and the denominator sqrt(sq - ga*ga) + eps, else sqrt(sq) + eps; with momentum
+// b = momentum*b + g/denom and w -= lr*b, else w -= lr*g/denom. b (momentum) and ga (centered) are
+// nullptr when unused.
+MN_HOST_DEVICE inline void rmsprop_update(float& w, float g, float& sq, float* b, float* ga,
+                                          const RmspropCoefficients& k) {
+  if (k.weight_decay != 0.0f) g += k.weight_decay * w;
+  sq = k.alpha * sq + k.one_minus_alpha * g * g;
+  float denom;
+  if (ga != nullptr) {
+    *ga = k.alpha * *ga + k.one_minus_alpha * g;
+    denom = sqrtf(sq - *ga * *ga) + k.eps;
+  } else {
+    denom = sqrtf(sq) + k.eps;
+  }
+  if (b != nullptr) {
+    *b = k.momentum * *b + g / denom;
+    w -= k.lr * *b;
+  } else {
+    w -= k.lr * g / denom;
+  }
 }
 
 }  // namespace mn::kernels

@@ -13,7 +13,9 @@ class Generator;
 
 namespace mn::nn::functional {
 
-enum class Reduction { None, Mean, Sum };
+// BatchMean is PyTorch's 'batchmean' (the sum divided by the batch size input.size(0)); only kl_div
+// takes it. Mean is the elementwise mean everywhere (kl_div included, as in PyTorch).
+enum class Reduction { None, Mean, Sum, BatchMean };
 
 // y = x W^T + b; x [*, in], weight [out, in], bias [out] or undefined.
 Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias = Tensor());
@@ -45,11 +47,32 @@ Tensor group_norm(const Tensor& x, int64_t num_groups, const Tensor& weight = Te
 // Inverted dropout: zeroes with probability p and scales survivors by 1/(1-p) in training mode.
 Tensor dropout(const Tensor& x, double p = 0.5, bool training = true, Generator* gen = nullptr);
 
-// logits [N, C] (or [C]), target [N] i64 class indices.
+// logits [N, C] (or [C]), target [N] i64 class indices; weight: f32 [C] class weights or undefined
+// (no gradient flows to it; one that requires grad is refused). As in PyTorch 1.13 the per-row loss is
+// (1 - s) w[t] (-log p_t) + (s / C) sum_c w[c] (-log p_c) (0 where t == ignore_index), and Mean divides
+// the sum by sum over counted rows of w[t] (their count without weight; 0/0 = NaN when none counts).
 Tensor cross_entropy(const Tensor& logits, const Tensor& target, double label_smoothing = 0.0,
-                     Reduction reduction = Reduction::Mean, int64_t ignore_index = -100);
-Tensor nll_loss(const Tensor& log_probs, const Tensor& target, Reduction reduction = Reduction::Mean);
+                     Reduction reduction = Reduction::Mean, int64_t ignore_index = -100,
+                     const Tensor& weight = Tensor());
+// -w[t] log_probs[n, t] per row (0 where t == ignore_index); Mean divides by the counted rows' w[t].
+Tensor nll_loss(const Tensor& log_probs, const Tensor& target, Reduction reduction = Reduction::Mean,
+                int64_t ignore_index = -100, const Tensor& weight = Tensor());
 Tensor mse_loss(const Tensor& input, const Tensor& target, Reduction reduction = Reduction::Mean);
+// Elementwise losses with PyTorch's formulas; input and target of one shape, f32 (nn/functional/loss_pointwise.cpp).
+// (1 - y) x + (1 + (pos_weight - 1) y) softplus(-x), times weight; weight and pos_weight (e.g. [C]
+// for input [N, C]) broadcast to the input's shape.
+Tensor binary_cross_entropy_with_logits(const Tensor& input, const Tensor& target, const Tensor& weight = Tensor(),
+                                        const Tensor& pos_weight = Tensor(), Reduction reduction = Reduction::Mean);
+// |x - y|; the gradient at x == y is 0 (sign).
+Tensor l1_loss(const Tensor& input, const Tensor& target, Reduction reduction = Reduction::Mean);
+// 0.5 d^2 / beta where |d| < beta, else |d| - 0.5 beta (d = x - y); beta = 0 is l1_loss, beta < 0 refused.
+Tensor smooth_l1_loss(const Tensor& input, const Tensor& target, Reduction reduction = Reduction::Mean,
+                      double beta = 1.0);
+// input holds log-probabilities; target probabilities (log-probabilities with log_target):
+// target (log target - input), 0 where target == 0 (where PyTorch's xlogy also gives the target a NaN
+// gradient, the t log t term gives it 0). BatchMean: sum / input.size(0).
+Tensor kl_div(const Tensor& input, const Tensor& target, Reduction reduction = Reduction::Mean,
+              bool log_target = false);
 
 // ---- attention ----
 // Scaled dot-product attention, PyTorch 2.x semantics: softmax(Q K^T * scale + mask) V with

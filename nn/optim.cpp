@@ -122,6 +122,7 @@ void Optimizer::check_state_dict(const OptimizerState& state, const std::string&
   for (size_t i = 0; i < params_.size(); ++i) {
     if (present[i].empty()) continue;  // never stepped (no gradient yet), as in PyTorch
     for (const StateEntry& e : entries) {
+      if (e.optional) continue;
       const bool has = std::find(present[i].begin(), present[i].end(), e.name) != present[i].end();
       MN_CHECK(has, ValueError, source, ": parameter ", i, " has ", bracket_list(present[i]), " but lacks 'state.",
                i, ".", e.name, "'");
@@ -150,18 +151,25 @@ void Optimizer::load_state_dict(const OptimizerState& state) {
   state_ = std::move(restored);
 }
 
-namespace {
-Tensor dense_grad(const Tensor& p) {
+Tensor Optimizer::dense_grad(const Tensor& p) {
   Tensor g = p.grad();
   if (g.requires_grad()) g = g.detach();
   return g.contiguous();
 }
-Tensor& state_tensor(std::map<std::string, Tensor>& s, const std::string& key, const Tensor& like) {
+
+Tensor& Optimizer::state_tensor(std::map<std::string, Tensor>& s, const std::string& key, const Tensor& like) {
   auto it = s.find(key);
   if (it == s.end()) it = s.emplace(key, zeros(like.sizes(), TensorOptions(like.dtype()).with_device(like.device()))).first;
   return it->second;
 }
-}  // namespace
+
+int64_t Optimizer::advance_step(std::map<std::string, Tensor>& s) {
+  // Per-parameter step count as in PyTorch (a parameter without a gradient does not advance).
+  Tensor& count = s.try_emplace("step", zeros({}, DType::i64)).first->second;
+  const int64_t t = static_cast<int64_t>(count.item()) + 1;
+  count.fill_(static_cast<double>(t));
+  return t;
+}
 
 namespace {
 // Options are public and may change between steps: checked at construction and at every step.
@@ -226,13 +234,13 @@ void Adam::step() {
     Tensor g = dense_grad(p);
     Tensor& m = state_tensor(state_[i], "exp_avg", p);
     Tensor& v = state_tensor(state_[i], "exp_avg_sq", p);
-    // Per-parameter step count as in PyTorch (a parameter without a gradient does not advance).
-    Tensor& count = state_[i].try_emplace("step", zeros({}, DType::i64)).first->second;
-    const int64_t t = static_cast<int64_t>(count.item()) + 1;
-    count.fill_(static_cast<double>(t));
-    kernels::adam_step(p.device(), p, g, m, v,
-                       kernels::AdamParams{options.lr, options.beta1, options.beta2, options.eps, options.weight_decay, t,
-                                           decoupled_});
+    const int64_t t = advance_step(state_[i]);
+    const kernels::AdamParams k{options.lr, options.beta1, options.beta2, options.eps, options.weight_decay, t,
+                                decoupled_};
+    if (options.amsgrad)
+      kernels::adam_amsgrad_step(p.device(), p, g, m, v, state_tensor(state_[i], "max_exp_avg_sq", p), k);
+    else
+      kernels::adam_step(p.device(), p, g, m, v, k);
     p.bump_version();
   }
 }

@@ -1,5 +1,5 @@
 #pragma once
-// Optimizers (SGD, Adam, AdamW) with PyTorch's update rules, learning-rate schedulers and gradient
+// Optimizers (SGD, Adam, AdamW with optional amsgrad, RMSprop) with PyTorch's update rules, learning-rate schedulers and gradient
 // clipping. Parameters are updated in place with fused kernels; state is per parameter and can be
 // saved and restored (state_dict) for resumable training.
 #include <map>
@@ -33,9 +33,11 @@ class Optimizer {
   virtual OptimizerState state_dict() const;
   // Everything load_state_dict restores, checked without changing anything: "lr" and "step" are
   // non-negative 0-d numbers; every other key is "state.<index>.<name>" with a parameter index and a
-  // name this optimizer keeps (Adam: exp_avg, exp_avg_sq, step; SGD: momentum_buffer); per-element
-  // state is f32 of its parameter's shape, a step count a non-negative whole 0-d number; a parameter
-  // has all of its state or none. `source` starts each message (e.g. "checkpoint <path>: optimizer
+  // name this optimizer keeps (Adam: exp_avg, exp_avg_sq, step, with amsgrad max_exp_avg_sq; SGD:
+  // momentum_buffer; RMSprop: square_avg, step, momentum_buffer with momentum, grad_avg when centered);
+  // per-element state is f32 of its parameter's shape, a step count a non-negative whole 0-d number; a
+  // parameter has all of its state or none, except entries marked optional (amsgrad's maximum, which
+  // an Adam state saved without amsgrad lacks: it then restarts at the next step's second moment). `source` starts each message (e.g. "checkpoint <path>: optimizer
   // state"; default "<name> optimizer state"), which then names the key and what was expected.
   void check_state_dict(const OptimizerState& state, const std::string& source = "") const;
   // Restores state saved from an optimizer of the same kind over parameters of the same shapes
@@ -49,9 +51,17 @@ class Optimizer {
   struct StateEntry {
     const char* name;
     bool per_element;
+    bool optional = false;  // may be absent from a loaded state (created by the next step)
   };
   virtual std::vector<StateEntry> state_entries() const = 0;
   virtual void store_lr(double lr) = 0;
+
+  // The parameter's gradient, detached and contiguous.
+  static Tensor dense_grad(const Tensor& param);
+  // The state entry `key`, created as zeros like `like` when absent.
+  static Tensor& state_tensor(std::map<std::string, Tensor>& state, const std::string& key, const Tensor& like);
+  // The per-parameter step count, advanced by one (created as a 0-d i64 on the CPU); returns the new value.
+  static int64_t advance_step(std::map<std::string, Tensor>& state);
 
   std::vector<Tensor> params_;
   std::vector<std::map<std::string, Tensor>> state_;  // per parameter
@@ -86,6 +96,9 @@ struct AdamOptions {
   double beta2 = 0.999;
   double eps = 1e-8;
   double weight_decay = 0.0;
+  // PyTorch's amsgrad: the denominator uses the running maximum of the second moment (state
+  // "max_exp_avg_sq").
+  bool amsgrad = false;
 };
 
 class Adam : public Optimizer {
@@ -99,7 +112,9 @@ class Adam : public Optimizer {
 
  protected:
   std::vector<StateEntry> state_entries() const override {
-    return {{"exp_avg", true}, {"exp_avg_sq", true}, {"step", false}};
+    std::vector<StateEntry> entries{{"exp_avg", true}, {"exp_avg_sq", true}, {"step", false}};
+    if (options.amsgrad) entries.push_back({"max_exp_avg_sq", true, /*optional=*/true});
+    return entries;
   }
   void store_lr(double lr) override { options.lr = lr; }
 
@@ -116,6 +131,32 @@ class AdamW : public Adam {
     o.weight_decay = 1e-2;
     return o;
   }
+};
+
+// torch.optim.RMSprop's options and defaults.
+struct RMSpropOptions {
+  double lr = 1e-2;
+  double alpha = 0.99;
+  double eps = 1e-8;
+  double weight_decay = 0.0;
+  double momentum = 0.0;
+  bool centered = false;
+};
+
+// RMSprop (nn/optim_rmsprop.cpp): state square_avg and step, momentum_buffer when momentum > 0,
+// grad_avg when centered.
+class RMSprop : public Optimizer {
+ public:
+  explicit RMSprop(std::vector<Tensor> params, RMSpropOptions options = {});
+  void step() override;
+  std::string name() const override { return "rmsprop"; }
+  double lr() const override { return options.lr; }
+  // Public and read at every step (checked there too, so a bad value set here is refused).
+  RMSpropOptions options;
+
+ protected:
+  std::vector<StateEntry> state_entries() const override;
+  void store_lr(double lr) override { options.lr = lr; }
 };
 
 // ---- schedulers: call step() once per epoch (plateau: step(metric)) ----

@@ -281,7 +281,10 @@ TEST_CASE("mn-train: flag values it cannot use are errors that name the flag and
                         Case{"--accumulation-steps 0",
                              "--accumulation-steps: expected a whole number of at least 1, got '0'"},
                         Case{"--early-stopping-patience -2",
-                             "--early-stopping-patience: expected a whole number of at least 0, got '-2'"}}) {
+                             "--early-stopping-patience: expected a whole number of at least 0, got '-2'"},
+                        Case{"--optimizer sgd --amsgrad", "--amsgrad is an option of --optimizer adam and adamw, not sgd"},
+                        Case{"--optimizer rmsprop --amsgrad",
+                             "--amsgrad is an option of --optimizer adam and adamw, not rmsprop"}}) {
     INFO("flags " << c.flags);
     const CommandResult r = run(exe, str(c.flags, " --out ", dir / "never"));
     CHECK(r.status != 0);
@@ -646,7 +649,8 @@ TEST_CASE("mn-train: the trainer's knobs change the run and are part of its iden
   for (const Knob& k : {Knob{"--clip-norm 0.001", "clip_norm", 0.001}, Knob{"--clip-value 0.0001", "clip_value", 0.0001},
                         Knob{"--accumulation-steps 2", "accumulation_steps", 2},
                         Knob{"--weight-decay 0.5", "weight_decay", 0.5}, Knob{"--alpha 0.5", "alpha", 0.5},
-                        Knob{"--mapping-loss --lambda-stability 5", "lambda_stability", 5.0}}) {
+                        Knob{"--mapping-loss --lambda-stability 5", "lambda_stability", 5.0},
+                        Knob{"--optimizer rmsprop", "optimizer", "rmsprop"}}) {
     INFO("flags " << k.flags);
     const fs::path out = dir / str("knob", n++);
     summary(run(exe, str(kTiny, " --epochs 1 --json ", k.flags, " --out ", out)));
@@ -695,7 +699,7 @@ TEST_CASE("mn-train: --resume of a checkpoint without the newer knobs runs them 
   const fs::path checkpoint = out / "checkpoint.safetensors";
   const char* const newer[] = {"alpha",      "lambda_stability",   "lambda_smoothness",       "lambda_alignment",
                                "clip_norm",  "clip_value",         "accumulation_steps",      "early_stopping_patience",
-                               "weight_decay"};
+                               "weight_decay", "amsgrad"};
   const auto strip = [&newer](json& config) {
     for (const char* key : newer) config.erase(key);
   };
@@ -708,6 +712,7 @@ TEST_CASE("mn-train: --resume of a checkpoint without the newer knobs runs them 
   CHECK(resumed["clip_norm"] == 0.0);
   CHECK(resumed["alpha"] == 0.01);
   CHECK(resumed["weight_decay"] == 0.0);
+  CHECK(resumed["amsgrad"] == false);
   // A flag that differs from the default is a conflict with the run, named with both values.
   fs::copy_file(saved, checkpoint, fs::copy_options::overwrite_existing);
   const CommandResult conflict = run(exe, str("--resume --epochs 2 --clip-norm 0.5 --alpha 0.01 --out ", out));

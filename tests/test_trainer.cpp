@@ -473,7 +473,7 @@ TEST_CASE("trainer: sgd and adamw train; unknown names are rejected with the cho
   TrainerConfig bad;
   bad.optimizer = "nonexistent";
   CHECK(contains(error_message([&] { MappingTrainer(*model, loader, nullptr, nullptr, bad); }),
-                 "Unknown optimizer 'nonexistent'; available: adam, adamw, sgd"));
+                 "Unknown optimizer 'nonexistent'; available: adam, adamw, rmsprop, sgd"));
   bad = {};
   bad.scheduler = "nonexistent";
   CHECK(contains(error_message([&] { MappingTrainer(*model, loader, nullptr, nullptr, bad); }),

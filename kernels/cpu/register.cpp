@@ -11,7 +11,7 @@ void register_cpu_softmax();      // kernels/cpu/softmax.cpp: softmax, softmax_b
 void register_cpu_conv();         // kernels/cpu/conv.cpp: conv2d_*
 void register_cpu_pool();         // kernels/cpu/pool.cpp: max/avg pool2d
 void register_cpu_batch_norm();   // kernels/cpu/batch_norm.cpp
-void register_cpu_optim();        // kernels/cpu/optim.cpp: adam_step, sgd_step
+void register_cpu_optim();        // kernels/cpu/optim.cpp: adam_step, sgd_step, adam_amsgrad_step, rmsprop_step
 void register_cpu_norm();         // kernels/cpu/norm.cpp: row_norm_* (layer norm, group norm)
 
 void register_cpu_kernels() {

@@ -136,7 +136,8 @@ void softmax_backward_cpu(const Tensor& grad_out, const Tensor& out, int dim, bo
 
 // ---------------- cross entropy ----------------
 
-void check_cross_entropy_args(const char* op, const Tensor& logits, const Tensor& target,
+// Shapes, dtypes and target values; the class weights (undefined: all 1) must be f32 [C].
+void check_cross_entropy_args(const char* op, const Tensor& logits, const Tensor& target, const Tensor& weight,
                               int64_t ignore_index) {
   MN_CHECK(logits.dtype() == DType::f32 && logits.dim() == 2, ValueError, op,
            ": expected f32 logits [N, C], got ", logits.dtype(), logits.sizes());
@@ -145,6 +146,9 @@ void check_cross_entropy_args(const char* op, const Tensor& logits, const Tensor
   MN_CHECK(target.dtype() == DType::i64 && target.dim() == 1 && target.sizes()[0] == rows, ValueError, op,
            ": expected target of shape [", rows, "] (i64 class indices) for logits of shape ", logits.sizes(),
            ", got ", target.dtype(), target.sizes());
+  MN_CHECK(!weight.defined() || (weight.dtype() == DType::f32 && weight.dim() == 1 && weight.sizes()[0] == classes),
+           ValueError, op, ": expected f32 class weights of shape [", classes, "], got ", weight.dtype(),
+           weight.sizes());
   const Tensor t = cpu::dense(target);
   const int64_t* p = t.data<int64_t>();
   for (int64_t i = 0; i < rows; ++i)
@@ -153,20 +157,23 @@ void check_cross_entropy_args(const char* op, const Tensor& logits, const Tensor
              logits.sizes(), ")");
 }
 
-void cross_entropy_cpu(const Tensor& logits, const Tensor& target, double smoothing, int64_t ignore_index,
-                       Tensor& loss, Tensor& lse) {
-  check_cross_entropy_args("cross_entropy", logits, target, ignore_index);
+void cross_entropy_cpu(const Tensor& logits, const Tensor& target, const Tensor& weight, double smoothing,
+                       int64_t ignore_index, Tensor& loss, Tensor& lse) {
+  check_cross_entropy_args("cross_entropy", logits, target, weight, ignore_index);
   const int64_t rows = logits.sizes()[0], classes = logits.sizes()[1];
   MN_CHECK(loss.numel() == rows && lse.numel() == rows, ValueError, "cross_entropy: loss ", loss.sizes(),
            " and lse ", lse.sizes(), " must hold one value per row of logits ", logits.sizes());
   cpu::require_contiguous_output(loss, "cross_entropy", "loss");
   cpu::require_contiguous_output(lse, "cross_entropy", "lse");
   const Tensor x = cpu::dense(logits), t = cpu::dense(target);
+  const Tensor w = weight.defined() ? cpu::dense(weight) : Tensor();
   const float* xp = x.numel() ? x.data<float>() : nullptr;
+  const float* wp = w.defined() ? w.data<float>() : nullptr;
   const int64_t* tp = t.data<int64_t>();
   float* lp = loss.data<float>();
   float* sp = lse.data<float>();
   const double keep = 1.0 - smoothing;
+  const double spread = smoothing / static_cast<double>(classes);
 #pragma omp parallel for schedule(static) if (worth_parallel(rows * classes))
   for (int64_t r = 0; r < rows; ++r) {
     const float* xr = xp + r * classes;
@@ -179,30 +186,46 @@ void cross_entropy_cpu(const Tensor& logits, const Tensor& target, double smooth
       lp[r] = 0.0f;
       continue;
     }
-    // -log p_c = lse - x_c; the smoothing term averages it over all classes.
-    double value = keep * (log_sum_exp - xr[tp[r]]);
-    if (smoothing != 0.0) value += smoothing * (log_sum_exp - row.sum() / static_cast<double>(classes));
+    // -log p_c = lse - x_c; the smoothing term averages it over all classes (weighted by class).
+    if (wp == nullptr) {
+      double value = keep * (log_sum_exp - xr[tp[r]]);
+      if (smoothing != 0.0) value += smoothing * (log_sum_exp - row.sum() / static_cast<double>(classes));
+      lp[r] = static_cast<float>(value);
+      continue;
+    }
+    double value = keep * wp[tp[r]] * (log_sum_exp - xr[tp[r]]);
+    if (smoothing != 0.0) {
+      double smooth = 0.0;
+      for (int64_t c = 0; c < classes; ++c) smooth += wp[c] * (log_sum_exp - xr[c]);
+      value += spread * smooth;
+    }
     lp[r] = static_cast<float>(value);
   }
 }
 
 void cross_entropy_backward_cpu(const Tensor& grad_loss, const Tensor& logits, const Tensor& target,
-                                const Tensor& lse, double smoothing, int64_t ignore_index,
+                                const Tensor& weight, const Tensor& lse, double smoothing, int64_t ignore_index,
                                 Tensor& grad_logits) {
-  check_cross_entropy_args("cross_entropy_backward", logits, target, ignore_index);
+  check_cross_entropy_args("cross_entropy_backward", logits, target, weight, ignore_index);
   const int64_t rows = logits.sizes()[0], classes = logits.sizes()[1];
   MN_CHECK(grad_loss.numel() == rows && lse.numel() == rows && grad_logits.sizes() == logits.sizes(),
            ValueError, "cross_entropy_backward: grad_loss ", grad_loss.sizes(), ", lse ", lse.sizes(),
            " and grad_logits ", grad_logits.sizes(), " do not fit logits ", logits.sizes());
   cpu::require_contiguous_output(grad_logits, "cross_entropy_backward", "grad_logits");
   const Tensor x = cpu::dense(logits), t = cpu::dense(target), g = cpu::dense(grad_loss), l = cpu::dense(lse);
+  const Tensor w = weight.defined() ? cpu::dense(weight) : Tensor();
   const float* xp = x.numel() ? x.data<float>() : nullptr;
+  const float* wp = w.defined() ? w.data<float>() : nullptr;
   const int64_t* tp = t.data<int64_t>();
   const float* gp = g.data<float>();
   const float* lp = l.data<float>();
   float* out = grad_logits.numel() ? grad_logits.data<float>() : nullptr;
   const float keep = static_cast<float>(1.0 - smoothing);
   const float spread = static_cast<float>(smoothing / static_cast<double>(std::max<int64_t>(classes, 1)));
+  double weight_total = 0.0;
+  if (wp != nullptr)
+    for (int64_t c = 0; c < classes; ++c) weight_total += wp[c];
+  const float spread_total = static_cast<float>(spread * weight_total);
 #pragma omp parallel for schedule(static) if (worth_parallel(rows * classes))
   for (int64_t r = 0; r < rows; ++r) {
     float* gr = out + r * classes;
@@ -212,8 +235,16 @@ void cross_entropy_backward_cpu(const Tensor& grad_loss, const Tensor& logits, c
     }
     const float* xr = xp + r * classes;
     const float scale = gp[r], shift = lp[r];
-    Values(gr, classes) = scale * ((ConstValues(xr, classes) - shift).exp() - spread);
-    gr[tp[r]] -= scale * keep;
+    if (wp == nullptr) {
+      Values(gr, classes) = scale * ((ConstValues(xr, classes) - shift).exp() - spread);
+      gr[tp[r]] -= scale * keep;
+      continue;
+    }
+    const float target_weight = keep * wp[tp[r]];
+    const float coefficient = target_weight + spread_total;
+    Values(gr, classes) =
+        scale * ((ConstValues(xr, classes) - shift).exp() * coefficient - spread * ConstValues(wp, classes));
+    gr[tp[r]] -= scale * target_weight;
   }
 }
 

@@ -191,7 +191,7 @@ namespace mn::kernels {
 
 void register_cuda_copy();   // copy.cu: copy, fill, random_fill
 void register_cuda_gemm();   // gemm.cu: gemm (cuBLAS)
-void register_cuda_optim();  // optim.cu: adam_step, sgd_step
+void register_cuda_optim();  // optim.cu: adam_step, sgd_step, adam_amsgrad_step, rmsprop_step
 
 void register_cuda_runtime_kernels() {
   cuda::register_cuda_allocator();  // first: nothing below may allocate, but tensors soon will

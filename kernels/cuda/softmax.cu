@@ -152,12 +152,12 @@ void softmax_backward_cuda(const Tensor& grad_out, const Tensor& out, int dim, b
 
 // ---------------- cross entropy ----------------
 
-// Shapes, dtypes and devices; with check_targets also the target values, which costs a stream
-// synchronisation. The backward skips that scan: its kernel never indexes memory by a target (it only
-// compares classes with it), and the forward already refused bad values of the very target (autograd
-// refuses one changed in place since, by its version).
-void check_cross_entropy_args(const char* op, const Tensor& logits, const Tensor& target, int64_t ignore_index,
-                              bool check_targets) {
+// Shapes, dtypes and devices (class weights, when defined, f32 [C]); with check_targets also the target
+// values, which costs a stream synchronisation. The backward skips that scan: its kernel never indexes
+// memory by a target (it only compares classes with it), and the forward already refused bad values of
+// the very target (autograd refuses one changed in place since, by its version).
+void check_cross_entropy_args(const char* op, const Tensor& logits, const Tensor& target, const Tensor& weight,
+                              int64_t ignore_index, bool check_targets) {
   MN_CHECK(logits.dtype() == DType::f32 && logits.dim() == 2, ValueError, op, ": expected f32 logits [N, C], got ",
            logits.dtype(), logits.sizes());
   const int64_t rows = logits.sizes()[0], classes = logits.sizes()[1];
@@ -167,6 +167,12 @@ void check_cross_entropy_args(const char* op, const Tensor& logits, const Tensor
            ", got ", target.dtype(), target.sizes());
   MN_CHECK(target.device().is_cuda(), ValueError, op, ": target must be on a CUDA device, got ",
            target.device().str());
+  if (weight.defined()) {
+    MN_CHECK(weight.dtype() == DType::f32 && weight.dim() == 1 && weight.sizes()[0] == classes, ValueError, op,
+             ": expected f32 class weights of shape [", classes, "], got ", weight.dtype(), weight.sizes());
+    MN_CHECK(weight.device() == logits.device(), ValueError, op, ": class weights must be on ",
+             logits.device().str(), " (the logits' device), got ", weight.device().str());
+  }
   if (!check_targets) return;
   int64_t value = 0;
   const int64_t pos = cuda::first_invalid_index(target, classes, true, ignore_index, &value);
@@ -174,9 +180,10 @@ void check_cross_entropy_args(const char* op, const Tensor& logits, const Tensor
            " classes (logits of shape ", logits.sizes(), ")");
 }
 
-__global__ void cross_entropy_kernel(const float* x, const int64_t* target, int64_t target_stride, int64_t rows,
-                                     int64_t classes, double smoothing, int64_t ignore_index, float* loss,
-                                     float* lse) {
+// weight == nullptr: every class weighs 1 (the smoothing term is then s * mean_c(-log p_c)).
+__global__ void cross_entropy_kernel(const float* x, const int64_t* target, int64_t target_stride,
+                                     const float* weight, int64_t rows, int64_t classes, double smoothing,
+                                     int64_t ignore_index, float* loss, float* lse) {
   __shared__ float sh[kThreads];
   const double keep = 1.0 - smoothing;
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
@@ -184,32 +191,45 @@ __global__ void cross_entropy_kernel(const float* x, const int64_t* target, int6
     float m = -INFINITY;
     for (int64_t k = threadIdx.x; k < classes; k += blockDim.x) m = max_f(m, row[k]);
     m = cuda::block_reduce(m, cuda::MaxOp{}, sh);
-    float total = 0.0f, row_sum = 0.0f;
+    float total = 0.0f, row_sum = 0.0f, weight_sum = 0.0f;
     for (int64_t k = threadIdx.x; k < classes; k += blockDim.x) {
       total += expf(row[k] - m);
-      row_sum += row[k];
+      if (weight == nullptr) {
+        row_sum += row[k];
+      } else {
+        row_sum += weight[k] * row[k];
+        weight_sum += weight[k];
+      }
     }
     total = cuda::block_reduce(total, cuda::AddOp{}, sh);
     if (smoothing != 0.0) row_sum = cuda::block_reduce(row_sum, cuda::AddOp{}, sh);
+    if (smoothing != 0.0 && weight != nullptr) weight_sum = cuda::block_reduce(weight_sum, cuda::AddOp{}, sh);
     if (threadIdx.x == 0) {
       const double log_sum_exp = static_cast<double>(m) + log(static_cast<double>(total));
       lse[r] = static_cast<float>(log_sum_exp);
       const int64_t t = target[r * target_stride];
       if (t == ignore_index) {
         loss[r] = 0.0f;
-      } else {
+      } else if (weight == nullptr) {
         double value = keep * (log_sum_exp - row[t]);
         if (smoothing != 0.0)
           value += smoothing * (log_sum_exp - static_cast<double>(row_sum) / static_cast<double>(classes));
+        loss[r] = static_cast<float>(value);
+      } else {
+        // sum_c w_c (lse - x_c) = W lse - sum_c w_c x_c
+        double value = keep * weight[t] * (log_sum_exp - row[t]);
+        if (smoothing != 0.0)
+          value += smoothing / static_cast<double>(classes) *
+                   (static_cast<double>(weight_sum) * log_sum_exp - static_cast<double>(row_sum));
         loss[r] = static_cast<float>(value);
       }
     }
   }
 }
 
-void cross_entropy_cuda(const Tensor& logits, const Tensor& target, double smoothing, int64_t ignore_index,
-                        Tensor& loss, Tensor& lse) {
-  check_cross_entropy_args("cross_entropy", logits, target, ignore_index, true);
+void cross_entropy_cuda(const Tensor& logits, const Tensor& target, const Tensor& weight, double smoothing,
+                        int64_t ignore_index, Tensor& loss, Tensor& lse) {
+  check_cross_entropy_args("cross_entropy", logits, target, weight, ignore_index, true);
   const int64_t rows = logits.sizes()[0], classes = logits.sizes()[1];
   MN_CHECK(loss.numel() == rows && lse.numel() == rows, ValueError, "cross_entropy: loss ", loss.sizes(), " and lse ",
            lse.sizes(), " must hold one value per row of logits ", logits.sizes());
@@ -217,16 +237,28 @@ void cross_entropy_cuda(const Tensor& logits, const Tensor& target, double smoot
   require_contiguous(lse, "cross_entropy", "lse");
   if (rows == 0) return;
   const Tensor x = cuda::dense(logits);
+  const Tensor w = weight.defined() ? cuda::dense(weight) : Tensor();
   cross_entropy_kernel<<<cuda::grid_for_blocks(rows), kThreads, 0, cuda::stream_of(loss)>>>(
-      static_cast<const float*>(x.raw_data()), static_cast<const int64_t*>(target.raw_data()), target.stride(0), rows,
-      classes, smoothing, ignore_index, static_cast<float*>(loss.raw_data()), static_cast<float*>(lse.raw_data()));
+      static_cast<const float*>(x.raw_data()), static_cast<const int64_t*>(target.raw_data()), target.stride(0),
+      w.defined() ? static_cast<const float*>(w.raw_data()) : nullptr, rows, classes, smoothing, ignore_index,
+      static_cast<float*>(loss.raw_data()), static_cast<float*>(lse.raw_data()));
   MN_CUDA_CHECK_LAUNCH();
 }
 
+// out[0] = sum of the n class weights (one block), for the backward's smoothing coefficient.
+__global__ void weight_total_kernel(const float* weight, int64_t n, float* out) {
+  __shared__ float sh[kThreads];
+  float total = 0.0f;
+  for (int64_t k = threadIdx.x; k < n; k += blockDim.x) total += weight[k];
+  total = cuda::block_reduce(total, cuda::AddOp{}, sh);
+  if (threadIdx.x == 0) out[0] = total;
+}
+
+// weight == nullptr: all classes weigh 1 (weight_total is then unused).
 __global__ void cross_entropy_backward_kernel(const float* grad_loss, const float* x, const int64_t* target,
-                                              int64_t target_stride, const float* lse, int64_t rows,
-                                              int64_t classes, float keep, float spread, int64_t ignore_index,
-                                              float* out) {
+                                              int64_t target_stride, const float* lse, const float* weight,
+                                              const float* weight_total, int64_t rows, int64_t classes, float keep,
+                                              float spread, int64_t ignore_index, float* out) {
   const int64_t total = rows * classes;
   MN_CUDA_KERNEL_LOOP(l, total) {
     const int64_t r = l / classes, c = l % classes;
@@ -236,15 +268,23 @@ __global__ void cross_entropy_backward_kernel(const float* grad_loss, const floa
       continue;
     }
     const float scale = grad_loss[r];
-    float v = scale * (expf(x[l] - lse[r]) - spread);
-    if (c == t) v -= scale * keep;
+    float v;
+    if (weight == nullptr) {
+      v = scale * (expf(x[l] - lse[r]) - spread);
+      if (c == t) v -= scale * keep;
+    } else {
+      const float target_weight = keep * weight[t];
+      v = scale * (expf(x[l] - lse[r]) * (target_weight + spread * weight_total[0]) - spread * weight[c]);
+      if (c == t) v -= scale * target_weight;
+    }
     out[l] = v;
   }
 }
 
 void cross_entropy_backward_cuda(const Tensor& grad_loss, const Tensor& logits, const Tensor& target,
-                                 const Tensor& lse, double smoothing, int64_t ignore_index, Tensor& grad_logits) {
-  check_cross_entropy_args("cross_entropy_backward", logits, target, ignore_index, false);
+                                 const Tensor& weight, const Tensor& lse, double smoothing, int64_t ignore_index,
+                                 Tensor& grad_logits) {
+  check_cross_entropy_args("cross_entropy_backward", logits, target, weight, ignore_index, false);
   const int64_t rows = logits.sizes()[0], classes = logits.sizes()[1];
   MN_CHECK(grad_loss.numel() == rows && lse.numel() == rows && grad_logits.sizes() == logits.sizes(), ValueError,
            "cross_entropy_backward: grad_loss ", grad_loss.sizes(), ", lse ", lse.sizes(), " and grad_logits ",
@@ -253,12 +293,23 @@ void cross_entropy_backward_cuda(const Tensor& grad_loss, const Tensor& logits, 
   const int64_t total = rows * classes;
   if (total == 0) return;
   const Tensor x = cuda::dense(logits), g = cuda::dense(grad_loss), l = cuda::dense(lse);
+  const Tensor w = weight.defined() ? cuda::dense(weight) : Tensor();
+  // The weights' sum stays on the device (no host read): one single-block reduction on the same stream.
+  Tensor w_total;
+  if (w.defined()) {
+    w_total = empty({1}, TensorOptions(DType::f32).with_device(grad_logits.device()));
+    weight_total_kernel<<<1, kThreads, 0, cuda::stream_of(grad_logits)>>>(
+        static_cast<const float*>(w.raw_data()), classes, static_cast<float*>(w_total.raw_data()));
+    MN_CUDA_CHECK_LAUNCH();
+  }
   const float keep = static_cast<float>(1.0 - smoothing);
   const float spread = static_cast<float>(smoothing / static_cast<double>(std::max<int64_t>(classes, 1)));
   cross_entropy_backward_kernel<<<cuda::blocks_for(total), kThreads, 0, cuda::stream_of(grad_logits)>>>(
       static_cast<const float*>(g.raw_data()), static_cast<const float*>(x.raw_data()),
       static_cast<const int64_t*>(target.raw_data()), target.stride(0), static_cast<const float*>(l.raw_data()),
-      rows, classes, keep, spread, ignore_index, static_cast<float*>(grad_logits.raw_data()));
+      w.defined() ? static_cast<const float*>(w.raw_data()) : nullptr,
+      w_total.defined() ? static_cast<const float*>(w_total.raw_data()) : nullptr, rows, classes, keep, spread,
+      ignore_index, static_cast<float*>(grad_logits.raw_data()));
   MN_CUDA_CHECK_LAUNCH();
 }
 

@@ -33,10 +33,16 @@ void check_config(const TrainerConfig& c, const std::string& who) {
 
 std::unique_ptr<optim::Optimizer> make_optimizer(const TrainerConfig& config, std::vector<Tensor> params) {
   const std::string name = lower(config.optimizer);
-  if (name == "adam" || name == "adamw") {
+  const bool adam = name == "adam" || name == "adamw";
+  MN_CHECK(!config.amsgrad || adam, ValueError, "amsgrad applies to the adam and adamw optimizers, not '",
+           config.optimizer, "'");
+  MN_CHECK(!config.centered || name == "rmsprop", ValueError, "centered applies to the rmsprop optimizer, not '",
+           config.optimizer, "'");
+  if (adam) {
     optim::AdamOptions o;
     o.lr = config.learning_rate;
     o.weight_decay = config.weight_decay;
+    o.amsgrad = config.amsgrad;
     if (name == "adam") return std::make_unique<optim::Adam>(std::move(params), o);
     return std::make_unique<optim::AdamW>(std::move(params), o);
   }
@@ -47,7 +53,15 @@ std::unique_ptr<optim::Optimizer> make_optimizer(const TrainerConfig& config, st
     o.weight_decay = config.weight_decay;
     return std::make_unique<optim::SGD>(std::move(params), o);
   }
-  throw ValueError(str("Unknown optimizer '", config.optimizer, "'; available: adam, adamw, sgd"));
+  if (name == "rmsprop") {
+    optim::RMSpropOptions o;
+    o.lr = config.learning_rate;
+    o.momentum = config.momentum;
+    o.weight_decay = config.weight_decay;
+    o.centered = config.centered;
+    return std::make_unique<optim::RMSprop>(std::move(params), o);
+  }
+  throw ValueError(str("Unknown optimizer '", config.optimizer, "'; available: adam, adamw, rmsprop, sgd"));
 }
 
 std::unique_ptr<optim::LRScheduler> make_scheduler(const TrainerConfig& config, optim::Optimizer& optimizer) {

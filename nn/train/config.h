@@ -32,10 +32,12 @@ struct LRFinderOptions {
 
 struct TrainerConfig {
   int64_t max_epochs = 100;
-  std::string optimizer = "adam";  // adam, adamw, sgd
+  std::string optimizer = "adam";  // adam, adamw, sgd, rmsprop
   double learning_rate = 1e-3;
   double weight_decay = 0.0;
-  double momentum = 0.0;  // sgd
+  double momentum = 0.0;  // sgd, rmsprop
+  bool amsgrad = false;   // adam, adamw (AdamOptions::amsgrad)
+  bool centered = false;  // rmsprop (RMSpropOptions::centered); its alpha and eps keep PyTorch's defaults
   std::string scheduler;  // "" (none), cosine, step, exponential, plateau
   SchedulerOptions scheduler_options;
   std::optional<double> gradient_clip_norm;
@@ -61,7 +63,8 @@ struct TrainerConfig {
 // Throws ValueError naming the field for a value out of range.
 void check_config(const TrainerConfig& config, const std::string& who);
 
-// The optimizer `config` names over `params` ("adam", "adamw", "sgd"; case-insensitive).
+// The optimizer `config` names over `params` ("adam", "adamw", "sgd", "rmsprop"; case-insensitive).
+// amsgrad with another optimizer than adam/adamw, or centered with another than rmsprop, is a ValueError.
 std::unique_ptr<nn::optim::Optimizer> make_optimizer(const TrainerConfig& config, std::vector<Tensor> params);
 // The scheduler `config` names for `optimizer`, or null for none.
 std::unique_ptr<nn::optim::LRScheduler> make_scheduler(const TrainerConfig& config, nn::optim::Optimizer& optimizer);

@@ -620,13 +620,13 @@ TEST_CASE("cuda ops: cross entropy with smoothing, ignore_index and bad targets"
       CAPTURE(classes);
       CAPTURE(smoothing);
       Pair loss = empty_pair({rows}), lse = empty_pair({rows});
-      K::cross_entropy_forward(kCPU, logits.cpu, target.cpu, smoothing, -100, loss.cpu, lse.cpu);
-      K::cross_entropy_forward(kGpu, logits.gpu, target.gpu, smoothing, -100, loss.gpu, lse.gpu);
+      K::cross_entropy_forward(kCPU, logits.cpu, target.cpu, Tensor(), smoothing, -100, loss.cpu, lse.cpu);
+      K::cross_entropy_forward(kGpu, logits.gpu, target.gpu, Tensor(), smoothing, -100, loss.gpu, lse.gpu);
       expect_close(loss, 1e-5, 1e-5);
       expect_close(lse, 1e-5, 1e-5);
       Pair grad = empty_pair({rows, classes});
-      K::cross_entropy_backward(kCPU, grad_loss.cpu, logits.cpu, target.cpu, lse.cpu, smoothing, -100, grad.cpu);
-      K::cross_entropy_backward(kGpu, grad_loss.gpu, logits.gpu, target.gpu, lse.gpu, smoothing, -100, grad.gpu);
+      K::cross_entropy_backward(kCPU, grad_loss.cpu, logits.cpu, target.cpu, Tensor(), lse.cpu, smoothing, -100, grad.cpu);
+      K::cross_entropy_backward(kGpu, grad_loss.gpu, logits.gpu, target.gpu, Tensor(), lse.gpu, smoothing, -100, grad.gpu);
       expect_close(grad, 1e-6, 1e-5);
     }
   }
@@ -634,7 +634,7 @@ TEST_CASE("cuda ops: cross entropy with smoothing, ignore_index and bad targets"
   Pair loss = empty_pair({3}), lse = empty_pair({3});
   for (int64_t bad : {5, -1}) {
     const Pair target = pair_of(from_vector(std::vector<int64_t>{0, bad, 2}));
-    CHECK_THROWS_AS(K::cross_entropy_forward(kGpu, logits.gpu, target.gpu, 0.0, -100, loss.gpu, lse.gpu), IndexError);
+    CHECK_THROWS_AS(K::cross_entropy_forward(kGpu, logits.gpu, target.gpu, Tensor(), 0.0, -100, loss.gpu, lse.gpu), IndexError);
   }
 }
 

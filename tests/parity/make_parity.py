@@ -365,9 +365,101 @@ def attention():
     save("attention", out)
 
 
+def losses_ext():
+    """Class weights for cross_entropy / nll_loss (with label smoothing and ignore_index), the
+    elementwise losses (BCE with logits, L1, smooth L1, KL divergence) under every reduction, and
+    Adam/AdamW with amsgrad and RMSprop trajectories (issue 18)."""
+    torch.manual_seed(18)
+    out = {}
+    logits = torch.randn(7, 5)
+    target = torch.tensor([0, 4, -100, 2, 1, 3, 2])
+    weight = torch.rand(5) + 0.25
+    out.update({"ce_logits": logits, "ce_target": target, "ce_weight": weight})
+    red_names = ["none", "mean", "sum"]
+    for s in (0.0, 0.2):
+        for r in red_names:
+            x = logits.clone().requires_grad_(True)
+            y = F.cross_entropy(x, target, weight=weight, ignore_index=-100, reduction=r, label_smoothing=s)
+            weighted_backward(y, f"ce_s{int(s * 10)}_{r}", out)
+            out[f"ce_s{int(s * 10)}_{r}_y"] = y.reshape(-1)
+            out[f"ce_s{int(s * 10)}_{r}_g"] = x.grad
+    # an in-range ignore_index (class 2) with weights
+    x = logits.clone().requires_grad_(True)
+    y = F.cross_entropy(x, target.clamp(min=0), weight=weight, ignore_index=2, label_smoothing=0.1)
+    y.backward()
+    out.update({"ce_ign2_y": y.reshape(1), "ce_ign2_g": x.grad})
+    lp = torch.log_softmax(torch.randn(7, 5), 1)
+    out["nll_input"] = lp
+    for r in red_names:
+        for tag, w in (("w", weight), ("nw", None)):
+            x = lp.clone().requires_grad_(True)
+            y = F.nll_loss(x, target, weight=w, ignore_index=-100, reduction=r)
+            weighted_backward(y, f"nll_{tag}_{r}", out)
+            out[f"nll_{tag}_{r}_y"] = y.reshape(-1)
+            out[f"nll_{tag}_{r}_g"] = x.grad
+    a, b = torch.randn(4, 3) * 3, torch.rand(4, 3)
+    b[0, 0] = 0.0
+    b[1, 1] = 1.0
+    bw, pw = torch.rand(3) + 0.5, torch.rand(3) * 2 + 0.5
+    out.update({"pw_a": a, "pw_b": b, "bce_weight": bw, "bce_pos_weight": pw})
+    kl_in = torch.log_softmax(torch.randn(4, 3), 1)
+    out["kl_input"] = kl_in
+    d = torch.randn(4, 3)
+    d[0, 0], d[1, 1] = 0.0, 1.0
+    out["l1_b"] = a - d  # exact ties and |a - b| == 1 (smooth L1's kink for beta 1)
+    cases = {
+        "bce": lambda x, r: F.binary_cross_entropy_with_logits(x, b, reduction=r),
+        "bce_w": lambda x, r: F.binary_cross_entropy_with_logits(x, b, weight=bw, pos_weight=pw, reduction=r),
+        "l1": lambda x, r: F.l1_loss(x, a - d, reduction=r),
+        "sl1": lambda x, r: F.smooth_l1_loss(x, a - d, reduction=r),
+        "sl1_b05": lambda x, r: F.smooth_l1_loss(x, a - d, reduction=r, beta=0.5),
+        "sl1_b0": lambda x, r: F.smooth_l1_loss(x, a - d, reduction=r, beta=0.0),
+    }
+    for name, fn in cases.items():
+        for r in red_names:
+            x = a.clone().requires_grad_(True)
+            y = fn(x, r)
+            weighted_backward(y, f"{name}_{r}", out)
+            out[f"{name}_{r}_y"] = y.reshape(-1)
+            out[f"{name}_{r}_g"] = x.grad
+    for log_target in (False, True):
+        t = torch.log(b + 1e-3) if log_target else b
+        for r in red_names + ["batchmean"]:
+            x = kl_in.clone().requires_grad_(True)
+            y = F.kl_div(x, t, reduction=r, log_target=log_target)
+            tag = f"kl_{'log' if log_target else 'prob'}_{r}"
+            weighted_backward(y, tag, out)
+            out[tag + "_y"] = y.reshape(-1)
+            out[tag + "_g"] = x.grad
+    # optimizers over 10 steps
+    init = torch.randn(6)
+    grads = [torch.randn(6) * (1.0 + 0.5 * math.sin(i)) for i in range(10)]
+    out["opt_init"] = init
+    for i, g in enumerate(grads):
+        out[f"opt_grad_{i}"] = g
+    opts = {
+        "adam_ams": lambda p: torch.optim.Adam([p], lr=0.05, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1,
+                                               amsgrad=True),
+        "adamw_ams": lambda p: torch.optim.AdamW([p], lr=0.05, betas=(0.9, 0.99), weight_decay=0.1, amsgrad=True),
+        "rms": lambda p: torch.optim.RMSprop([p], lr=0.01),
+        "rms_mom": lambda p: torch.optim.RMSprop([p], lr=0.01, alpha=0.9, momentum=0.9),
+        "rms_centered": lambda p: torch.optim.RMSprop([p], lr=0.01, centered=True, eps=1e-6),
+        "rms_all": lambda p: torch.optim.RMSprop([p], lr=0.02, alpha=0.95, momentum=0.5, centered=True,
+                                                 weight_decay=0.05),
+    }
+    for name, make in opts.items():
+        p = init.clone().requires_grad_(True)
+        opt = make(p)
+        for i, g in enumerate(grads):
+            p.grad = g.clone()
+            opt.step()
+            out[f"{name}_step{i}"] = p.detach().clone()
+    save("losses_ext", out)
+
+
 CASES = {"conv2d": conv2d, "pooling": pooling, "batch_norm": batch_norm, "lstm": lstm, "losses": losses,
          "optim": optimizers, "nan": nan_propagation, "adam_beta2": adam_beta2, "var_std": var_std,
-         "attention": attention}
+         "attention": attention, "losses_ext": losses_ext}
 
 if __name__ == "__main__":
     # With no arguments every case is written; otherwise only the named ones. The first six cases draw
