@@ -71,7 +71,7 @@ struct MappingOptions {
 struct ForwardResult {
   Tensor predictions;
   ParameterTree generated_parameters;  // empty with stream_layers (never all alive at once)
-  bool streamed = false;               // stream_layers: generated layer by layer, not kept
+  bool streamed = false;               // stream_layers: generated module by module, not kept
   std::vector<std::pair<std::string, Tensor>> latent_vectors;  // always the model's own latents
 };
 

@@ -24,7 +24,8 @@ class GainAdd : public nn::Module {
     register_parameter("gain", full({channels, 1, 1}, 1.0f));
   }
   Tensor mix(const Tensor& a, const Tensor& b) {
-    return call({a, b}, [this](const std::vector<Tensor>& in) { return std::vector<Tensor>{in[0] * param("gain") + in[1]}; })[0];
+    const auto body = [this](const std::vector<Tensor>& in) { return std::vector<Tensor>{in[0] * param("gain") + in[1]}; };
+    return call({a, b}, body)[0];
   }
 };
 
@@ -66,7 +67,8 @@ class ResidualNet : public nn::Module {
     auto body = std::make_shared<nn::Sequential>();
     body->push_back(std::make_shared<Block>(width, width, 1, direct_calls));
     for (int64_t b = 1; b < blocks; ++b)
-      body->push_back(b == 1 ? std::make_shared<Block>(width, 2 * width, 2) : std::make_shared<Block>(2 * width, 2 * width, 1));
+      body->push_back(b == 1 ? std::make_shared<Block>(width, 2 * width, 2)
+                             : std::make_shared<Block>(2 * width, 2 * width, 1));
     body_ = register_module("body", body);
     const int64_t out_side = blocks > 1 ? (side + 1) / 2 : side;
     head_ = register_module("head", std::make_shared<nn::Sequential>(std::vector<nn::ModulePtr>{
@@ -224,4 +226,51 @@ TEST_CASE("streaming: a wide residual target streams with a fraction of the plai
   // The largest owner's (a 192x192x3x3 conv: 1.3 MB) generated weight, its gradient and the mapper's
   // temporaries, besides the activations: measured here 7,797,248 B streamed vs 43,401,216 B plain.
   CHECK(4 * streamed < plain);
+}
+
+TEST_CASE("streaming: building blocks: CallInterceptor sees operator() and call(), not forward(); blocked parameters") {
+  // An interceptor that records which modules were called and doubles their outputs.
+  struct Recorder : nn::CallInterceptor {
+    std::vector<std::string> seen;
+    std::vector<Tensor> intercept(nn::Module& m, const std::vector<Tensor>& in,
+                                  const nn::ModuleBody& body) override {
+      seen.push_back(m.type_name());
+      std::vector<Tensor> out = body(in);
+      for (Tensor& t : out) t = t * 2.0;
+      return out;
+    }
+  } recorder;
+  manual_seed(1);
+  auto lin = std::make_shared<nn::Linear>(3, 2);
+  auto gain = std::make_shared<GainAdd>(2);
+  const Tensor x = randn({4, 3});
+  const Tensor plain = (*lin)(x);
+  {
+    nn::CallInterceptorGuard guard(&recorder);
+    CHECK(flat((*lin)(x)) == flat(plain * 2.0));
+    CHECK(flat(lin->forward(x)) == flat(plain));  // bypasses the interceptor
+    const Tensor a = randn({1, 2, 1, 1}), b = randn({1, 2, 1, 1});
+    CHECK(flat(gain->mix(a, b)) == flat((a + b) * 2.0));
+    {
+      nn::CallInterceptorGuard none(nullptr);
+      CHECK(flat((*lin)(x)) == flat(plain));
+    }
+  }
+  CHECK(recorder.seen == std::vector<std::string>{"Linear", "GainAdd"});
+  CHECK(flat((*lin)(x)) == flat(plain));  // uninstalled
+
+  // Blocked: with strict = false, an unsupplied parameter read is an error with the given text; a
+  // nested call that supplies it wins; supplied ones read as usual.
+  nn::FunctionalCallOptions blocked;
+  blocked.strict = false;
+  blocked.blocked_parameter_error = [](const std::string& name) { return "no " + name + " here"; };
+  const Tensor w = zeros({2, 3});
+  {
+    nn::FunctionalCallGuard outer(*lin, {{"weight", w}}, blocked);
+    CHECK(flat(lin->param("weight")) == flat(w));
+    CHECK_THROWS_WITH_AS(lin->param("bias"), "no bias here", ValueError);
+    nn::FunctionalCallGuard inner(*lin, {{"bias", ones({2})}}, nn::FunctionalCallOptions{.strict = false});
+    CHECK(flat((*lin)(x)) == std::vector<float>(8, 1.0f));
+  }
+  CHECK(flat((*lin)(x)) == flat(plain));
 }
