@@ -1,12 +1,9 @@
 #include "mapping/mapping_model.h"
 
 #include <limits>
-#include <optional>
 #include <sstream>
 
-#include "autograd/checkpoint.h"
 #include "autograd/node.h"
-#include "nn/layers.h"
 
 namespace mn::mapping {
 
@@ -87,103 +84,9 @@ void MappingModel::check_parameters_read(const std::vector<std::string>& unread)
   parameters_read_checked_ = true;
 }
 
-void MappingModel::plan_streaming() {
-  MN_CHECK(dynamic_cast<const nn::Sequential*>(target_.get()) != nullptr, ValueError,
-           "stream_layers: expected an nn::Sequential target (layers that run one after another), got a ",
-           target_->type_name());
-  const auto& groups = generator_->groups();
-  const auto& entries = generator_->parameter_spec().entries();
-  std::map<std::string, size_t> layer_of;  // top-level layer name -> its position
-  const auto children = target_->named_children();
-  for (size_t i = 0; i < children.size(); ++i) layer_of[children[i].first] = i;
-  std::vector<std::vector<size_t>> groups_of(children.size());
-  for (size_t gi = 0; gi < groups.size(); ++gi) {
-    std::optional<size_t> layer;
-    for (size_t e : groups[gi].entries) {
-      const std::string& name = entries[e].name;
-      const auto dot = name.find('.');
-      const auto it = layer_of.find(dot == std::string::npos ? std::string() : name.substr(0, dot));
-      MN_CHECK(it != layer_of.end() && (!layer || *layer == it->second), ValueError, "stream_layers: group '",
-               groups[gi].name, "' of strategy ", generator_->strategy(), " generates '", name,
-               "' beside parameters of another top-level layer (or of the root); streaming needs each group "
-               "inside one layer: use layerwise, lazy_layerwise or layer-wise groups, not slvt");
-      layer = it->second;
-    }
-    if (layer) groups_of[*layer].push_back(gi);
-  }
-  for (size_t i = 0; i < children.size(); ++i) {
-    // A layer with generated parameters opens a segment; parameter-free layers join the open one.
-    if (stream_plan_.empty() || !groups_of[i].empty()) stream_plan_.push_back({{}, groups_of[i]});
-    stream_plan_.back().layers.push_back({children[i].first + ".", children[i].second});
-  }
-}
-
 ForwardResult MappingModel::run(const Tensor& input, const LatentOverrides& latents) {
   if (options_.stream_layers) return run_streamed(input, latents);
   return run_with([&](nn::Module& m) { return m.forward(input); }, latents);
-}
-
-ForwardResult MappingModel::run_streamed(const Tensor& input, const LatentOverrides& latents) {
-  generator_->check_overrides(latents);
-  const auto& groups = generator_->groups();
-  // Unread generated parameters of the first forward, over all segments (see check_parameters_read).
-  auto unread = parameters_read_checked_ ? nullptr : std::make_shared<std::vector<std::string>>();
-  Tensor x = input;
-  for (const StreamStep& step : stream_plan_) {
-    // The segment's carried buffers as they are now (per layer, local names): both runs start from them.
-    auto buffers = std::make_shared<std::vector<std::map<std::string, Tensor>>>(step.layers.size());
-    for (size_t l = 0; l < step.layers.size(); ++l) {
-      const std::string& prefix = step.layers[l].prefix;
-      for (const auto& [name, b] : buffers_)
-        if (name.compare(0, prefix.size(), prefix) == 0) (*buffers)[l][name.substr(prefix.size())] = b.clone();
-    }
-    autograd::TensorList in{x};
-    for (size_t gi : step.groups) {
-      const auto it = latents.find(groups[gi].name);
-      in.push_back(it != latents.end() ? it->second : groups[gi].latent);
-    }
-    auto first = std::make_shared<bool>(true);
-    const StreamStep* s = &step;
-    // in = {segment input, latents of its groups}: generate the first layer's parameters, run the
-    // segment, drop them. Only the first run writes buffers back; the recomputation in backward repeats
-    // the segment without effect on the model.
-    auto segment = [this, s, buffers, first, unread](const autograd::TensorList& in) -> autograd::TensorList {
-      const auto& gs = generator_->groups();
-      LatentOverrides own;
-      for (size_t k = 0; k < s->groups.size(); ++k) own[gs[s->groups[k]].name] = in[k + 1];
-      std::map<std::string, Tensor> generated;
-      for (size_t gi : s->groups) {
-        const ParameterTree part = generator_->generate_group_parameters(gi, own);
-        for (const auto& [name, t] : part.items()) generated[name.substr(s->layers.front().prefix.size())] = t;
-      }
-      const bool write_back = options_.write_back_buffers && *first;
-      const bool check_reads = unread != nullptr && *first;
-      *first = false;
-      Tensor y = in[0];
-      for (size_t l = 0; l < s->layers.size(); ++l) {
-        std::map<std::string, Tensor> tensors = l == 0 ? std::move(generated) : std::map<std::string, Tensor>{};
-        for (const auto& [name, b] : (*buffers)[l]) tensors[name] = b.clone();
-        nn::StateDict updated;
-        nn::FunctionalCallOptions call;
-        call.buffers_out = write_back ? &updated : nullptr;
-        {
-          nn::FunctionalCallGuard guard(*s->layers[l].module, tensors, call);
-          y = s->layers[l].module->forward(y);
-          if (check_reads)
-            for (const std::string& name : guard.unread_parameters()) unread->push_back(s->layers[l].prefix + name);
-        }
-        if (write_back) keep_buffers(s->layers[l].prefix, updated);
-      }
-      return {y};
-    };
-    x = autograd::checkpoint(segment, in)[0];
-  }
-  if (unread) check_parameters_read(*unread);
-  ForwardResult result;
-  result.predictions = x;
-  result.streamed = true;
-  result.latent_vectors = generator_->named_latents();
-  return result;
 }
 
 ForwardResult MappingModel::run_with(const std::function<Tensor(nn::Module&)>& fn, const LatentOverrides& latents) {

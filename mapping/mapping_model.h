@@ -47,14 +47,18 @@ struct MappingOptions {
   // Buffers (e.g. BatchNorm running stats) are cloned per call; set to keep the updated copies in
   // the model (they then persist across calls and in checkpoints).
   bool write_back_buffers = false;
-  // Streams a Sequential target layer by layer: each top-level layer's parameters are generated just
-  // before it runs and dropped after it, and generated again in backward (autograd::checkpoint over
-  // the layer and the parameter-free layers after it, which are recomputed too), so memory holds one
-  // layer's parameters and activations at a time instead of all of them, for a second forward per
-  // step. Needs every generator group inside one top-level layer (layerwise, lazy_layerwise, grouped by
-  // layer; not slvt) and run(input) (not run_with). The model must outlive the backward of its
-  // outputs. ForwardResult::generated_parameters stays empty (not kept), so the smoothness loss, which
-  // differentiates them, refuses such a model.
+  // Streams the target module by module: the parameters of each module that owns generator groups
+  // (the deepest module holding all of a group's parameters) are generated just before its call and
+  // dropped after it, and generated again in backward (autograd::checkpoint over the call, which is
+  // recomputed), so memory holds the running module's parameters instead of all of them, for a second
+  // forward of each owner per step (nested owners: one more per level). Works for any module tree
+  // whose groups are per module (layerwise, lazy_layerwise, grouped by module; not slvt, whose group
+  // spans the whole target); groups of the root's own parameters are generated once for the call.
+  // The target must call its children through operator() (child(x), Sequential does) or
+  // Module::call: a child called through child.forward(x) runs without its parameters, and reading
+  // one is a ValueError saying so. Needs run(input) (not run_with). The model must outlive the backward
+  // of its outputs. ForwardResult::generated_parameters stays empty (not kept), so the smoothness loss,
+  // which differentiates them, refuses such a model.
   bool stream_layers = false;
   // The first forward checks that the target read every generated parameter through Module::param()
   // (a layer that computes with a Tensor member kept from register_parameter runs on its own frozen
@@ -67,7 +71,7 @@ struct MappingOptions {
 struct ForwardResult {
   Tensor predictions;
   ParameterTree generated_parameters;  // empty with stream_layers (never all alive at once)
-  bool streamed = false;               // stream_layers: generated layer by layer, not kept
+  bool streamed = false;               // stream_layers: generated module by module, not kept
   std::vector<std::pair<std::string, Tensor>> latent_vectors;  // always the model's own latents
 };
 
@@ -145,22 +149,26 @@ class MappingModel : public nn::Module {
   // the option allows it; once a forward has passed it, later ones skip it.
   void check_parameters_read(const std::vector<std::string>& unread);
   bool parameters_read_checked_ = false;
-  // stream_layers: the target's top-level layers cut into segments, each a layer with generated
-  // parameters and the parameter-free layers after it (leading parameter-free layers: a segment of
-  // their own), with the generator groups of its first layer.
-  struct StreamLayer {
-    std::string prefix;  // "<child name>."
-    std::shared_ptr<nn::Module> module;
+  // stream_layers (streaming.cpp): per module that owns generator groups, its dotted prefix, its
+  // groups and the buffers of its subtree; groups of the root's own parameters are resident (generated
+  // once per call, outside the checkpoints).
+  struct StreamBuffer {
+    std::string name;     // under the owner
+    nn::Module* module;   // the module that registers it
+    std::string local;    // its name there
   };
-  struct StreamStep {
-    std::vector<StreamLayer> layers;
+  struct StreamOwner {
+    std::string prefix;  // "<dotted path>."
     std::vector<size_t> groups;
+    std::vector<StreamBuffer> buffers;
   };
+  class StreamCall;  // one streamed forward: the nn::CallInterceptor that generates per owner
   void plan_streaming();
   // write_back_buffers: a call's updated buffers (names under `prefix`) copied into the model's.
   void keep_buffers(const std::string& prefix, const nn::StateDict& updated);
   ForwardResult run_streamed(const Tensor& input, const LatentOverrides& latents);
-  std::vector<StreamStep> stream_plan_;
+  std::map<const nn::Module*, StreamOwner> stream_owners_;
+  std::vector<size_t> resident_groups_;
 
   std::shared_ptr<nn::Module> target_;
   MappingOptions options_;

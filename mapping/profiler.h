@@ -47,6 +47,9 @@ struct StrategyStats {
   int64_t peak_bytes = 0;       // max over the measured calls of each call's own peak (see above)
   double generate_time_ms = 0;  // median wall time of one generate_parameters() call
   int64_t fixed_bytes = 0;      // the generator's fixed mapper factors, held before any call
+  // What the same maps take stored densely (sum over groups of rows x L x 4 bytes): the matrices the
+  // reference Python library materialises. Set also when the strategy fails (N x L x 4).
+  int64_t dense_bytes = 0;
   std::string error;            // non-empty when the strategy could not be built or run
   bool ok() const { return error.empty(); }
 };
@@ -57,15 +60,16 @@ struct StrategyStats {
 // tree already released. Generation runs with gradients enabled, as in training (the latents require
 // grad, so the autograd graph and the tensors it saves count towards the peak); no backward is run.
 // A strategy that fails (e.g. slvt's projection-size guard, an out-of-memory) records `error` instead
-// of throwing. On CUDA every timed call ends with a device-to-host copy of one value, so the time
+// of throwing; allow_large lifts that guard (GeneratorOptions::allow_large). On CUDA every timed call ends with a device-to-host copy of one value, so the time
 // covers the queued kernels; the copy is not counted in the peak.
 std::map<std::string, StrategyStats> benchmark_strategies(const ParameterSpec& spec, int64_t latent_dim = 64,
                                                           Device device = kCPU, int n_warmup = 2,
-                                                          int n_repeat = 5);
+                                                          int n_repeat = 5, bool allow_large = false);
 
 // The scaling guide's table, one line per strategy in the order slvt, layerwise, lazy_layerwise (then
-// any others): "slvt                  peak=  12.34 MB  time=  0.83 ms  (12,340,224 B)" - MB = 1e6
-// bytes, followed by the exact bytes; failed strategies print their error.
+// any others): "slvt                  peak=  12.34 MB  time=  0.83 ms  (12,340,224 B)  fixed=1.3 MB
+// vs dense-equivalent 92.0 GB" - MB = 1e6 bytes, then the exact bytes, the fixed mapper bytes and the
+// dense maps' size (kB/MB/GB, 1e3 steps); failed strategies print their error.
 std::string strategy_table(const std::map<std::string, StrategyStats>& results);
 
 }  // namespace mn::mapping

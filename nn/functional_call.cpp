@@ -11,9 +11,11 @@ namespace detail {
 struct Override {
   Tensor value;
   bool read = false;  // a parameter looked up through Module::param() under this frame
+  std::string blocked;  // FunctionalCallOptions::blocked_parameter_error: the dotted name (else empty)
 };
 
 struct Frame {
+  std::function<std::string(const std::string&)> blocked_error;
   std::unordered_map<const Module*, std::unordered_map<std::string, Override>> table;
   std::vector<std::pair<std::string, std::pair<const Module*, std::string>>> buffer_names;  // for write-out
   std::vector<std::pair<std::string, std::pair<const Module*, std::string>>> parameter_names;  // for unread_parameters
@@ -33,6 +35,10 @@ Tensor* find_override(const Module* module, const std::string& name, bool mark_r
     if (m == (*it)->table.end()) continue;
     auto t = m->second.find(name);
     if (t == m->second.end()) continue;
+    if (!t->second.blocked.empty()) {
+      if (mark_read) throw ValueError((*it)->blocked_error(t->second.blocked));
+      continue;  // not a parameter read (Module::buffer): the entry does not answer it
+    }
     if (mark_read) t->second.read = true;
     return &t->second.value;
   }
@@ -45,6 +51,7 @@ FunctionalCallGuard::FunctionalCallGuard(const Module& module, const std::map<st
                                          const FunctionalCallOptions& options)
     : module_(module), options_(options) {
   auto frame = std::make_unique<Frame>();
+  frame->blocked_error = options.blocked_parameter_error;
   std::vector<std::string> missing;
   std::set<std::string> used;
   for (const auto& [prefix, m] : module.named_modules()) {
@@ -55,6 +62,7 @@ FunctionalCallGuard::FunctionalCallGuard(const Module& module, const std::map<st
       auto it = tensors.find(full);
       if (it == tensors.end()) {
         if (options.strict) missing.push_back(full);
+        else if (options.blocked_parameter_error) entries[name].blocked = full;
         continue;
       }
       const Tensor& t = it->second;

@@ -18,6 +18,10 @@ struct FunctionalCallOptions {
   bool strict = true;              // every parameter must be supplied, nothing unexpected
   bool clone_buffers = true;       // buffers not supplied are cloned for the call
   StateDict* buffers_out = nullptr;  // if set, receives the call's (possibly updated) buffers
+  // With strict = false: when set, a parameter that is not supplied is blocked instead of falling
+  // through to the module's own tensor (or an outer call's): Module::param() on it throws a
+  // ValueError with blocked_parameter_error(its dotted name). A nested call that supplies it wins.
+  std::function<std::string(const std::string&)> blocked_parameter_error;
 };
 
 namespace detail {

@@ -23,7 +23,28 @@ const Tensor* find_in(const NamedTensors& list, const std::string& name) {
 std::string qualified(const std::string& prefix, const std::string& name) {
   return prefix.empty() ? name : prefix + "." + name;
 }
+thread_local CallInterceptor* g_interceptor = nullptr;
 }  // namespace
+
+CallInterceptorGuard::CallInterceptorGuard(CallInterceptor* interceptor) : previous_(g_interceptor) {
+  g_interceptor = interceptor;
+}
+CallInterceptorGuard::~CallInterceptorGuard() { g_interceptor = previous_; }
+
+Tensor Module::operator()(const Tensor& x) {
+  if (g_interceptor == nullptr) return forward(x);
+  // The body captures the module, not the call's locals: an interceptor may run it again later.
+  std::vector<Tensor> out = g_interceptor->intercept(
+      *this, {x}, [this](const std::vector<Tensor>& in) { return std::vector<Tensor>{forward(in[0])}; });
+  MN_CHECK(out.size() == 1, RuntimeError, type_name_, ": the call interceptor returned ", out.size(),
+           " tensors for a single-output forward");
+  return out[0];
+}
+
+std::vector<Tensor> Module::call(const std::vector<Tensor>& inputs, const ModuleBody& body) {
+  if (g_interceptor == nullptr) return body(inputs);
+  return g_interceptor->intercept(*this, inputs, body);
+}
 
 Tensor Module::forward(const Tensor&) {
   throw NotImplementedError(str(type_name_, " has no single-tensor forward"));

@@ -9,6 +9,7 @@
 // generator's latents) lists them, moves them and round-trips them through state_dict()/
 // load_state_dict() like any module, also when it is nested inside another one.
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -24,6 +25,33 @@ using NamedTensors = std::vector<std::pair<std::string, Tensor>>;
 using StateDict = std::map<std::string, Tensor>;
 // Named groups of tensors (see Module::replica_state).
 using NamedTensorGroups = std::vector<std::pair<std::string, std::vector<Tensor>>>;
+// A module's forward as a function of its tensor arguments (see Module::call).
+using ModuleBody = std::function<std::vector<Tensor>(const std::vector<Tensor>&)>;
+
+class Module;
+
+// A per-thread hook around module calls: while a CallInterceptorGuard holds one, every
+// Module::operator() and Module::call on this thread goes through intercept(), which must return what
+// body(inputs) returns (it may run body inside a functional call, a checkpoint, ...). Streaming in
+// mapping::MappingModel uses it to generate a module's parameters just before the module runs. Calls
+// made inside body go through it again.
+class CallInterceptor {
+ public:
+  virtual ~CallInterceptor() = default;
+  virtual std::vector<Tensor> intercept(Module& module, const std::vector<Tensor>& inputs, const ModuleBody& body) = 0;
+};
+
+// Installs `interceptor` (nullptr: none) for this thread while alive; the previous one comes back after.
+class CallInterceptorGuard {
+ public:
+  explicit CallInterceptorGuard(CallInterceptor* interceptor);
+  ~CallInterceptorGuard();
+  CallInterceptorGuard(const CallInterceptorGuard&) = delete;
+  CallInterceptorGuard& operator=(const CallInterceptorGuard&) = delete;
+
+ private:
+  CallInterceptor* previous_;
+};
 
 class Module : public std::enable_shared_from_this<Module> {
  public:
@@ -34,7 +62,16 @@ class Module : public std::enable_shared_from_this<Module> {
 
   // The single-input forward used by Sequential and by functional_call's convenience form.
   virtual Tensor forward(const Tensor& x);
-  Tensor operator()(const Tensor& x) { return forward(x); }
+  // Calling a module: forward(x), through the thread's CallInterceptor when one is installed. A module
+  // that runs children calls them this way (child(x), as in PyTorch), not through child.forward(x):
+  // a direct forward() bypasses the interceptor (streamed mapping then refuses the child's parameter
+  // reads, see MappingOptions::stream_layers).
+  Tensor operator()(const Tensor& x);
+  // The same for a forward with another signature: body(inputs) computes this module's call from its
+  // tensor arguments and returns its tensor results; non-tensor arguments go in body's captures.
+  // An interceptor may keep body and run it again later (recomputation in backward), so body captures
+  // by value and computes the same function each time.
+  std::vector<Tensor> call(const std::vector<Tensor>& inputs, const ModuleBody& body);
 
   const std::string& type_name() const { return type_name_; }
 

@@ -1,7 +1,7 @@
 // Mapping core: ParameterSpec/Tree, orthogonal mapper matrices, mappers and modulation, generators
 // (slvt, layerwise, lazy_layerwise, grouped) and MappingModel - the reference library's behaviours
 // plus the values it never tested (lazy == layerwise bitwise, identical scales across strategies), and
-// stream_layers (generation layer by layer, recomputed in backward).
+// stream_layers (generation layer by layer, recomputed in backward; other module trees: test_streaming.cpp).
 #include <omp.h>
 
 #include <algorithm>
@@ -665,7 +665,9 @@ TEST_CASE("mapping: stream_layers generates layer by layer: same results, one la
   CHECK_THROWS_WITH_AS(streamed.run_with([&](nn::Module& m) { return m.forward(x); }), doctest::Contains("run(input)"),
                        ValueError);
   CHECK_THROWS_AS(streamed.run(x, {{"nope", zeros({6})}}), KeyError);
-  CHECK_THROWS_WITH_AS(MappingModel(std::make_shared<nn::Linear>(3, 2), o), doctest::Contains("Sequential"), ValueError);
+  // A lone layer has only the root's own parameters: nothing to generate module by module.
+  CHECK_THROWS_WITH_AS(MappingModel(std::make_shared<nn::Linear>(3, 2), o), doctest::Contains("nothing to stream"),
+                       ValueError);
 }
 
 TEST_CASE("mapping: stream_layers keeps one layer's generated parameters alive, not all of them") {

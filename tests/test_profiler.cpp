@@ -68,6 +68,31 @@ TEST_CASE("profiler: a strategy that cannot be built records its error instead o
   CHECK(table.find("slvt                  failed: ") != std::string::npos);
 }
 
+TEST_CASE("profiler: the table puts each generator's fixed bytes beside its dense-equivalent size") {
+  // 1000 x 1000 + 1000 parameters at L = 128: the dense maps are N x L x 4 = 512.5 MB for every
+  // strategy; the reference's guard refuses slvt unless allow_large.
+  const ParameterSpec spec = ParameterSpec::from_shapes({{"weight", {1000, 1000}}, {"bias", {1000}}});
+  const int64_t dense = 1'001'000LL * 128 * 4;
+  const auto refused = benchmark_strategies(spec, 128, kCPU, 0, 1);
+  CHECK(refused.at("slvt").dense_bytes == dense);  // known without building
+  const auto results = benchmark_strategies(spec, 128, kCPU, 0, 1, /*allow_large=*/true);
+  for (const auto& [name, stats] : results) {
+    INFO(name << ": " << stats.error);
+    REQUIRE(stats.ok());
+    CHECK(stats.dense_bytes == dense);
+    CHECK(stats.fixed_bytes > 0);
+    CHECK(100 * stats.fixed_bytes < stats.dense_bytes);  // factors, not matrices
+  }
+  const std::string table = strategy_table(results);
+  INFO(table);
+  CHECK(table.find("dense-equivalent 512.5 MB") != std::string::npos);
+  size_t lines = 0;
+  for (size_t at = table.find(" vs dense-equivalent "); at != std::string::npos;
+       at = table.find(" vs dense-equivalent ", at + 1))
+    ++lines;
+  CHECK(lines == 3);
+}
+
 TEST_CASE("profiler: on the scaling guide's spec (L = 64) lazy_layerwise < layerwise < slvt in peak bytes") {
   manual_seed(0);
   const ParameterSpec spec = target_spec("guide");

@@ -110,7 +110,7 @@ Sequential& Sequential::push_back(ModulePtr module) {
 
 Tensor Sequential::forward(const Tensor& x) {
   Tensor h = x;
-  for (auto& [name, m] : named_children()) h = m->forward(h);
+  for (auto& [name, m] : named_children()) h = (*m)(h);
   return h;
 }
 
