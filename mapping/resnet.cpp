@@ -30,10 +30,11 @@ BasicBlock::BasicBlock(int64_t in_planes, int64_t planes, int64_t stride) : Modu
   }
 }
 
+// Children are called through operator(), so a streamed mapping sees each call (nn/module.h).
 Tensor BasicBlock::forward(const Tensor& x) {
-  Tensor out = relu(bn1->forward(conv1->forward(x)));
-  out = bn2->forward(conv2->forward(out));
-  return relu(add(out, downsample ? downsample->forward(x) : x));
+  Tensor out = relu((*bn1)((*conv1)(x)));
+  out = (*bn2)((*conv2)(out));
+  return relu(add(out, downsample ? (*downsample)(x) : x));
 }
 
 ResNet::ResNet(int64_t in_channels, const std::vector<int64_t>& widths, const std::vector<int64_t>& blocks_per_stage,
@@ -62,10 +63,10 @@ ResNet::ResNet(int64_t in_channels, const std::vector<int64_t>& widths, const st
 }
 
 Tensor ResNet::forward(const Tensor& x) {
-  Tensor h = relu(bn1->forward(conv1->forward(x)));
-  for (const auto& stage : layers) h = stage->forward(h);
+  Tensor h = relu((*bn1)((*conv1)(x)));
+  for (const auto& stage : layers) h = (*stage)(h);
   // Global average pool: [N, C, H, W] -> [N, C].
-  return fc->forward(mean(h, std::vector<int64_t>{2, 3}));
+  return (*fc)(mean(h, std::vector<int64_t>{2, 3}));
 }
 
 std::shared_ptr<ResNet> resnet20(int64_t in_channels, int64_t num_classes) {

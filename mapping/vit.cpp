@@ -5,17 +5,6 @@
 
 namespace mn::mapping {
 
-namespace {
-
-// torchvision's Encoder: owns the position embedding, runs the blocks, ends with a LayerNorm. Its
-// forward is VisionTransformer's business (it needs the class token first), so it only holds state.
-class Encoder : public nn::Module {
- public:
-  Encoder() : Module("Encoder") {}
-};
-
-}  // namespace
-
 EncoderBlock::EncoderBlock(int64_t width, int64_t heads, int64_t mlp_dim, double dropout_p, double attention_dropout)
     : Module("EncoderBlock") {
   ln_1 = register_module("ln_1", std::make_shared<nn::LayerNorm>(width, 1e-6));
@@ -37,6 +26,24 @@ Tensor EncoderBlock::forward(const Tensor& x) {
   return add(h, (*mlp)((*ln_2)(h)));
 }
 
+ViTEncoder::ViTEncoder(int64_t tokens, const ViTOptions& o) : Module("Encoder") {
+  Tensor pos = empty({1, tokens, o.width});
+  nn::init::normal_(pos, 0.0, 0.02);
+  register_parameter("pos_embedding", pos);
+  auto layers = register_module("layers", std::make_shared<nn::ModuleDict>());
+  for (int64_t i = 0; i < o.depth; ++i) {
+    blocks.push_back(std::make_shared<EncoderBlock>(o.width, o.heads, o.mlp_dim, o.dropout, o.attention_dropout));
+    layers->insert(str("encoder_layer_", i), blocks.back());
+  }
+  ln = register_module("ln", std::make_shared<nn::LayerNorm>(o.width, 1e-6));
+}
+
+Tensor ViTEncoder::forward(const Tensor& x) {
+  Tensor h = add(x, param("pos_embedding"));
+  for (const auto& block : blocks) h = (*block)(h);
+  return (*ln)(h);
+}
+
 VisionTransformer::VisionTransformer(const ViTOptions& o) : Module("VisionTransformer"), options(o) {
   MN_CHECK(o.image_size > 0 && o.patch_size > 0 && o.image_size % o.patch_size == 0, ValueError,
            "VisionTransformer: image_size must be a positive multiple of patch_size, got ", o.image_size, " and ",
@@ -47,16 +54,7 @@ VisionTransformer::VisionTransformer(const ViTOptions& o) : Module("VisionTransf
   conv_proj = register_module(
       "conv_proj", std::make_shared<nn::Conv2d>(o.channels, o.width, o.patch_size, o.patch_size, 0));
   register_parameter("class_token", zeros({1, 1, o.width}));
-  encoder = register_module("encoder", std::make_shared<Encoder>());
-  Tensor pos = empty({1, tokens, o.width});
-  nn::init::normal_(pos, 0.0, 0.02);
-  encoder->register_parameter("pos_embedding", pos);
-  auto layers = encoder->register_module("layers", std::make_shared<nn::ModuleDict>());
-  for (int64_t i = 0; i < o.depth; ++i) {
-    blocks.push_back(std::make_shared<EncoderBlock>(o.width, o.heads, o.mlp_dim, o.dropout, o.attention_dropout));
-    layers->insert(str("encoder_layer_", i), blocks.back());
-  }
-  encoder_ln = encoder->register_module("ln", std::make_shared<nn::LayerNorm>(o.width, 1e-6));
+  encoder = register_module("encoder", std::make_shared<ViTEncoder>(tokens, o));
   auto heads = register_module("heads", std::make_shared<nn::ModuleDict>());
   head = std::make_shared<nn::Linear>(o.width, o.num_classes);
   heads->insert("head", head);
@@ -68,12 +66,10 @@ Tensor VisionTransformer::forward(const Tensor& x) {
            ValueError, "VisionTransformer: expected input [N, ", o.channels, ", ", o.image_size, ", ", o.image_size,
            "], got ", x.shape().str());
   const int64_t n = x.size(0);
-  // [N, width, h, w] -> [N, h*w, width]
+  // [N, width, h, w] -> [N, h*w, width], the class token first.
   Tensor tokens = transpose(flatten((*conv_proj)(x), 2), 1, 2);
   Tensor cls = expand(param("class_token"), Shape{n, 1, o.width});
-  Tensor h = add(cat({cls, tokens}, 1), encoder->param("pos_embedding"));
-  for (const auto& block : blocks) h = (*block)(h);
-  h = (*encoder_ln)(h);
+  Tensor h = (*encoder)(cat({cls, tokens}, 1));
   return (*head)(select(h, 1, 0));
 }
 

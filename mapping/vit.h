@@ -42,6 +42,17 @@ class EncoderBlock : public nn::Module {
   std::shared_ptr<nn::Sequential> mlp;
 };
 
+// torchvision's Encoder: adds pos_embedding [1, tokens, width] to the tokens, runs the blocks
+// ("layers.encoder_layer_<i>"), ends with LayerNorm "ln"; x [N, tokens, width].
+class ViTEncoder : public nn::Module {
+ public:
+  ViTEncoder(int64_t tokens, const ViTOptions& options);
+  Tensor forward(const Tensor& x) override;
+  std::vector<std::shared_ptr<EncoderBlock>> blocks;
+  std::shared_ptr<nn::LayerNorm> ln;
+};
+
+// Children are called through operator() (nn/module.h), so the model streams (stream_layers).
 class VisionTransformer : public nn::Module {
  public:
   explicit VisionTransformer(const ViTOptions& options = {});
@@ -49,10 +60,8 @@ class VisionTransformer : public nn::Module {
   Tensor forward(const Tensor& x) override;
   ViTOptions options;
   std::shared_ptr<nn::Conv2d> conv_proj;
-  std::shared_ptr<nn::Module> encoder;  // holds pos_embedding, layers, ln
-  std::vector<std::shared_ptr<EncoderBlock>> blocks;
-  std::shared_ptr<nn::LayerNorm> encoder_ln;
-  std::shared_ptr<nn::Linear> head;
+  std::shared_ptr<ViTEncoder> encoder;
+  std::shared_ptr<nn::Linear> head;  // "heads.head"
 };
 
 // The built-in "vit": 4x4 patches -> 49 tokens + class token, width 128, 4 blocks of 4 heads, MLP 512,

@@ -226,6 +226,12 @@ class MultiheadAttention : public Module {
   double dropout;
   bool batch_first;
   std::shared_ptr<Linear> out_proj;
+
+ private:
+  // forward_attention's computation; it runs through Module::call (so a streamed mapping generates
+  // this module's parameters around it), with key = value = query when self_attention.
+  Output attend(const Tensor& query, const Tensor& key, const Tensor& value, bool self_attention,
+                const Tensor& key_padding_mask, bool need_weights, const Tensor& attn_mask, bool average_attn_weights);
 };
 
 namespace detail {

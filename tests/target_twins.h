@@ -38,3 +38,31 @@ inline double max_rel_diff(const Tensor& a, const Tensor& b) {
 }
 
 }  // namespace mn::testing
+
+#include "mapping/mapping_model.h"
+#include "mapping/targets.h"
+#include "nn/functional.h"
+
+namespace mn::testing {
+
+// One layerwise training step of the built-in `target` (latent 8, BatchNorm statistics written
+// back), plain or streamed (MappingOptions::stream_layers): its predictions, then each latent's
+// gradient, then the carried buffers, as flat vectors, for a bit-for-bit comparison.
+inline std::vector<std::vector<float>> mapped_step_values(const std::string& target, bool stream) {
+  manual_seed(1);
+  mapping::MappingOptions o{.latent_dim = 8, .strategy = "layerwise", .seed = 3};
+  o.write_back_buffers = true;
+  o.stream_layers = stream;
+  mapping::MappingModel model(mapping::make_target(target), o);
+  const Tensor x = random_tensor({2, 1, 28, 28}, 5);
+  const Tensor labels = from_vector(std::vector<int64_t>{3, 7}, Shape{2});
+  const Tensor out = model.run(x).predictions;
+  nn::functional::cross_entropy(out, labels).backward();
+  std::vector<std::vector<float>> values{out.to_vector<float>()};
+  for (const auto& [name, z] : model.named_latents()) values.push_back(z.grad().to_vector<float>());
+  for (const auto& [name, b] : model.buffers())
+    if (b.dtype() == DType::f32) values.push_back(b.to_vector<float>());
+  return values;
+}
+
+}  // namespace mn::testing

@@ -186,3 +186,8 @@ TEST_CASE("resnet targets: mn-train trains resnet20 through layerwise and export
   CHECK(exported.at("fc.weight").sizes() == Shape{10, 64});
   CHECK(exported.at("bn1.num_batches_tracked").to_vector<int64_t>() == std::vector<int64_t>{2});
 }
+
+TEST_CASE("resnet targets: resnet20 streamed module by module, bit for bit the plain mapped model") {
+  // Predictions, latent gradients and the written-back BatchNorm statistics.
+  CHECK(mn::testing::mapped_step_values("resnet20", true) == mn::testing::mapped_step_values("resnet20", false));
+}

@@ -94,3 +94,8 @@ TEST_CASE("vit target: every strategy maps the vit; latents get finite, non-zero
     opt.step();
   }
 }
+
+TEST_CASE("vit target: streamed module by module, bit for bit the plain mapped model") {
+  // Streaming reaches the attention through MultiheadAttention's call and the encoder's own forward.
+  CHECK(mn::testing::mapped_step_values("vit", true) == mn::testing::mapped_step_values("vit", false));
+}

@@ -40,9 +40,34 @@ MultiheadAttention::Output MultiheadAttention::forward_attention(const Tensor& q
                                                                  const Tensor& value, const Tensor& key_padding_mask,
                                                                  bool need_weights, const Tensor& attn_mask,
                                                                  bool average_attn_weights) {
+  MN_CHECK(query.defined() && key.defined() && value.defined(), ValueError, "MultiheadAttention(", embed_dim, ", ",
+           num_heads, "): query, key and value must be defined");
+  // Self-attention (one tensor for all three) passes it once, so a recomputation sees the same.
+  const bool self = query.impl() == key.impl() && key.impl() == value.impl();
+  const bool has_padding = key_padding_mask.defined(), has_mask = attn_mask.defined();
+  std::vector<Tensor> inputs{query};
+  if (!self) inputs.insert(inputs.end(), {key, value});
+  if (has_padding) inputs.push_back(key_padding_mask);
+  if (has_mask) inputs.push_back(attn_mask);
+  std::vector<Tensor> results =
+      call(inputs, [this, self, has_padding, has_mask, need_weights, average_attn_weights](const std::vector<Tensor>& in) {
+        size_t i = 0;
+        const Tensor q = in[i++];
+        const Tensor k = self ? q : in[i++];
+        const Tensor v = self ? q : in[i++];
+        const Tensor padding = has_padding ? in[i++] : Tensor();
+        const Tensor mask = has_mask ? in[i++] : Tensor();
+        Output o = attend(q, k, v, self, padding, need_weights, mask, average_attn_weights);
+        return need_weights ? std::vector<Tensor>{o.output, o.weights} : std::vector<Tensor>{o.output};
+      });
+  return {results[0], need_weights ? results[1] : Tensor()};
+}
+
+MultiheadAttention::Output MultiheadAttention::attend(const Tensor& query, const Tensor& key, const Tensor& value,
+                                                      bool self_attention, const Tensor& key_padding_mask,
+                                                      bool need_weights, const Tensor& attn_mask,
+                                                      bool average_attn_weights) {
   const std::string me = str("MultiheadAttention(", embed_dim, ", ", num_heads, ")");
-  MN_CHECK(query.defined() && key.defined() && value.defined(), ValueError, me,
-           ": query, key and value must be defined");
   const bool batched = query.dim() == 3;
   MN_CHECK((query.dim() == 2 || batched) && key.dim() == query.dim() && value.dim() == query.dim(), ValueError, me,
            ": query, key and value must all be 3-D (", (batch_first ? "[N, L, E]" : "[L, N, E]"),
@@ -66,7 +91,7 @@ MultiheadAttention::Output MultiheadAttention::forward_attention(const Tensor& q
   const Tensor w = param("in_proj_weight");
   const Tensor b = has_parameter("in_proj_bias") ? param("in_proj_bias") : Tensor();
   Tensor q, k, v;
-  if (query.impl() == key.impl() && key.impl() == value.impl()) {
+  if (self_attention) {
     std::vector<Tensor> qkv = chunk(F::linear(q_in, w, b), 3, -1);
     q = qkv[0], k = qkv[1], v = qkv[2];
   } else {
@@ -104,7 +129,7 @@ MultiheadAttention::Output MultiheadAttention::forward_attention(const Tensor& q
   F::AttentionOutput att =
       F::scaled_dot_product_attention_with_weights(heads(q, L), heads(k, S), heads(v, S), mask, p);
   // [N, H, L, head_dim] -> [N, L, E], projected out, back to the caller's layout.
-  Tensor out = out_proj->forward(reshape(permute(att.output, {0, 2, 1, 3}), {N, L, embed_dim}));
+  Tensor out = (*out_proj)(reshape(permute(att.output, {0, 2, 1, 3}), {N, L, embed_dim}));
   out = !batched ? squeeze(out, 0) : (batch_first ? out : transpose(out, 0, 1));
 
   Tensor weights;
