@@ -71,7 +71,8 @@ Tensor row_norm(const char* node, const Tensor& x, const Tensor& weight, const T
   if (autograd::needs_grad({&x, &weight, &bias}))
     autograd::record(
         node, {&x, &weight, &bias}, {&out},
-        [sx = SavedTensor::input(x), sw = SavedTensor::input(weight), bias_shape = bias.sizes(), save_mean, save_rstd,
+        [sx = SavedTensor::input(x), sw = SavedTensor::input(weight), bias_shape = bias.defined() ? bias.sizes() : Shape{},
+         save_mean, save_rstd,
          s, eps, node](const GradContext& c) -> TensorList {
           const Tensor x = sx.unpack(node), weight = sw.unpack(node);
           const Tensor& g = c.grad();
