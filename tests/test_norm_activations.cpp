@@ -182,6 +182,11 @@ TEST_CASE("layer_norm: gradcheck over 1, 2 and 3 normalised dims, with and witho
     CHECK(gradcheck(plain, {x}) == "");
     CHECK(gradgradcheck(affine, {x, w, b}) == "");
   }
+  // Bias without weight, over two dims, to second order.
+  const Tensor x2 = random_param({2, 3, 4}, 310, 2.0), b2 = random_param({3, 4}, 311);
+  const auto bias_only = [](const std::vector<Tensor>& t) { return F::layer_norm(t[0], {3, 4}, Tensor(), t[1]); };
+  CHECK(gradcheck(bias_only, {x2, b2}) == "");
+  CHECK(gradgradcheck(bias_only, {x2, b2}) == "");
   // A transposed input (the kernels take a dense copy) and weight only.
   const Tensor xt = random_param({5, 4}, 300);
   const Tensor w = add(random_tensor({5}, 301), 1.0).requires_grad_(true);
