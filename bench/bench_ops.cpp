@@ -1,9 +1,12 @@
 // Eager per-op overhead: a 1x16 add without and with autograd recording (end to end: allocation of
-// the output, dispatch, node creation and destruction), plus a tiny forward+backward chain.
+// the output, dispatch, node creation and destruction), plus a tiny forward+backward chain; and
+// layer_norm forward + backward at the ViT shape.
 #include <benchmark/benchmark.h>
 
 #include "autograd/node.h"
 #include "autograd/ops.h"
+#include "core/random.h"
+#include "nn/functional.h"
 
 using namespace mn;
 
@@ -46,3 +49,23 @@ static void BM_TinyChain_ForwardBackward(benchmark::State& state) {
   state.counters["ops_per_iter"] = 22;
 }
 BENCHMARK(BM_TinyChain_ForwardBackward);
+
+// layer_norm forward + backward at the ViT target's shape: 256 images x 50 tokens, width 128, with
+// the affine weight and bias (the fused row_norm kernels: one forward, one backward giving grad_x,
+// grad_weight and grad_bias). Bytes: x, y, grad_y and grad_x, 4 bytes each.
+static void BM_LayerNorm_ViT_ForwardBackward(benchmark::State& state) {
+  Generator gen(7);
+  Tensor x = randn({256 * 50, 128}, {}, &gen).requires_grad_(true);
+  Tensor w = ones({128}).requires_grad_(true), b = zeros({128}).requires_grad_(true);
+  Tensor g = randn({256 * 50, 128}, {}, &gen);
+  for (auto _ : state) {
+    Tensor y = nn::functional::layer_norm(x, {128}, w, b);
+    y.backward(g);
+    benchmark::DoNotOptimize(x.grad().raw_data());
+    x.set_grad(Tensor());
+    w.set_grad(Tensor());
+    b.set_grad(Tensor());
+  }
+  state.SetBytesProcessed(state.iterations() * 4 * x.numel() * 4);
+}
+BENCHMARK(BM_LayerNorm_ViT_ForwardBackward)->Unit(benchmark::kMicrosecond);

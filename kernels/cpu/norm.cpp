@@ -13,6 +13,7 @@
 #include "kernels/cpu/dim_layout.h"
 #include "kernels/cpu/loops.h"
 #include "kernels/kernels.h"
+#include "kernels/norm_check.h"
 
 namespace mn::kernels {
 namespace {
@@ -24,15 +25,6 @@ constexpr int64_t kChunkElements = 32768;
 
 Tensor dense_or_undefined(const Tensor& t) { return t.defined() ? cpu::dense(t) : t; }
 const float* data_or_null(const Tensor& t) { return t.defined() ? t.data<float>() : nullptr; }
-
-void check_layout(const RowNormLayout& s, const Tensor& x, const Tensor& weight, const char* kernel) {
-  MN_CHECK(s.rows >= 0 && s.row_len >= 0 && s.groups >= 1 && s.inner >= 1 && s.rows % s.groups == 0 &&
-               s.row_len % s.inner == 0 && s.rows * s.row_len == x.numel(),
-           ValueError, kernel, ": layout rows ", s.rows, " x ", s.row_len, " (groups ", s.groups, ", inner ", s.inner,
-           ") does not fit x of shape ", x.sizes());
-  MN_CHECK(!weight.defined() || weight.numel() == s.channels(), ValueError, kernel, ": expected ", s.channels(),
-           " affine entries, got weight of shape ", weight.sizes());
-}
 
 // Calls f(begin, len, channel, per_element) for the runs of row r that share an affine layout:
 // the whole row when inner == 1 (element begin + i has channel `channel + i`, per_element true), else
@@ -56,7 +48,7 @@ inline float affine_at(const float* p, float fallback, int64_t channel, int64_t 
 
 void row_norm_forward_cpu(const Tensor& x_in, const Tensor& weight, const Tensor& bias, const RowNormLayout& s,
                           double eps, Tensor& out, Tensor& mean, Tensor& rstd) {
-  check_layout(s, x_in, weight, "row_norm_forward");
+  check_row_norm_layout(s, x_in, weight, "row_norm_forward");
   cpu::require_contiguous_output(out, "row_norm_forward", "out");
   cpu::require_contiguous_output(mean, "row_norm_forward", "mean");
   cpu::require_contiguous_output(rstd, "row_norm_forward", "rstd");
@@ -96,7 +88,7 @@ void row_norm_forward_cpu(const Tensor& x_in, const Tensor& weight, const Tensor
 void row_norm_backward_cpu(const Tensor& grad_out, const Tensor& x_in, const Tensor& weight, const Tensor& mean,
                            const Tensor& rstd, const RowNormLayout& s, Tensor& grad_x, Tensor& grad_weight,
                            Tensor& grad_bias) {
-  check_layout(s, x_in, weight, "row_norm_backward");
+  check_row_norm_layout(s, x_in, weight, "row_norm_backward");
   if (grad_x.defined()) cpu::require_contiguous_output(grad_x, "row_norm_backward", "grad_x");
   if (grad_weight.defined()) cpu::require_contiguous_output(grad_weight, "row_norm_backward", "grad_weight");
   if (grad_bias.defined()) cpu::require_contiguous_output(grad_bias, "row_norm_backward", "grad_bias");

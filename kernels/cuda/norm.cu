@@ -11,6 +11,7 @@
 #include <cmath>
 
 #include "kernels/cuda/compute_utils.cuh"
+#include "kernels/norm_check.h"
 
 namespace mn::kernels {
 namespace {
@@ -22,15 +23,6 @@ constexpr int64_t kChunkElements = 256;
 
 const float* data_or_null(const Tensor& t) { return t.defined() ? static_cast<const float*>(t.raw_data()) : nullptr; }
 float* mutable_or_null(const Tensor& t) { return t.defined() ? static_cast<float*>(t.raw_data()) : nullptr; }
-
-void check_layout(const RowNormLayout& s, const Tensor& x, const Tensor& weight, const char* kernel) {
-  MN_CHECK(s.rows >= 0 && s.row_len >= 0 && s.groups >= 1 && s.inner >= 1 && s.rows % s.groups == 0 &&
-               s.row_len % s.inner == 0 && s.rows * s.row_len == x.numel(),
-           ValueError, kernel, ": layout rows ", s.rows, " x ", s.row_len, " (groups ", s.groups, ", inner ", s.inner,
-           ") does not fit x of shape ", x.sizes());
-  MN_CHECK(!weight.defined() || weight.numel() == s.channels(), ValueError, kernel, ": expected ", s.channels(),
-           " affine entries, got weight of shape ", weight.sizes());
-}
 
 void require_contiguous(const Tensor& t, const char* kernel, const char* arg) {
   MN_CHECK(!t.defined() || t.is_contiguous(), ValueError, kernel, ": output '", arg, "' must be contiguous, got shape ",
@@ -149,7 +141,7 @@ __global__ void affine_merge_kernel(const float* partial, int64_t channels, int6
 
 void row_norm_forward_cuda(const Tensor& x_in, const Tensor& weight, const Tensor& bias, const RowNormLayout& s,
                            double eps, Tensor& out, Tensor& mean, Tensor& rstd) {
-  check_layout(s, x_in, weight, "row_norm_forward");
+  check_row_norm_layout(s, x_in, weight, "row_norm_forward");
   require_contiguous(out, "row_norm_forward", "out");
   require_contiguous(mean, "row_norm_forward", "mean");
   require_contiguous(rstd, "row_norm_forward", "rstd");
@@ -166,7 +158,7 @@ void row_norm_forward_cuda(const Tensor& x_in, const Tensor& weight, const Tenso
 void row_norm_backward_cuda(const Tensor& grad_out, const Tensor& x_in, const Tensor& weight, const Tensor& mean_in,
                             const Tensor& rstd_in, const RowNormLayout& s, Tensor& grad_x, Tensor& grad_weight,
                             Tensor& grad_bias) {
-  check_layout(s, x_in, weight, "row_norm_backward");
+  check_row_norm_layout(s, x_in, weight, "row_norm_backward");
   require_contiguous(grad_x, "row_norm_backward", "grad_x");
   require_contiguous(grad_weight, "row_norm_backward", "grad_weight");
   require_contiguous(grad_bias, "row_norm_backward", "grad_bias");

@@ -44,7 +44,7 @@ Tensor per_position(const Tensor& v, const RowNormLayout& s) {
 
 // The backward written with differentiable ops (used when it is itself being recorded).
 TensorList recorded_backward(const GradContext& c, const Tensor& g, const Tensor& x, const Tensor& weight,
-                             const RowNormLayout& s, double eps) {
+                             const Shape& bias_shape, const RowNormLayout& s, double eps) {
   const Shape rows{s.rows / s.groups, s.groups, s.row_len};
   const Tensor xr = reshape(x, rows), gr = reshape(g, rows);
   const Tensor centered = sub(xr, mean(xr, 2, true));
@@ -57,7 +57,7 @@ TensorList recorded_backward(const GradContext& c, const Tensor& g, const Tensor
     gx = reshape(mul(rstd, inner), x.sizes());
   }
   if (c.needs(1)) gw = per_channel(sum(mul(gr, x_hat), 0), s, weight.sizes());
-  if (c.needs(2)) gb = per_channel(sum(gr, 0), s, weight.defined() ? weight.sizes() : Shape{s.channels()});
+  if (c.needs(2)) gb = per_channel(sum(gr, 0), s, bias_shape);
   return {gx, gw, gb};
 }
 
@@ -68,14 +68,15 @@ Tensor row_norm(const char* node, const Tensor& x, const Tensor& weight, const T
   Tensor save_mean = empty({s.rows}, options_of(x));
   Tensor save_rstd = empty({s.rows}, options_of(x));
   kernels::row_norm_forward(x.device(), x, weight, bias, s, eps, out, save_mean, save_rstd);
+  const Shape bias_shape = bias.defined() ? bias.sizes() : Shape{};
   if (autograd::needs_grad({&x, &weight, &bias}))
     autograd::record(
         node, {&x, &weight, &bias}, {&out},
-        [sx = SavedTensor::input(x), sw = SavedTensor::input(weight), bias_shape = bias.sizes(), save_mean, save_rstd,
-         s, eps, node](const GradContext& c) -> TensorList {
+        [sx = SavedTensor::input(x), sw = SavedTensor::input(weight), bias_shape, save_mean, save_rstd, s, eps,
+         node](const GradContext& c) -> TensorList {
           const Tensor x = sx.unpack(node), weight = sw.unpack(node);
           const Tensor& g = c.grad();
-          if (autograd::grad_mode_enabled()) return recorded_backward(c, g, x, weight, s, eps);
+          if (autograd::grad_mode_enabled()) return recorded_backward(c, g, x, weight, bias_shape, s, eps);
           Tensor gx = c.needs(0) ? empty(x.sizes(), options_of(x)) : Tensor();
           Tensor gw = c.needs(1) ? empty(weight.sizes(), options_of(x)) : Tensor();
           Tensor gb = c.needs(2) ? empty(bias_shape, options_of(x)) : Tensor();

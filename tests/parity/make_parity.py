@@ -457,9 +457,70 @@ def losses_ext():
     save("losses_ext", out)
 
 
+def norm_activations():
+    """layer_norm / group_norm (values and gradients of x, weight, bias) and the activations of
+    issue 18 (values and input gradients, NaN and infinities included)."""
+    torch.manual_seed(18)
+    out = {}
+
+    def param(*shape, positive=False):
+        t = torch.rand(*shape) + 0.5 if positive else torch.randn(*shape)
+        return t.requires_grad_(True)
+
+    def record(tag, fn, x, w, b):
+        y = fn(x, w, b)
+        weighted_backward(y, tag + "_y", out)
+        out.update({tag + "_x": x, tag + "_y": y, tag + "_gx": x.grad})
+        if w is not None:
+            out.update({tag + "_weight": w, tag + "_bias": b, tag + "_gweight": w.grad, tag + "_gbias": b.grad})
+
+    for tag, shape, k, affine in (("ln1", (4, 7), 1, True), ("ln2", (2, 3, 4, 5), 2, True),
+                                  ("ln3", (3, 2, 3, 4), 3, True), ("ln_plain", (5, 6), 1, False)):
+        norm_shape = shape[-k:]
+        x = (torch.randn(*shape) * 2 + 0.5).requires_grad_(True)
+        w, b = (param(*norm_shape, positive=True), param(*norm_shape)) if affine else (None, None)
+        record(tag, lambda x, w, b: F.layer_norm(x, norm_shape, w, b, eps=1e-5), x, w, b)
+    for tag, shape, groups, affine in (("gn2", (3, 6, 4, 5), 2, True), ("gn1", (2, 4, 3), 1, True),
+                                       ("gnC", (2, 4, 3, 3), 4, True), ("gn_flat", (4, 6), 3, True),
+                                       ("gn_plain", (2, 6, 5), 3, False)):
+        x = (torch.randn(*shape) * 2 - 0.3).requires_grad_(True)
+        w, b = (param(shape[1], positive=True), param(shape[1])) if affine else (None, None)
+        record(tag, lambda x, w, b: F.group_norm(x, groups, w, b, eps=1e-5), x, w, b)
+
+    # Activations: random values, the boundaries (hardtanh bounds, softplus threshold), NaN, +-inf.
+    # The special values go one element at a time: PyTorch 1.13's vectorised CPU loops disagree with
+    # its scalar loops (and its CUDA kernels) at NaN for the elu and hardtanh gradients (NaN and 0
+    # against the gradient itself); the library follows the scalar/CUDA formula.
+    special = torch.tensor([float("nan"), float("inf"), float("-inf"), 0.0, 1.0, -1.0, 0.5, -2.0, 2.5, 10.0,
+                            25.0, -25.0, 100.0, -100.0])
+    randoms = 40
+    x = torch.cat([torch.randn(randoms) * 4, special])
+    activations = {
+        "silu": F.silu, "logsigmoid": F.logsigmoid,
+        "leaky_relu": F.leaky_relu, "leaky_relu_02": lambda t: F.leaky_relu(t, 0.2),
+        "elu": F.elu, "elu_15": lambda t: F.elu(t, 1.5),
+        "hardtanh": F.hardtanh, "hardtanh_m2_05": lambda t: F.hardtanh(t, -2.0, 0.5),
+        "softplus": F.softplus, "softplus_2_5": lambda t: F.softplus(t, 2.0, 5.0),
+    }
+    out["act_x"] = x
+    out["act_grad"] = torch.linspace(0.5, 1.5, x.numel())
+    for tag, fn in activations.items():
+        ys, gs = [], []
+        for part in [x[:randoms]] + [x[i:i + 1] for i in range(randoms, x.numel())]:
+            xi = part.clone().requires_grad_(True)
+            y = fn(xi)
+            start = len(torch.cat(ys)) if ys else 0
+            y.backward(out["act_grad"][start:start + part.numel()])
+            ys.append(y.detach())
+            gs.append(xi.grad)
+        out["act_" + tag + "_y"] = torch.cat(ys)
+        out["act_" + tag + "_gx"] = torch.cat(gs)
+    save("norm_activations", out, {"eps": 1e-5})
+
+
 CASES = {"conv2d": conv2d, "pooling": pooling, "batch_norm": batch_norm, "lstm": lstm, "losses": losses,
          "optim": optimizers, "nan": nan_propagation, "adam_beta2": adam_beta2, "var_std": var_std,
-         "attention": attention, "losses_ext": losses_ext}
+         "attention": attention, "losses_ext": losses_ext, "norm_activations": norm_activations}
 
 if __name__ == "__main__":
     # With no arguments every case is written; otherwise only the named ones. The first six cases draw
