@@ -10,6 +10,7 @@
 #include "autograd/ops.h"
 #include "core/capture.h"
 #include "kernels/kernels.h"
+#include "nn/optim_step.h"
 
 namespace mn::nn::optim {
 
@@ -187,12 +188,7 @@ SGD::SGD(std::vector<Tensor> params, SGDOptions o) : Optimizer(std::move(params)
 void SGD::step() {
   capture::unsupported("SGD::step() passes host-side step counts and learning rates to its kernels");
   check_options(options);
-  autograd::NoGradGuard no_grad;
-  ++steps_;
-  for (size_t i = 0; i < params_.size(); ++i) {
-    Tensor& p = params_[i];
-    if (!p.grad().defined()) continue;
-    MN_CHECK(p.is_contiguous(), ValueError, "SGD: parameter ", i, " must be contiguous");
+  detail::update_each_parameter("SGD", steps_, params_, [&](size_t i, Tensor& p) {
     Tensor g = dense_grad(p);
     Tensor buf;
     bool first = false;
@@ -203,8 +199,7 @@ void SGD::step() {
     kernels::sgd_step(p.device(), p, g, buf,
                       kernels::SgdParams{options.lr, options.momentum, options.dampening, options.weight_decay,
                                          options.nesterov, first});
-    p.bump_version();
-  }
+  });
 }
 
 namespace {
@@ -225,12 +220,7 @@ Adam::Adam(std::vector<Tensor> params, AdamOptions o, bool decoupled)
 void Adam::step() {
   capture::unsupported("Adam::step() passes host-side step counts and learning rates to its kernels");
   check_options(options);
-  autograd::NoGradGuard no_grad;
-  ++steps_;
-  for (size_t i = 0; i < params_.size(); ++i) {
-    Tensor& p = params_[i];
-    if (!p.grad().defined()) continue;
-    MN_CHECK(p.is_contiguous(), ValueError, name(), ": parameter ", i, " must be contiguous");
+  detail::update_each_parameter(name(), steps_, params_, [&](size_t i, Tensor& p) {
     Tensor g = dense_grad(p);
     Tensor& m = state_tensor(state_[i], "exp_avg", p);
     Tensor& v = state_tensor(state_[i], "exp_avg_sq", p);
@@ -241,8 +231,7 @@ void Adam::step() {
       kernels::adam_amsgrad_step(p.device(), p, g, m, v, state_tensor(state_[i], "max_exp_avg_sq", p), k);
     else
       kernels::adam_step(p.device(), p, g, m, v, k);
-    p.bump_version();
-  }
+  });
 }
 
 AdamW::AdamW(std::vector<Tensor> params, AdamOptions o) : Adam(std::move(params), o, /*decoupled=*/true) {}

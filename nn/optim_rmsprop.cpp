@@ -1,9 +1,9 @@
 // torch.optim.RMSprop over the fused rmsprop_step kernel (kernels/optim_update.h has the update rule).
-#include "autograd/node.h"
 #include "autograd/ops.h"
 #include "core/capture.h"
 #include "kernels/kernels.h"
 #include "nn/optim.h"
+#include "nn/optim_step.h"
 
 namespace mn::nn::optim {
 
@@ -33,12 +33,7 @@ std::vector<Optimizer::StateEntry> RMSprop::state_entries() const {
 void RMSprop::step() {
   capture::unsupported("RMSprop::step() passes host-side learning rates to its kernel");
   check_options(options);
-  autograd::NoGradGuard no_grad;
-  ++steps_;
-  for (size_t i = 0; i < params_.size(); ++i) {
-    Tensor& p = params_[i];
-    if (!p.grad().defined()) continue;
-    MN_CHECK(p.is_contiguous(), ValueError, "RMSprop: parameter ", i, " must be contiguous");
+  detail::update_each_parameter("RMSprop", steps_, params_, [&](size_t i, Tensor& p) {
     Tensor g = dense_grad(p);
     Tensor& square_avg = state_tensor(state_[i], "square_avg", p);
     // Buffers start at zero, as in PyTorch (the momentum buffer too, unlike SGD's).
@@ -48,8 +43,7 @@ void RMSprop::step() {
     kernels::rmsprop_step(p.device(), p, g, square_avg, buf, grad_avg,
                           kernels::RmspropParams{options.lr, options.alpha, options.eps, options.weight_decay,
                                                  options.momentum, options.centered});
-    p.bump_version();
-  }
+  });
 }
 
 }  // namespace mn::nn::optim

@@ -57,6 +57,17 @@ def weighted_backward(y, name, out):
     out[name + "_weight"] = w
 
 
+def trajectories(makers, init, grads, out):
+    """For each optimizer maker: a parameter from init, stepped with each gradient; <name>_step<i> after step i."""
+    for name, make in makers.items():
+        p = init.clone().requires_grad_(True)
+        opt = make(p)
+        for i, g in enumerate(grads):
+            p.grad = g.clone()
+            opt.step()
+            out[f"{name}_step{i}"] = p.detach().clone()
+
+
 def conv2d():
     out = {}
     configs = [("plain", 1, 0, 1, 1), ("stride_pad", 2, 1, 1, 1), ("dilation", 1, 2, 2, 1), ("groups", 1, 1, 1, 2)]
@@ -161,13 +172,7 @@ def optimizers():
         "adam": lambda p: torch.optim.Adam([p], lr=0.01, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1),
         "adamw": lambda p: torch.optim.AdamW([p], lr=0.01, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1),
     }
-    for name, make in cases.items():
-        p = init.clone().requires_grad_(True)
-        opt = make(p)
-        for i, g in enumerate(grads):
-            p.grad = g.clone()
-            opt.step()
-            out[f"{name}_step{i}"] = p.detach().clone()
+    trajectories(cases, init, grads, out)
     # Schedulers: learning rate after each of 8 epochs.
     sched = {
         "step": lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=3, gamma=0.5),
@@ -447,13 +452,7 @@ def losses_ext():
         "rms_all": lambda p: torch.optim.RMSprop([p], lr=0.02, alpha=0.95, momentum=0.5, centered=True,
                                                  weight_decay=0.05),
     }
-    for name, make in opts.items():
-        p = init.clone().requires_grad_(True)
-        opt = make(p)
-        for i, g in enumerate(grads):
-            p.grad = g.clone()
-            opt.step()
-            out[f"{name}_step{i}"] = p.detach().clone()
+    trajectories(opts, init, grads, out)
     save("losses_ext", out)
 
 
