@@ -6,6 +6,7 @@
 #include <algorithm>
 
 #include "kernels/cpu/dim_layout.h"
+#include "kernels/gather_shape.h"
 
 namespace mn::kernels {
 namespace {
@@ -48,18 +49,6 @@ Walk walk_of(const Tensor& index, int dim, const Tensor& a, const Tensor& b) {
   return w;
 }
 
-void check_index_shape(const char* op, const Tensor& index, int dim, const Tensor& target, const char* target_name,
-                       const Tensor& other, const char* other_name) {
-  MN_CHECK(index.dtype() == DType::i64, TypeError, op, ": expected an i64 index, got ", index.dtype());
-  MN_CHECK(index.dim() == target.dim() && index.dim() == other.dim() && target.dim() >= 1, ValueError, op,
-           ": index, ", target_name, " and ", other_name, " must have the same number of dims (at least 1), got ",
-           index.sizes(), ", ", target.sizes(), " and ", other.sizes());
-  MN_CHECK(dim >= 0 && dim < target.dim(), IndexError, op, ": dim ", dim, " is out of range for shape ",
-           target.sizes());
-  MN_CHECK(target.dtype() == other.dtype(), TypeError, op, ": '", target_name, "' is ", target.dtype(), " but '",
-           other_name, "' is ", other.dtype());
-}
-
 // Every index value in [0, size) (walks the index through its strides).
 void check_values(const char* op, const Tensor& index, int dim, int64_t size, const Shape& shape) {
   const Tensor idx = cpu::dense(index);
@@ -82,13 +71,7 @@ void gather_loop(const T* in, const int64_t* idx, const Walk& w, T* out) {
 }
 
 void gather_cpu(const Tensor& in, int dim, const Tensor& index, Tensor& out) {
-  check_index_shape("gather", index, dim, in, "input", out, "out");
-  cpu::require_contiguous_output(out, "gather", "out");
-  MN_CHECK(out.sizes() == index.sizes(), ValueError, "gather: out of shape ", out.sizes(),
-           " does not match index of shape ", index.sizes());
-  for (int d = 0; d < in.dim(); ++d)
-    MN_CHECK(d == dim || index.size(d) <= in.size(d), ValueError, "gather: index of shape ", index.sizes(),
-             " is larger than input of shape ", in.sizes(), " in dimension ", d);
+  check_gather_shapes(in, dim, index, out);
   check_values("gather", index, dim, in.size(dim), in.sizes());
   if (out.numel() == 0) return;
   const Walk w = walk_of(index, dim, in, out);
@@ -109,13 +92,7 @@ void scatter_loop(T* out, const int64_t* idx, const Walk& w, const T* src) {
 }
 
 void scatter_add_cpu(Tensor& out, int dim, const Tensor& index, const Tensor& src) {
-  check_index_shape("scatter_add", index, dim, out, "out", src, "src");
-  for (int d = 0; d < out.dim(); ++d) {
-    MN_CHECK(index.size(d) <= src.size(d), ValueError, "scatter_add: index of shape ", index.sizes(),
-             " is larger than src of shape ", src.sizes(), " in dimension ", d);
-    MN_CHECK(d == dim || index.size(d) <= out.size(d), ValueError, "scatter_add: index of shape ", index.sizes(),
-             " is larger than self of shape ", out.sizes(), " in dimension ", d);
-  }
+  check_scatter_shapes(out, dim, index, src);
   check_values("scatter_add", index, dim, out.size(dim), out.sizes());
   if (index.numel() == 0) return;
   Tensor target = cpu::dense(out);  // accumulate into a dense copy when out is strided, then write back

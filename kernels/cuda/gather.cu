@@ -4,6 +4,7 @@
 // order (bitwise the same, no atomics). Index values are validated on the device first
 // (cuda::first_invalid_index: one stream synchronisation), so a bad one throws IndexError cleanly.
 #include "kernels/cuda/compute_utils.cuh"
+#include "kernels/gather_shape.h"
 
 namespace mn::kernels {
 namespace {
@@ -48,20 +49,12 @@ Walk walk_of(const Tensor& index, int dim, const Tensor& a, const Tensor& b) {
   return w;
 }
 
-void check_index_shape(const char* op, const Tensor& index, int dim, const Tensor& target, const char* target_name,
-                       const Tensor& other, const char* other_name) {
+void check_devices(const char* op, const Tensor& target, const char* target_name, const Tensor& index,
+                   const Tensor& other, const char* other_name) {
   MN_CHECK(target.device().is_cuda(), DeviceError, op, ": expected '", target_name, "' on a CUDA device, got ",
            target.device());
   cuda::check_on_device(op, index, target.device().index, "index");
   cuda::check_on_device(op, other, target.device().index, other_name);
-  MN_CHECK(index.dtype() == DType::i64, TypeError, op, ": expected an i64 index, got ", index.dtype());
-  MN_CHECK(index.dim() == target.dim() && index.dim() == other.dim() && target.dim() >= 1, ValueError, op,
-           ": index, ", target_name, " and ", other_name, " must have the same number of dims (at least 1), got ",
-           index.sizes(), ", ", target.sizes(), " and ", other.sizes());
-  MN_CHECK(dim >= 0 && dim < target.dim(), IndexError, op, ": dim ", dim, " is out of range for shape ",
-           target.sizes());
-  MN_CHECK(target.dtype() == other.dtype(), TypeError, op, ": '", target_name, "' is ", target.dtype(), " but '",
-           other_name, "' is ", other.dtype());
 }
 
 void check_values(const char* op, const Tensor& index, int dim, int64_t size, const Shape& shape) {
@@ -85,12 +78,8 @@ __global__ void gather_kernel(const T* in, const int64_t* idx, Walk w, T* out) {
 }
 
 void gather_cuda(const Tensor& in, int dim, const Tensor& index, Tensor& out) {
-  check_index_shape("gather", index, dim, in, "input", out, "out");
-  MN_CHECK(out.is_contiguous() && out.sizes() == index.sizes(), ValueError, "gather: out of shape ", out.sizes(),
-           " must be contiguous and match index of shape ", index.sizes());
-  for (int d = 0; d < in.dim(); ++d)
-    MN_CHECK(d == dim || index.size(d) <= in.size(d), ValueError, "gather: index of shape ", index.sizes(),
-             " is larger than input of shape ", in.sizes(), " in dimension ", d);
+  check_devices("gather", in, "input", index, out, "out");
+  check_gather_shapes(in, dim, index, out);
   check_values("gather", index, dim, in.size(dim), in.sizes());
   const int64_t total = out.numel();
   if (total == 0) return;
@@ -117,13 +106,8 @@ __global__ void scatter_kernel(T* out, const int64_t* idx, Walk w, const T* src)
 }
 
 void scatter_add_cuda(Tensor& out, int dim, const Tensor& index, const Tensor& src) {
-  check_index_shape("scatter_add", index, dim, out, "out", src, "src");
-  for (int d = 0; d < out.dim(); ++d) {
-    MN_CHECK(index.size(d) <= src.size(d), ValueError, "scatter_add: index of shape ", index.sizes(),
-             " is larger than src of shape ", src.sizes(), " in dimension ", d);
-    MN_CHECK(d == dim || index.size(d) <= out.size(d), ValueError, "scatter_add: index of shape ", index.sizes(),
-             " is larger than self of shape ", out.sizes(), " in dimension ", d);
-  }
+  check_devices("scatter_add", out, "out", index, src, "src");
+  check_scatter_shapes(out, dim, index, src);
   check_values("scatter_add", index, dim, out.size(dim), out.sizes());
   if (index.numel() == 0) return;
   Tensor target = cuda::dense(out);  // accumulate into a dense copy when out is strided, then write back
