@@ -7,24 +7,10 @@
 #include <limits>
 
 #include "kernels/cpu/dim_layout.h"
+#include "kernels/adaptive_pool_shape.h"
 
 namespace mn::kernels {
 namespace {
-
-struct Planes {
-  int64_t planes, height, width, out_h, out_w;
-};
-
-Planes planes_of(const Shape& in, const Shape& out, const char* op) {
-  MN_CHECK(in.size() == 4 && out.size() == 4 && in[0] == out[0] && in[1] == out[1], ValueError, op,
-           " kernel: expected [N, C, H, W] input and output with equal N and C, got ", in, " and ", out);
-  MN_CHECK(in[2] > 0 && in[3] > 0 && out[2] > 0 && out[3] > 0, ValueError, op,
-           " kernel: expected non-empty input and output planes, got ", in, " and ", out);
-  return {in[0] * in[1], in[2], in[3], out[2], out[3]};
-}
-
-inline int64_t window_start(int64_t i, int64_t in, int64_t out) { return i * in / out; }
-inline int64_t window_end(int64_t i, int64_t in, int64_t out) { return ((i + 1) * in + out - 1) / out; }
 
 template <class F>
 void for_each_plane(int64_t planes, int64_t work, F&& f) {
@@ -33,7 +19,7 @@ void for_each_plane(int64_t planes, int64_t work, F&& f) {
 }
 
 void adaptive_avg_pool2d_forward_cpu(const Tensor& x, Tensor& out) {
-  const Planes s = planes_of(x.sizes(), out.sizes(), "adaptive_avg_pool2d");
+  const AdaptivePlanes s = adaptive_planes(x.sizes(), out.sizes(), "adaptive_avg_pool2d");
   cpu::require_contiguous_output(out, "adaptive_avg_pool2d", "out");
   const Tensor xd = cpu::dense(x);
   const float* xp = xd.data<float>();
@@ -55,7 +41,7 @@ void adaptive_avg_pool2d_forward_cpu(const Tensor& x, Tensor& out) {
 }
 
 void adaptive_avg_pool2d_backward_cpu(const Tensor& grad_out, Tensor& grad_x) {
-  const Planes s = planes_of(grad_x.sizes(), grad_out.sizes(), "adaptive_avg_pool2d backward");
+  const AdaptivePlanes s = adaptive_planes(grad_x.sizes(), grad_out.sizes(), "adaptive_avg_pool2d backward");
   cpu::require_contiguous_output(grad_x, "adaptive_avg_pool2d backward", "grad_x");
   const Tensor go = cpu::dense(grad_out);
   const float* gp = go.data<float>();
@@ -77,7 +63,7 @@ void adaptive_avg_pool2d_backward_cpu(const Tensor& grad_out, Tensor& grad_x) {
 }
 
 void adaptive_max_pool2d_forward_cpu(const Tensor& x, Tensor& out, Tensor& indices) {
-  const Planes s = planes_of(x.sizes(), out.sizes(), "adaptive_max_pool2d");
+  const AdaptivePlanes s = adaptive_planes(x.sizes(), out.sizes(), "adaptive_max_pool2d");
   cpu::require_contiguous_output(out, "adaptive_max_pool2d", "out");
   cpu::require_contiguous_output(indices, "adaptive_max_pool2d", "indices");
   const Tensor xd = cpu::dense(x);

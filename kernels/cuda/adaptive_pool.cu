@@ -7,26 +7,12 @@
 #include <cmath>
 
 #include "kernels/cuda/compute_utils.cuh"
+#include "kernels/adaptive_pool_shape.h"
 
 namespace mn::kernels {
 namespace {
 
 using cuda::kThreads;
-
-struct Planes {
-  int64_t planes, height, width, out_h, out_w;
-};
-
-Planes planes_of(const Shape& in, const Shape& out, const char* op) {
-  MN_CHECK(in.size() == 4 && out.size() == 4 && in[0] == out[0] && in[1] == out[1], ValueError, op,
-           " kernel: expected [N, C, H, W] input and output with equal N and C, got ", in, " and ", out);
-  MN_CHECK(in[2] > 0 && in[3] > 0 && out[2] > 0 && out[3] > 0, ValueError, op,
-           " kernel: expected non-empty input and output planes, got ", in, " and ", out);
-  return {in[0] * in[1], in[2], in[3], out[2], out[3]};
-}
-
-__device__ inline int64_t window_start(int64_t i, int64_t in, int64_t out) { return i * in / out; }
-__device__ inline int64_t window_end(int64_t i, int64_t in, int64_t out) { return ((i + 1) * in + out - 1) / out; }
 
 // x read through its strides: plane = n*C + c.
 struct Input {
@@ -41,7 +27,7 @@ Input input_of(const Tensor& x) {
   return {static_cast<const float*>(x.raw_data()), x.size(1), x.stride(0), x.stride(1), x.stride(2), x.stride(3)};
 }
 
-__global__ void adaptive_avg_forward_kernel(Input in, Planes s, float* out) {
+__global__ void adaptive_avg_forward_kernel(Input in, AdaptivePlanes s, float* out) {
   const int64_t total = s.planes * s.out_h * s.out_w;
   MN_CUDA_KERNEL_LOOP(l, total) {
     const int64_t ox = l % s.out_w, t = l / s.out_w;
@@ -57,7 +43,7 @@ __global__ void adaptive_avg_forward_kernel(Input in, Planes s, float* out) {
 }
 
 void adaptive_avg_pool2d_forward_cuda(const Tensor& x, Tensor& out) {
-  const Planes s = planes_of(x.sizes(), out.sizes(), "adaptive_avg_pool2d");
+  const AdaptivePlanes s = adaptive_planes(x.sizes(), out.sizes(), "adaptive_avg_pool2d");
   MN_CHECK(out.is_contiguous(), ValueError, "adaptive_avg_pool2d kernel: out must be contiguous");
   const int64_t total = out.numel();
   adaptive_avg_forward_kernel<<<cuda::blocks_for(total), kThreads, 0, cuda::stream_of(out)>>>(
@@ -73,7 +59,7 @@ __device__ inline void covering(int64_t y, int64_t in, int64_t out, int64_t* fir
   *last = (o < out ? o : out) - 1;
 }
 
-__global__ void adaptive_avg_backward_kernel(const float* g, Planes s, float* gx) {
+__global__ void adaptive_avg_backward_kernel(const float* g, AdaptivePlanes s, float* gx) {
   const int64_t total = s.planes * s.height * s.width;
   MN_CUDA_KERNEL_LOOP(l, total) {
     const int64_t x = l % s.width, t = l / s.width;
@@ -98,14 +84,14 @@ __global__ void adaptive_avg_backward_kernel(const float* g, Planes s, float* gx
 
 void adaptive_avg_pool2d_backward_cuda(const Tensor& grad_out, Tensor& grad_x) {
   MN_CHECK(grad_x.is_contiguous(), ValueError, "adaptive_avg_pool2d backward: grad_x must be contiguous");
-  const Planes s = planes_of(grad_x.sizes(), grad_out.sizes(), "adaptive_avg_pool2d backward");
+  const AdaptivePlanes s = adaptive_planes(grad_x.sizes(), grad_out.sizes(), "adaptive_avg_pool2d backward");
   const Tensor go = cuda::dense(grad_out);
   adaptive_avg_backward_kernel<<<cuda::blocks_for(grad_x.numel()), kThreads, 0, cuda::stream_of(grad_x)>>>(
       static_cast<const float*>(go.raw_data()), s, static_cast<float*>(grad_x.raw_data()));
   MN_CUDA_CHECK_LAUNCH();
 }
 
-__global__ void adaptive_max_forward_kernel(Input in, Planes s, float* out, int64_t* indices) {
+__global__ void adaptive_max_forward_kernel(Input in, AdaptivePlanes s, float* out, int64_t* indices) {
   const int64_t total = s.planes * s.out_h * s.out_w;
   MN_CUDA_KERNEL_LOOP(l, total) {
     const int64_t ox = l % s.out_w, t = l / s.out_w;
@@ -134,7 +120,7 @@ __global__ void adaptive_max_forward_kernel(Input in, Planes s, float* out, int6
 }
 
 void adaptive_max_pool2d_forward_cuda(const Tensor& x, Tensor& out, Tensor& indices) {
-  const Planes s = planes_of(x.sizes(), out.sizes(), "adaptive_max_pool2d");
+  const AdaptivePlanes s = adaptive_planes(x.sizes(), out.sizes(), "adaptive_max_pool2d");
   MN_CHECK(out.is_contiguous() && indices.is_contiguous() && indices.dtype() == DType::i64, ValueError,
            "adaptive_max_pool2d kernel: out and indices (i64) must be contiguous");
   adaptive_max_forward_kernel<<<cuda::blocks_for(out.numel()), kThreads, 0, cuda::stream_of(out)>>>(
