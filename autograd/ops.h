@@ -139,6 +139,39 @@ Tensor logsumexp(const Tensor& x, D dim, bool keepdim = false) = delete;
 // Sums x down to `shape` (the inverse of broadcasting); used by backward formulas.
 Tensor sum_to(const Tensor& x, const Shape& shape);
 
+// ---- indexing, scans and top-k (PyTorch's names and semantics) ----
+// index (i64) has x's number of dims and index.size(d) <= x.size(d) for d != dim; the result has
+// index's shape. Out-of-range index values -> IndexError. Gradient: scatter_add into zeros.
+Tensor gather(const Tensor& x, int64_t dim, const Tensor& index);
+// A copy of x with src[..i..] added at x[..index[..i..]..] (index.size(d) <= src.size(d) for every d,
+// <= x.size(d) for d != dim); repeated targets accumulate. Gradients: x gets the gradient unchanged,
+// src gets it gathered at index (0 where src lies beyond the index's extent).
+Tensor scatter_add(const Tensor& x, int64_t dim, const Tensor& index, const Tensor& src);
+// value where mask is non-zero (mask f32 0/1 as the comparison ops give, or i64; broadcast against
+// x), x elsewhere; x's gradient is 0 where filled.
+Tensor masked_fill(const Tensor& x, const Tensor& mask, double value);
+// Flat index (i64, 0-d) of the first largest / smallest element; a NaN counts as both (as PyTorch).
+Tensor argmax(const Tensor& x);
+Tensor argmin(const Tensor& x);
+// Largest / smallest values over several dims (`{}` = all). The gradient is split evenly among the
+// tied extremes of each slice (as PyTorch's amax).
+Tensor amax(const Tensor& x, const std::vector<int64_t>& dims = {}, bool keepdim = false);
+Tensor amin(const Tensor& x, const std::vector<int64_t>& dims = {}, bool keepdim = false);
+template <DimIndex D>
+Tensor amax(const Tensor& x, D dim, bool keepdim = false) {
+  return amax(x, std::vector<int64_t>{static_cast<int64_t>(dim)}, keepdim);
+}
+template <DimIndex D>
+Tensor amin(const Tensor& x, D dim, bool keepdim = false) {
+  return amin(x, std::vector<int64_t>{static_cast<int64_t>(dim)}, keepdim);
+}
+// Inclusive running sum along dim (f32 summed in double, as PyTorch on the CPU; i64 exact).
+Tensor cumsum(const Tensor& x, int64_t dim);
+// The k largest (smallest when !largest) entries along dim as (values, i64 indices), largest
+// (smallest) first and ties by lower position, NaN above every number; always sorted. Values are
+// differentiable (the gradient goes back to the chosen positions).
+std::pair<Tensor, Tensor> topk(const Tensor& x, int64_t k, int64_t dim = -1, bool largest = true, bool sorted = true);
+
 // ---- linear algebra ----
 // numpy semantics: 1-D·1-D dot, 2-D matrix product, N-D batched with broadcast batch dims.
 Tensor matmul(const Tensor& a, const Tensor& b);

@@ -218,6 +218,35 @@ using RowNormBackwardFn = void(const Tensor& grad_out, const Tensor& x, const Te
                                const Tensor& rstd, const RowNormLayout& layout, Tensor& grad_x, Tensor& grad_weight,
                                Tensor& grad_bias);
 inline Op<RowNormBackwardFn> row_norm_backward("row_norm_backward");
+// ---- gather / scatter, scans, top-k and adaptive pooling (issue 18) ----
+// index (i64) has in's number of dims, index.size(d) <= in.size(d) for d != dim; out (contiguous, index's
+// shape): out[..i..] = in[..index[..i..]..] with index's value replacing the coordinate along dim.
+// Every index value is checked first (-> IndexError naming the value and the size).
+using GatherFn = void(const Tensor& in, int dim, const Tensor& index, Tensor& out);
+inline Op<GatherFn> gather("gather");
+// out[..index[..i..]..] += src[..i..] over index's positions (src.size(d) >= index.size(d) for every d;
+// index.size(d) <= out.size(d) for d != dim). Repeated targets accumulate in increasing position along
+// dim on both backends, so results are deterministic. f32 or i64.
+using ScatterAddFn = void(Tensor& out, int dim, const Tensor& index, const Tensor& src);
+inline Op<ScatterAddFn> scatter_add("scatter_add");
+// Inclusive prefix sum along dim (from the end when reverse); out contiguous with in's shape. f32 sums
+// run in double (as PyTorch's CPU kernel), i64 exactly.
+using CumsumFn = void(const Tensor& in, int dim, bool reverse, Tensor& out);
+inline Op<CumsumFn> cumsum("cumsum");
+// The k largest (or smallest) entries along dim, in order (largest first, or smallest first), ties by
+// lower position; NaN ranks above every number (as PyTorch). values/indices contiguous, in's shape with
+// k along dim. f32 or i64.
+using TopkFn = void(const Tensor& in, int dim, int64_t k, bool largest, Tensor& values, Tensor& indices);
+inline Op<TopkFn> topk("topk");
+// Adaptive pooling, x [N,C,H,W] -> out [N,C,OH,OW]: output (i, j) covers rows floor(i*H/OH) ..
+// ceil((i+1)*H/OH) - 1 and the same for columns (PyTorch's windows). Max pooling writes the flat h*W+w
+// argmax (first on ties, a NaN wins) and its backward is max_pool2d_backward.
+using AdaptiveAvgPool2dFn = void(const Tensor& x, Tensor& out);
+inline Op<AdaptiveAvgPool2dFn> adaptive_avg_pool2d_forward("adaptive_avg_pool2d_forward");
+using AdaptiveAvgPool2dBackwardFn = void(const Tensor& grad_out, Tensor& grad_x);
+inline Op<AdaptiveAvgPool2dBackwardFn> adaptive_avg_pool2d_backward("adaptive_avg_pool2d_backward");
+using AdaptiveMaxPool2dFn = void(const Tensor& x, Tensor& out, Tensor& indices);
+inline Op<AdaptiveMaxPool2dFn> adaptive_max_pool2d_forward("adaptive_max_pool2d_forward");
 
 // Registration entry points of the backends (called once by ensure_registered).
 void register_cpu_kernels();

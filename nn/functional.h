@@ -2,7 +2,9 @@
 // Neural-network operations (differentiable): linear, convolution, pooling, batch norm, dropout,
 // activations and losses. Layers in nn/ are thin modules over these.
 #include <array>
+#include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "autograd/ops.h"
@@ -30,6 +32,24 @@ Tensor max_pool2d(const Tensor& x, std::array<int64_t, 2> kernel, std::array<int
                   std::array<int64_t, 2> padding = {0, 0}, bool ceil_mode = false);
 Tensor avg_pool2d(const Tensor& x, std::array<int64_t, 2> kernel, std::array<int64_t, 2> stride = {0, 0},
                   std::array<int64_t, 2> padding = {0, 0}, bool ceil_mode = false, bool count_include_pad = true);
+
+// Adaptive pooling of x [N,C,H,W] or [C,H,W] to output_size (OH, OW), any size, with PyTorch's
+// windows: output (i, j) covers rows floor(i*H/OH) .. ceil((i+1)*H/OH) - 1 and the columns alike.
+// The _with_indices form also returns the i64 flat h*W+w argmax positions (PyTorch's return_indices).
+Tensor adaptive_avg_pool2d(const Tensor& x, std::array<int64_t, 2> output_size);
+Tensor adaptive_max_pool2d(const Tensor& x, std::array<int64_t, 2> output_size);
+std::pair<Tensor, Tensor> adaptive_max_pool2d_with_indices(const Tensor& x, std::array<int64_t, 2> output_size);
+inline Tensor adaptive_avg_pool2d(const Tensor& x, int64_t output_size) {
+  return adaptive_avg_pool2d(x, {output_size, output_size});
+}
+inline Tensor adaptive_max_pool2d(const Tensor& x, int64_t output_size) {
+  return adaptive_max_pool2d(x, {output_size, output_size});
+}
+
+// Rows of weight [num_embeddings, embedding_dim] at i64 indices of any shape: the result has shape
+// indices.shape + [embedding_dim]. padding_idx (negative counts from the end, as PyTorch; none by
+// default) names a row that gets no gradient. An index outside [0, num_embeddings) -> IndexError.
+Tensor embedding(const Tensor& indices, const Tensor& weight, std::optional<int64_t> padding_idx = std::nullopt);
 
 // x [N,C] or [N,C,*]. Running stats (may be undefined) are updated in place in training mode.
 Tensor batch_norm(const Tensor& x, Tensor running_mean, Tensor running_var, const Tensor& weight,

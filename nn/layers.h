@@ -3,6 +3,7 @@
 // initialisation (so a target built here has the same distributions as in PyTorch).
 #include <array>
 #include <memory>
+#include <optional>
 #include <tuple>
 #include <vector>
 
@@ -73,6 +74,32 @@ class AvgPool2d : public Module {
   Tensor forward(const Tensor& x) override;
   std::array<int64_t, 2> kernel, stride, padding;
   bool ceil_mode, count_include_pad;
+};
+
+// Adaptive pooling to a fixed output size (see functional::adaptive_avg_pool2d).
+class AdaptiveAvgPool2d : public Module {
+ public:
+  explicit AdaptiveAvgPool2d(std::array<int64_t, 2> output_size);
+  explicit AdaptiveAvgPool2d(int64_t output_size) : AdaptiveAvgPool2d({output_size, output_size}) {}
+  Tensor forward(const Tensor& x) override;
+  std::array<int64_t, 2> output_size;
+};
+class AdaptiveMaxPool2d : public Module {
+ public:
+  explicit AdaptiveMaxPool2d(std::array<int64_t, 2> output_size);
+  explicit AdaptiveMaxPool2d(int64_t output_size) : AdaptiveMaxPool2d({output_size, output_size}) {}
+  Tensor forward(const Tensor& x) override;
+  std::array<int64_t, 2> output_size;
+};
+
+// A lookup table with parameter "weight" [num_embeddings, embedding_dim], initialised N(0, 1) with the
+// padding_idx row (if any; negative counts from the end) zeroed, as PyTorch.
+class Embedding : public Module {
+ public:
+  Embedding(int64_t num_embeddings, int64_t embedding_dim, std::optional<int64_t> padding_idx = std::nullopt);
+  Tensor forward(const Tensor& indices) override;
+  int64_t num_embeddings, embedding_dim;
+  std::optional<int64_t> padding_idx;  // as given
 };
 
 class Flatten : public Module {

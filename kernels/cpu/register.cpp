@@ -13,6 +13,9 @@ void register_cpu_pool();         // kernels/cpu/pool.cpp: max/avg pool2d
 void register_cpu_batch_norm();   // kernels/cpu/batch_norm.cpp
 void register_cpu_optim();        // kernels/cpu/optim.cpp: adam_step, sgd_step, adam_amsgrad_step, rmsprop_step
 void register_cpu_norm();         // kernels/cpu/norm.cpp: row_norm_* (layer norm, group norm)
+void register_cpu_gather();         // kernels/cpu/gather.cpp: gather, scatter_add
+void register_cpu_scan();           // kernels/cpu/scan.cpp: cumsum, topk
+void register_cpu_adaptive_pool();  // kernels/cpu/adaptive_pool.cpp: adaptive avg/max pool2d
 
 void register_cpu_kernels() {
   register_cpu_elementwise();
@@ -25,6 +28,9 @@ void register_cpu_kernels() {
   register_cpu_batch_norm();
   register_cpu_optim();
   register_cpu_norm();
+  register_cpu_gather();
+  register_cpu_scan();
+  register_cpu_adaptive_pool();
 }
 
 }  // namespace mn::kernels

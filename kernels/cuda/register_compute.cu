@@ -11,6 +11,9 @@ void register_cuda_conv();         // kernels/cuda/conv.cu: conv2d_*
 void register_cuda_pool();         // kernels/cuda/pool.cu: max/avg pool2d
 void register_cuda_batch_norm();   // kernels/cuda/batch_norm.cu
 void register_cuda_norm();         // kernels/cuda/norm.cu: row_norm_* (layer norm, group norm)
+void register_cuda_gather();         // kernels/cuda/gather.cu: gather, scatter_add
+void register_cuda_scan();           // kernels/cuda/scan.cu: cumsum, topk
+void register_cuda_adaptive_pool();  // kernels/cuda/adaptive_pool.cu: adaptive avg/max pool2d
 
 void register_cuda_compute_kernels() {
   register_cuda_elementwise();
@@ -21,6 +24,9 @@ void register_cuda_compute_kernels() {
   register_cuda_pool();
   register_cuda_batch_norm();
   register_cuda_norm();
+  register_cuda_gather();
+  register_cuda_scan();
+  register_cuda_adaptive_pool();
 }
 
 }  // namespace mn::kernels

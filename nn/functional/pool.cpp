@@ -6,6 +6,7 @@
 // at those positions (an index_select over the flattened input).
 #include "autograd/functions/common.h"
 #include "nn/functional.h"
+#include "nn/functional/pool_grad.h"
 
 namespace mn::nn::functional {
 
@@ -126,6 +127,10 @@ Tensor max_pool_forward(const Tensor& x, const Pool2dParams& p, const Shape& out
 }
 
 }  // namespace
+
+Tensor max_pool2d_grad(const Tensor& g, const Tensor& indices, const Shape& x_shape) {
+  return max_pool_grad(g, indices, x_shape);
+}
 
 Tensor max_pool2d(const Tensor& x, std::array<int64_t, 2> kernel, std::array<int64_t, 2> stride,
                   std::array<int64_t, 2> padding, bool ceil_mode) {

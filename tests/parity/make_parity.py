@@ -517,9 +517,70 @@ def norm_activations():
     save("norm_activations", out, {"eps": 1e-5})
 
 
+def index_ops():
+    """gather, scatter_add, masked_fill, cumsum, amax, topk, argmax/argmin, adaptive pools, embedding."""
+    torch.manual_seed(18)
+    out = {}
+
+    def backward(y, tag):
+        w = torch.rand_like(y) + 0.5
+        (y * w).sum().backward()
+        out[tag + "_w"] = w
+
+    x = leaf(2, 3, 7, 9)
+    y = F.adaptive_avg_pool2d(x, (3, 4))
+    backward(y, "avg")
+    out.update({"pool_x": x, "avg_y": y, "avg_gx": x.grad})
+    x2 = x.detach().clone().requires_grad_(True)
+    y2, i2 = F.adaptive_max_pool2d(x2, (3, 4), return_indices=True)
+    backward(y2, "max")
+    out.update({"max_y": y2, "max_i": i2, "max_gx": x2.grad})
+
+    gx = leaf(4, 6)
+    gi = torch.randint(0, 6, (3, 5))
+    g = torch.gather(gx, 1, gi)
+    backward(g, "g")
+    out.update({"g_x": gx, "g_index": gi, "g_y": g, "g_gx": gx.grad})
+    gx2 = gx.detach().clone().requires_grad_(True)
+    src = leaf(4, 6)
+    si = torch.randint(0, 4, (4, 6))
+    s = torch.scatter_add(gx2, 0, si, src)
+    backward(s, "s")
+    out.update({"s_index": si, "s_src": src, "s_y": s, "s_gx": gx2.grad, "s_gsrc": src.grad})
+
+    rx = leaf(3, 8, 4)
+    c = torch.cumsum(rx, 1)
+    backward(c, "cumsum")
+    out.update({"r_x": rx, "cumsum_y": c, "cumsum_gx": rx.grad})
+    rx2 = rx.detach().clone().requires_grad_(True)
+    m = torch.amax(rx2, (0, 2))
+    backward(m, "amax")
+    out.update({"amax_y": m, "amax_gx": rx2.grad})
+    rx3 = rx.detach().clone().requires_grad_(True)
+    tv, ti = torch.topk(rx3, 3, dim=1, largest=True)
+    backward(tv, "topk")
+    out.update({"topk_y": tv, "topk_i": ti, "topk_gx": rx3.grad})
+    out["argmax"] = torch.argmax(rx.detach()).reshape(1)
+    out["argmin"] = torch.argmin(rx.detach()).reshape(1)
+
+    ew = leaf(7, 3)
+    ei = torch.tensor([[1, 4, 4, 0], [6, 1, 2, 4]])
+    e = F.embedding(ei, ew, padding_idx=1)
+    backward(e, "e")
+    out.update({"e_weight": ew, "e_index": ei, "e_y": e, "e_gw": ew.grad})
+    mx = leaf(3, 4)
+    mask = (torch.rand(3, 1) > 0.5).float()
+    mask[0, 0], mask[1, 0] = 1.0, 0.0
+    mf = mx.masked_fill(mask.bool(), -2.5)
+    backward(mf, "mf")
+    out.update({"mf_x": mx, "mf_mask": mask, "mf_y": mf, "mf_gx": mx.grad})
+    save("index_ops", out)
+
+
 CASES = {"conv2d": conv2d, "pooling": pooling, "batch_norm": batch_norm, "lstm": lstm, "losses": losses,
          "optim": optimizers, "nan": nan_propagation, "adam_beta2": adam_beta2, "var_std": var_std,
-         "attention": attention, "losses_ext": losses_ext, "norm_activations": norm_activations}
+         "attention": attention, "losses_ext": losses_ext, "norm_activations": norm_activations,
+         "index_ops": index_ops}
 
 if __name__ == "__main__":
     # With no arguments every case is written; otherwise only the named ones. The first six cases draw
