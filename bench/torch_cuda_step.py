@@ -35,7 +35,7 @@ def mapped_step(device, batch=256, latent=672):
 
 
 def direct_step(device, batch):
-    return compare_torch.direct_step(batch, device)
+    return compare_torch.direct_step(batch, device=device)
 
 
 def median_ms(step, device, steps, warmup):

@@ -226,16 +226,17 @@ using GatherFn = void(const Tensor& in, int dim, const Tensor& index, Tensor& ou
 inline Op<GatherFn> gather("gather");
 // out[..index[..i..]..] += src[..i..] over index's positions (src.size(d) >= index.size(d) for every d;
 // index.size(d) <= out.size(d) for d != dim). Repeated targets accumulate in increasing position along
-// dim on both backends, so results are deterministic. f32 or i64.
+// dim on both backends, so results are deterministic. f32 or i64. The CUDA kernel runs one thread per
+// position outside dim (no atomics), so a scatter with few such positions (a 1-D one) is serial there.
 using ScatterAddFn = void(Tensor& out, int dim, const Tensor& index, const Tensor& src);
 inline Op<ScatterAddFn> scatter_add("scatter_add");
 // Inclusive prefix sum along dim (from the end when reverse); out contiguous with in's shape. f32 sums
-// run in double (as PyTorch's CPU kernel), i64 exactly.
+// run in double (as PyTorch's CPU kernel), i64 exactly. CUDA: one thread per line (serial along dim).
 using CumsumFn = void(const Tensor& in, int dim, bool reverse, Tensor& out);
 inline Op<CumsumFn> cumsum("cumsum");
 // The k largest (or smallest) entries along dim, in order (largest first, or smallest first), ties by
 // lower position; NaN ranks above every number (as PyTorch). values/indices contiguous, in's shape with
-// k along dim. f32 or i64.
+// k along dim. f32 or i64. CUDA: lines of at most 65,536 entries (NotImplementedError above).
 using TopkFn = void(const Tensor& in, int dim, int64_t k, bool largest, Tensor& values, Tensor& indices);
 inline Op<TopkFn> topk("topk");
 // Adaptive pooling, x [N,C,H,W] -> out [N,C,OH,OW]: output (i, j) covers rows floor(i*H/OH) ..

@@ -49,7 +49,8 @@ VisionTransformer::VisionTransformer(const ViTOptions& o) : Module("VisionTransf
            "VisionTransformer: image_size must be a positive multiple of patch_size, got ", o.image_size, " and ",
            o.patch_size);
   MN_CHECK(o.channels > 0 && o.width > 0 && o.depth > 0 && o.heads > 0 && o.mlp_dim > 0 && o.num_classes > 0,
-           ValueError, "VisionTransformer: channels, width, depth, heads, mlp_dim and num_classes must be positive");
+           ValueError, "VisionTransformer: channels, width, depth, heads, mlp_dim and num_classes must be positive, got ",
+           o.channels, ", ", o.width, ", ", o.depth, ", ", o.heads, ", ", o.mlp_dim, ", ", o.num_classes);
   const int64_t tokens = (o.image_size / o.patch_size) * (o.image_size / o.patch_size) + 1;
   conv_proj = register_module(
       "conv_proj", std::make_shared<nn::Conv2d>(o.channels, o.width, o.patch_size, o.patch_size, 0));

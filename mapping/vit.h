@@ -1,11 +1,11 @@
 #pragma once
 // A small Vision Transformer for 1x28x28 images with torchvision's module names, so a state dict
 // saved here loads into torchvision's VisionTransformer layout (and the plain-torch twin in
-// bench/torch_targets.py) with load_state_dict(strict=True):
+// tests/parity/torch_targets.py) with load_state_dict(strict=True):
 //
 //   conv_proj                         patch embedding: Conv2d(channels, width, patch, stride patch)
 //   class_token                       [1, 1, width], prepended to the patch tokens (zeros at start)
-//   encoder.pos_embedding             [1, tokens + 1, width], added to every token (normal, std 0.02)
+//   encoder.pos_embedding             [1, patches + 1, width], added to every token (normal, std 0.02)
 //   encoder.layers.encoder_layer_<i>  pre-norm blocks: ln_1, self_attention (MultiheadAttention,
 //                                     batch first), ln_2, mlp.0 / mlp.3 (Linear, GELU, Dropout,
 //                                     Linear, Dropout)

@@ -47,7 +47,8 @@ namespace mn::testing {
 
 // One layerwise training step of the built-in `target` (latent 8, BatchNorm statistics written
 // back), plain or streamed (MappingOptions::stream_layers): its predictions, then each latent's
-// gradient, then the carried buffers, as flat vectors, for a bit-for-bit comparison.
+// gradient, then the carried buffers (i64 counters as floats), as flat vectors, for a bit-for-bit
+// comparison.
 inline std::vector<std::vector<float>> mapped_step_values(const std::string& target, bool stream) {
   manual_seed(1);
   mapping::MappingOptions o{.latent_dim = 8, .strategy = "layerwise", .seed = 3};
@@ -60,8 +61,15 @@ inline std::vector<std::vector<float>> mapped_step_values(const std::string& tar
   nn::functional::cross_entropy(out, labels).backward();
   std::vector<std::vector<float>> values{out.to_vector<float>()};
   for (const auto& [name, z] : model.named_latents()) values.push_back(z.grad().to_vector<float>());
-  for (const auto& [name, b] : model.buffers())
-    if (b.dtype() == DType::f32) values.push_back(b.to_vector<float>());
+  for (const auto& [name, b] : model.buffers()) {
+    if (b.dtype() == DType::f32) {
+      values.push_back(b.to_vector<float>());
+    } else {  // num_batches_tracked (i64)
+      std::vector<float> counts;
+      for (int64_t c : b.to_vector<int64_t>()) counts.push_back(static_cast<float>(c));
+      values.push_back(counts);
+    }
+  }
   return values;
 }
 

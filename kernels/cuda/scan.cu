@@ -56,6 +56,8 @@ __device__ inline bool ranks_before(T a, T b, bool largest) {
   return largest ? a > b : a < b;
 }
 
+constexpr int64_t kMaxTopkLine = 65536;
+
 template <class T>
 __global__ void topk_kernel(const T* in, int64_t n, int64_t inner, int64_t total, int64_t k, bool largest, T* values,
                             int64_t* indices) {
@@ -85,6 +87,11 @@ void topk_cuda(const Tensor& in, int dim, int64_t k, bool largest, Tensor& value
            in.sizes());
   const int64_t n = in.dim() == 0 ? 1 : in.size(dim);
   MN_CHECK(k >= 0 && k <= n, IndexError, "topk: k = ", k, " is out of range for dimension ", dim, " of size ", n);
+  // Each entry ranks itself against its line (up to n comparisons per thread; a sorted line reaches
+  // that bound), so lines are capped where that stays cheap, instead of stalling on a huge one.
+  MN_CHECK(n <= kMaxTopkLine, NotImplementedError, "topk on CUDA takes lines of at most ", kMaxTopkLine,
+           " entries, got ", n, " along dimension ", dim, " of shape ", in.sizes(),
+           " (run it on the CPU, or split the line)");
   MN_CHECK(values.is_contiguous() && indices.is_contiguous(), ValueError, "topk: outputs must be contiguous");
   MN_CHECK(values.dtype() == in.dtype() && indices.dtype() == DType::i64, TypeError, "topk: expected values of ",
            in.dtype(), " and i64 indices, got ", values.dtype(), " and ", indices.dtype());

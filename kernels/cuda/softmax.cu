@@ -153,9 +153,9 @@ void softmax_backward_cuda(const Tensor& grad_out, const Tensor& out, int dim, b
 // ---------------- cross entropy ----------------
 
 // Shapes, dtypes and devices (class weights, when defined, f32 [C]); with check_targets also the target
-// values, which costs a stream synchronisation. The backward skips that scan: its kernel never indexes
-// memory by a target (it only compares classes with it), and the forward already refused bad values of
-// the very target (autograd refuses one changed in place since, by its version).
+// values, which costs a stream synchronisation. The backward skips that scan although its kernel reads
+// weight[target] when class weights are given: the forward already refused bad values of the very
+// target, and autograd refuses one changed in place since (by its version), so the index is in range.
 void check_cross_entropy_args(const char* op, const Tensor& logits, const Tensor& target, const Tensor& weight,
                               int64_t ignore_index, bool check_targets) {
   MN_CHECK(logits.dtype() == DType::f32 && logits.dim() == 2, ValueError, op, ": expected f32 logits [N, C], got ",

@@ -51,7 +51,8 @@ void expect_same(const Tensor& gpu, const Tensor& cpu, double tol = 0.0) {
   }
   const std::vector<float> g = gpu.to_vector<float>(), c = cpu.to_vector<float>();
   for (size_t i = 0; i < c.size(); ++i) {
-    const bool ok = (std::isnan(c[i]) && std::isnan(g[i])) || std::fabs(g[i] - c[i]) <= tol * (1.0 + std::fabs(c[i]));
+    const bool ok = (std::isnan(c[i]) && std::isnan(g[i])) || g[i] == c[i] ||  // equal infinities too
+                    std::fabs(g[i] - c[i]) <= tol * (1.0 + std::fabs(c[i]));
     if (!ok) {
       FAIL_CHECK("element " << i << " of " << c.size() << ": got " << g[i] << ", expected " << c[i]);
       return;
