@@ -10,14 +10,20 @@ using autograd::GradContext;
 using autograd::SavedTensor;
 using autograd::TensorList;
 
+void loss_internal::refuse_batch_mean(const char* op, Reduction reduction) {
+  MN_CHECK(reduction != Reduction::BatchMean, ValueError, op,
+           ": reduction BatchMean ('batchmean') is kl_div's alone; use None, Mean or Sum");
+}
+
 Tensor loss_internal::reduce_loss(const char* op, const Tensor& per_item, Reduction reduction) {
+  refuse_batch_mean(op, reduction);
   switch (reduction) {
     case Reduction::None: return per_item;
     case Reduction::Sum: return sum(per_item);
     case Reduction::Mean: return mean(per_item);
-    case Reduction::BatchMean: break;
+    case Reduction::BatchMean: break;  // refused above
   }
-  throw ValueError(str(op, ": reduction BatchMean ('batchmean') is kl_div's alone; use None, Mean or Sum"));
+  throw ValueError(str(op, ": unknown reduction"));
 }
 
 namespace {
@@ -108,8 +114,7 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& target, double label_sm
            "cross_entropy: label_smoothing must lie in [0, 1], got ", label_smoothing);
   const Tensor rows_target = checked_target("cross_entropy", logits, "logits", target);
   check_class_weight("cross_entropy", logits, weight);
-  MN_CHECK(reduction != Reduction::BatchMean, ValueError,
-           "cross_entropy: reduction BatchMean ('batchmean') is kl_div's alone; use None, Mean or Sum");
+  loss_internal::refuse_batch_mean("cross_entropy", reduction);
   const bool single = logits.dim() == 1;
   const Tensor x = single ? logits.reshape({1, logits.sizes()[0]}) : logits;
   const Tensor w = weight.defined() ? weight.detach() : Tensor();
@@ -154,8 +159,7 @@ Tensor nll_loss(const Tensor& log_probs, const Tensor& target, Reduction reducti
   check_class_input("nll_loss", log_probs, "log_probs");
   const Tensor rows_target = checked_target("nll_loss", log_probs, "log_probs", target);
   check_class_weight("nll_loss", log_probs, weight);
-  MN_CHECK(reduction != Reduction::BatchMean, ValueError,
-           "nll_loss: reduction BatchMean ('batchmean') is kl_div's alone; use None, Mean or Sum");
+  loss_internal::refuse_batch_mean("nll_loss", reduction);
   const bool single = log_probs.dim() == 1;
   const Tensor x = single ? log_probs.reshape({1, log_probs.sizes()[0]}) : log_probs;
   const int64_t rows = x.sizes()[0], classes = x.sizes()[1];
