@@ -29,6 +29,7 @@ int main(int argc, char** argv) {
   std::vector<int64_t> mlp_hidden{256, 256};
   bool details = false, allow_large = false;
   std::string write_config;
+  std::string mapper = "block";  // the mapper family (GeneratorOptions::mapper)
   add_version_flag(app, "mn-strategies");
   add_config_options(app, write_config);
   app.add_option("--spec", spec_name,
@@ -54,6 +55,9 @@ int main(int argc, char** argv) {
   app.add_flag("--allow-large", allow_large,
                "build slvt even when L x N exceeds the reference's 1e8 guard (our mapper never stores L x N)");
   app.add_flag("--details", details, "also print the layout, the groups and each generator's fixed bytes");
+  app.add_option("--mapper", mapper, "the mapper family of the fixed matrices: block, dense or srht")
+      ->check(CLI::IsMember({"block", "dense", "srht"}))
+      ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
 
   try {
@@ -63,18 +67,18 @@ int main(int argc, char** argv) {
       MN_CHECK(cuda_available() && device.index < cuda_device_count(), DeviceError, "--device ", device_name,
                ": CUDA is not available here (built without CUDA, or no usable GPU)");
     const mapping::ParameterSpec spec = mapping::target_spec(spec_name, {mlp_hidden});
-    auto results = mapping::benchmark_strategies(spec, latent_dim, device, n_warmup, n_repeat, allow_large);
+    auto results = mapping::benchmark_strategies(spec, latent_dim, device, n_warmup, n_repeat, allow_large, mapper);
     for (auto& [name, stats] : results)  // the guard speaks of GeneratorOptions::allow_large; here it is a flag
       if (!stats.ok() && stats.error.find("allow_large") != std::string::npos) stats.error += "; here: --allow-large";
     if (details) {
-      std::printf("spec %s: %zu tensors, %lld parameters, %zu layer-wise groups, latent_dim %lld, %s\n",
+      std::printf("spec %s: %zu tensors, %lld parameters, %zu layer-wise groups, latent_dim %lld, %s, mapper %s\n",
                   spec_name.c_str(), spec.size(), static_cast<long long>(spec.total_numel()),
                   mapping::layerwise_groups(spec).size(), static_cast<long long>(latent_dim),
-                  device.str().c_str());
+                  device.str().c_str(), mapper.c_str());
       for (const auto& [name, stats] : results)
         if (stats.ok())
-          std::printf("  %-16s fixed mapper factors %lld B\n", name.c_str(),
-                      static_cast<long long>(stats.fixed_bytes));
+          std::printf("  %-16s fixed mapper factors %lld B, built in %.1f ms\n", name.c_str(),
+                      static_cast<long long>(stats.fixed_bytes), stats.build_time_ms);
     }
     std::fputs(mapping::strategy_table(results).c_str(), stdout);
   } catch (const std::exception& e) {

@@ -129,6 +129,8 @@ struct Options {
   int64_t early_stopping_patience = 0;  // EarlyStopping on val_total_loss; 0: off
   double weight_decay = -1;           // below 0: the optimizer's usual (see effective_weight_decay)
   std::string write_config;           // --write-config
+  // --mapper: the family of the mappers' fixed matrices (MappingOptions::mapper): block, dense, srht.
+  std::string mapper = "block";
   bool direct() const { return strategy == "direct"; }
 };
 
@@ -199,6 +201,12 @@ const RunOption kRunOptions[] = {
      [](Options& o, const json& v) { o.early_stopping_patience = v.get<int64_t>(); }, true},
     {"weight_decay", "--weight-decay", [](Options& o, const json& v) { o.weight_decay = v.get<double>(); }, true},
     {"amsgrad", "--amsgrad", [](Options& o, const json& v) { o.amsgrad = v.get<bool>(); }, true},
+    // The mapper family; runs saved before it existed used block.
+    {"mapper", "--mapper",
+     [](Options& o, const json& v) {
+       if (!v.is_null()) o.mapper = v.get<std::string>();
+     },
+     true},
 };
 
 double effective_lr(const Options& o) { return o.lr > 0 ? o.lr : (o.direct() ? 1e-3 : 1e-2); }
@@ -237,7 +245,8 @@ json run_config(const Options& o, int world_size) {
           {"early_stopping_patience", o.early_stopping_patience},
           {"weight_decay", effective_weight_decay(o)},
           {"amsgrad", o.amsgrad},
-          {"epochs", o.epochs}};
+          {"epochs", o.epochs},
+          {"mapper", mapped(o.mapper)}};
 }
 
 // What run_config records for `key` when the knob has its default, for the run `o` describes (the
@@ -336,6 +345,8 @@ void check_knobs_apply(const Options& o) {
            "--mapping-loss regularises the latents of a mapped run, and --strategy direct has none");
   MN_CHECK(!o.amsgrad || o.optimizer == "adam" || o.optimizer == "adamw", ValueError,
            "--amsgrad is an option of --optimizer adam and adamw, not ", o.optimizer);
+  MN_CHECK(!o.direct() || o.mapper == defaults.mapper, ValueError, "--mapper ", o.mapper,
+           " chooses the fixed matrices of a mapper, and --strategy direct trains the target without one");
 }
 
 // --out must take files before any training: otherwise the first epoch's work is lost when its
@@ -455,6 +466,7 @@ struct Summary {
   bool evaluated_only = false; // no epoch trained in this invocation: test_accuracy measured at the end
   bool stopped_early = false;  // --early-stopping-patience ended the run before --epochs
   std::string exported;        // where the weights went ("" when they were not written)
+  int64_t fixed_bytes = 0;     // mapped runs: bytes of the mappers' fixed matrices and scales (--mapper)
 };
 
 std::vector<std::pair<std::string, std::vector<std::string>>> weight_bias_groups(const nn::Module& target) {
@@ -530,6 +542,7 @@ Summary run(const Options& o, Device device, const data::Dataset& train_set, con
                                // trains are kept for evaluation, the checkpoint and the export.
                                .write_back_buffers = true,
                                .stream_layers = o.stream_layers};
+    mo.mapper = o.mapper;  // --mapper
     if (o.strategy == "grouped") mo.groups = weight_bias_groups(*target);
     try {
       model.emplace(target, mo);
@@ -631,6 +644,7 @@ Summary run(const Options& o, Device device, const data::Dataset& train_set, con
   s.target_params = target_params;
   if (ddp) s.bytes_per_step = static_cast<int64_t>(ddp->bytes_per_step());
   s.compile_report = trainer->compile_report();
+  if (model) s.fixed_bytes = static_cast<int64_t>(model->generator().fixed_bytes());
   s.interrupted = sigint->interrupted() && trainer->epoch() < o.epochs;
   s.stopped_early = !s.interrupted && trainer->epoch() < o.epochs;
   if (trainer->epoch() == first_epoch && !s.interrupted) {
@@ -753,6 +767,12 @@ int main(int argc, char** argv) {
                  "a step whose loss or gradients hold NaN or inf: error (stop, naming the step) or warn")
       ->check(CLI::IsMember({"error", "warn"}))
       ->capture_default_str();
+  app.add_option("--mapper", o.mapper,
+                 "mapped runs: family of the mappers' fixed matrices: block (one orthogonal block reused), dense "
+                 "(the reference's explicit matrix, refused above 1 GiB unless --allow-large) or srht (a "
+                 "randomised Hadamard map that stores nothing)")
+      ->check(CLI::IsMember({"block", "dense", "srht"}))
+      ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
 
   DistInfo dist;
@@ -824,6 +844,10 @@ int main(int argc, char** argv) {
                 {"cpu_threads", get_num_threads()},
                 {"interrupted", s.interrupted},
                 {"stopped_early", s.stopped_early}};
+      if (!o.direct()) {  // --mapper
+        j["mapper"] = o.mapper;
+        j["fixed_bytes"] = s.fixed_bytes;
+      }
       if (!curves.empty()) j["curves"] = curves;
       if (!s.compile_report.empty()) j["compiled"] = s.compile_report;
       if (!s.exported.empty()) j["weights"] = s.exported;

@@ -124,6 +124,14 @@ inline Op<IndexAddFn> index_add("index_add");
 // contiguous. a and b may be transposed views; a batch stride of 0 broadcasts.
 using GemmFn = void(const Tensor& a, const Tensor& b, Tensor& out, double alpha, double beta);
 inline Op<GemmFn> gemm("gemm");
+// The srht mapper family's fixed map (kernels/srht_math.h has the plan and the math): y [rows] = W z
+// for z [cols], and g [cols] = W^T u for u [rows]; contiguous f32 vectors. W is regenerated from the
+// plan's seed and stream, never stored.
+struct SrhtPlan;
+using SrhtApplyFn = void(const SrhtPlan& plan, const Tensor& z, Tensor& y);
+inline Op<SrhtApplyFn> srht_apply("srht_apply");
+using SrhtApplyTransposeFn = void(const SrhtPlan& plan, const Tensor& u, Tensor& g);
+inline Op<SrhtApplyTransposeFn> srht_apply_transpose("srht_apply_transpose");
 
 // ---- softmax ----
 using SoftmaxFn = void(const Tensor& in, int dim, bool log, Tensor& out);

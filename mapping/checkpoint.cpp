@@ -50,7 +50,8 @@ json mapper_json(const MappingModel& model) {
   for (const auto& g : model.generator().groups()) groups[g.name] = g.mapper->describe();
   const bool is_default = !model.options().mapper_factory;
   return {{"default", is_default},
-          {"construction", kMapperConstruction},
+          {"construction", mapper_construction(parse_mapper_family(model.generator().options().mapper))},
+          {"family", model.generator().options().mapper},
           {"alpha", is_default ? json(model.options().alpha) : json(nullptr)},
           {"groups", groups}};
 }
@@ -226,10 +227,17 @@ void check_generator(const std::string& path, const Loaded& loaded, const Mappin
   const json current = mapper_json(model);
   try {
     // Checkpoints written before the construction was recorded used double-precision factorisations.
+    // Checkpoints written before the families existed used the block family.
+    const std::string saved_family = loaded.mapper.value("family", "block");
+    const std::string family = current.at("family").get<std::string>();
+    MN_CHECK(saved_family == family, ValueError, "checkpoint ", path, " was saved with the '", saved_family,
+             "' mapper family but the model uses '", family,
+             "': its latents would generate different parameters; build the model with mapper = \"", saved_family,
+             "\" (mn-train --mapper ", saved_family, ")");
     const std::string construction = loaded.mapper.value("construction", "block-orthogonal/philox-householder-f64");
-    MN_CHECK(construction == kMapperConstruction, ValueError, "checkpoint ", path,
-             " was written with the mapper construction '", construction, "' but this library builds '",
-             kMapperConstruction, "': its latents would generate different parameters");
+    const char* mine = mapper_construction(parse_mapper_family(family));
+    MN_CHECK(construction == mine, ValueError, "checkpoint ", path, " was written with the mapper construction '",
+             construction, "' but this library builds '", mine, "': its latents would generate different parameters");
     for (const auto& g : gen.groups()) {
       const std::string saved = loaded.mapper.at("groups").at(g.name).get<std::string>();
       const std::string mine = current.at("groups").at(g.name).get<std::string>();

@@ -74,13 +74,22 @@ std::vector<float> parameter_scales(const ParameterSpec& spec, const nn::Module&
   return scales;
 }
 
+MapperMatrixOptions mapper_matrix_options(const std::string& mapper, int64_t max_dense_mapper_bytes,
+                                          bool allow_large) {
+  MN_CHECK(max_dense_mapper_bytes >= 0, ValueError, "max_dense_mapper_bytes must be non-negative, got ",
+           max_dense_mapper_bytes);
+  return {parse_mapper_family(mapper), max_dense_mapper_bytes, allow_large};
+}
+
 // ---------------- ParameterGenerator ----------------
 
 ParameterGenerator::ParameterGenerator(ParameterSpec spec,
                                        std::vector<std::pair<std::string, std::vector<std::string>>> groups,
                                        std::map<std::string, int64_t> latent_dims, GeneratorOptions options)
     : spec_(std::move(spec)), options_(std::move(options)) {
-  if (!options_.mapper_factory) options_.mapper_factory = default_mapper_factory();
+  const MapperMatrixOptions matrices =
+      mapper_matrix_options(options_.mapper, options_.max_dense_mapper_bytes, options_.allow_large);
+  if (!options_.mapper_factory) options_.mapper_factory = default_mapper_factory(0.01, matrices);
   MN_CHECK(!groups.empty(), ValueError, "At least one parameter group is required");
   // Exact partition of the spec.
   std::set<std::string> seen_groups, covered;

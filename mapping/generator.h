@@ -45,7 +45,15 @@ struct GeneratorOptions {
   bool empty_cache_on_cuda = true;  // lazy_layerwise only
   int64_t max_projection_elements = 100'000'000;  // slvt only: guard on L * N (the reference's)
   bool allow_large = false;
+  // The default mapper's fixed-matrix family: "block", "dense" or "srht" (mapping/orthogonal.h), and
+  // the dense family's cap on one explicit matrix, in bytes (allow_large raises it). Checked even when
+  // mapper_factory is given (then the factory decides the matrices, and this only names them).
+  std::string mapper = "block";
+  int64_t max_dense_mapper_bytes = int64_t{1} << 30;
 };
+
+// The matrix options GeneratorOptions' mapper fields describe (ValueError for an unknown family).
+MapperMatrixOptions mapper_matrix_options(const std::string& mapper, int64_t max_dense_mapper_bytes, bool allow_large);
 
 class ParameterGenerator {
  public:

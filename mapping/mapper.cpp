@@ -114,7 +114,7 @@ Activation or_gelu(Activation activation) {
 
 MLPMapper::MLPMapper(int64_t latent_dim, int64_t output_dim, uint64_t seed, const std::string& key,
                      std::vector<int64_t> hidden_dims, Modulation modulation, Activation output_activation,
-                     Activation activation)
+                     Activation activation, MapperMatrixOptions matrices)
     : Mapper(latent_dim, output_dim),
       modulation_(modulation),
       output_activation_(std::move(output_activation)),
@@ -131,7 +131,7 @@ MLPMapper::MLPMapper(int64_t latent_dim, int64_t output_dim, uint64_t seed, cons
   dims.push_back(output_dim);
   for (size_t i = 0; i + 1 < dims.size(); ++i)
     layers_.push_back(OrthogonalMatrix::build(seed, key + "/weight_" + std::to_string(i), dims[i + 1], dims[i],
-                                              /*expand=*/i + 2 == dims.size()));
+                                              /*expand=*/i + 2 == dims.size(), kCPU, matrices));
   last_column_mean_ = layers_.back().column_mean();
 }
 
@@ -183,24 +183,30 @@ std::string MLPMapper::describe() const {
   std::ostringstream os;
   os << "MLPMapper(" << latent_dim_;
   for (size_t i = 0; i + 1 < layers_.size(); ++i) os << " -> " << layers_[i].rows();
-  os << " -> " << output_dim_ << ", " << modulation_.name() << ")";
+  os << " -> " << output_dim_ << ", " << modulation_.name();
+  // Block (the default, and all there was before the families) is not named, so older checkpoints'
+  // descriptions still match.
+  if (layers_.front().family() != MapperFamily::Block) os << ", " << mapper_family_name(layers_.front().family());
+  os << ")";
   return os.str();
 }
 
 ResidualMLPMapper::ResidualMLPMapper(int64_t latent_dim, int64_t output_dim, uint64_t seed, const std::string& key,
-                                     int64_t hidden_dim, int64_t depth, Modulation modulation, Activation activation)
+                                     int64_t hidden_dim, int64_t depth, Modulation modulation, Activation activation,
+                                     MapperMatrixOptions matrices)
     : Mapper(latent_dim, output_dim),
       modulation_(modulation),
-      activation_(or_gelu(std::move(activation))) {
+      activation_(or_gelu(std::move(activation))),
+      family_(matrices.family) {
   MN_CHECK(hidden_dim > 0 && depth > 0, ValueError, "hidden_dim and depth must be positive, got ", hidden_dim, " and ",
            depth);
   MN_CHECK(modulation.kind != Modulation::Kind::LowRank, ValueError,
            "Low-rank modulation cannot be used inside ResidualMLPMapper");
-  input_ = OrthogonalMatrix::build(seed, key + "/input_weight", hidden_dim, latent_dim, false);
+  input_ = OrthogonalMatrix::build(seed, key + "/input_weight", hidden_dim, latent_dim, false, kCPU, matrices);
   for (int64_t k = 0; k < depth; ++k)
     blocks_.push_back(OrthogonalMatrix::build(seed, key + "/block_weight_" + std::to_string(k), hidden_dim, hidden_dim,
-                                              false));
-  output_ = OrthogonalMatrix::build(seed, key + "/output_weight", output_dim, hidden_dim, true);
+                                              false, kCPU, matrices));
+  output_ = OrthogonalMatrix::build(seed, key + "/output_weight", output_dim, hidden_dim, true, kCPU, matrices);
 }
 
 Tensor ResidualMLPMapper::compute(const Tensor& z) const {
@@ -238,13 +244,13 @@ void ResidualMLPMapper::to(Device device) {
 
 std::string ResidualMLPMapper::describe() const {
   return str("ResidualMLPMapper(", latent_dim_, " -> ", input_.rows(), " x ", blocks_.size(), " -> ", output_dim_, ", ",
-             modulation_.name(), ")");
+             modulation_.name(), family_ == MapperFamily::Block ? "" : str(", ", mapper_family_name(family_)), ")");
 }
 
-MapperFactory default_mapper_factory(double alpha) {
-  return [alpha](int64_t latent_dim, int64_t output_dim, uint64_t seed, const std::string& key) {
+MapperFactory default_mapper_factory(double alpha, MapperMatrixOptions matrices) {
+  return [alpha, matrices](int64_t latent_dim, int64_t output_dim, uint64_t seed, const std::string& key) {
     return std::make_shared<MLPMapper>(latent_dim, output_dim, seed, key, std::vector<int64_t>{},
-                                       Modulation::additive(alpha));
+                                       Modulation::additive(alpha), nullptr, nullptr, matrices);
   };
 }
 

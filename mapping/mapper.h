@@ -64,12 +64,13 @@ using Activation = std::function<Tensor(const Tensor&)>;
 // dims = (L, hidden..., out); layer i has W_i [dims[i+1], dims[i]], zero bias, modulated by its own
 // input; `activation` between layers (null: exact-erf GELU), `output_activation` after the last (null:
 // none); only the last layer is variance-expanded. (`activation` comes last to keep the positions of
-// the earlier arguments.)
+// the earlier arguments; `matrices` after it chooses the fixed matrices' family, default block.)
 class MLPMapper : public Mapper {
  public:
   MLPMapper(int64_t latent_dim, int64_t output_dim, uint64_t seed, const std::string& key,
             std::vector<int64_t> hidden_dims = {}, Modulation modulation = Modulation::additive(),
-            Activation output_activation = nullptr, Activation activation = nullptr);
+            Activation output_activation = nullptr, Activation activation = nullptr,
+            MapperMatrixOptions matrices = {});
   int64_t layer_count() const { return static_cast<int64_t>(layers_.size()); }
   const OrthogonalMatrix& layer(size_t i) const { return layers_.at(i); }
   Tensor modulated_column_mean(const Tensor& z) const override;
@@ -94,7 +95,8 @@ class MLPMapper : public Mapper {
 class ResidualMLPMapper : public Mapper {
  public:
   ResidualMLPMapper(int64_t latent_dim, int64_t output_dim, uint64_t seed, const std::string& key, int64_t hidden_dim,
-                    int64_t depth = 2, Modulation modulation = Modulation::additive(), Activation activation = nullptr);
+                    int64_t depth = 2, Modulation modulation = Modulation::additive(), Activation activation = nullptr,
+                    MapperMatrixOptions matrices = {});
   size_t fixed_bytes() const override;
   size_t dense_bytes() const override;
   std::vector<Tensor> buffers() const override;
@@ -109,13 +111,15 @@ class ResidualMLPMapper : public Mapper {
   std::vector<OrthogonalMatrix> blocks_;
   Modulation modulation_;
   Activation activation_;
+  MapperFamily family_;
 };
 
 // Builds the mapper of one group: (latent_dim, output_dim, seed, group key) -> mapper.
 using MapperFactory =
     std::function<std::shared_ptr<Mapper>(int64_t latent_dim, int64_t output_dim, uint64_t seed, const std::string& key)>;
 
-// MLPMapper(L, n) with additive modulation alpha: the paper's single fixed layer.
-MapperFactory default_mapper_factory(double alpha = 0.01);
+// MLPMapper(L, n) with additive modulation alpha: the paper's single fixed layer, its matrix of the
+// family `matrices` names.
+MapperFactory default_mapper_factory(double alpha = 0.01, MapperMatrixOptions matrices = {});
 
 }  // namespace mn::mapping

@@ -11,11 +11,16 @@ namespace {
 GeneratorOptions generator_options(const MappingOptions& o) {
   GeneratorOptions g;
   g.seed = o.seed;
-  g.mapper_factory = o.mapper_factory ? o.mapper_factory : default_mapper_factory(o.alpha);
+  g.mapper_factory =
+      o.mapper_factory
+          ? o.mapper_factory
+          : default_mapper_factory(o.alpha, mapper_matrix_options(o.mapper, o.max_dense_mapper_bytes, o.allow_large));
   g.device = o.device;
   g.empty_cache_on_cuda = o.empty_cache_on_cuda;
   g.max_projection_elements = o.max_projection_elements;
   g.allow_large = o.allow_large;
+  g.mapper = o.mapper;
+  g.max_dense_mapper_bytes = o.max_dense_mapper_bytes;
   return g;
 }
 }  // namespace

@@ -66,6 +66,11 @@ struct MappingOptions {
   // Set this when the target genuinely leaves some parameters unused (PyTorch DDP's
   // find_unused_parameters case); they are still generated.
   bool allow_unused_parameters = false;
+  // The default mapper's fixed-matrix family: "block" (default), "dense" (the reference's explicit
+  // matrix, refused above max_dense_mapper_bytes unless allow_large) or "srht" (a Hadamard map that
+  // stores nothing); see mapping/orthogonal.h. Checkpoints record it.
+  std::string mapper = "block";
+  int64_t max_dense_mapper_bytes = int64_t{1} << 30;
 };
 
 struct ForwardResult {

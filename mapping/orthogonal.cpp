@@ -6,11 +6,13 @@
 #include <cmath>
 #include <exception>
 #include <new>
+#include <unistd.h>
 
 #include "autograd/function.h"
 #include "autograd/ops.h"
 #include "core/random.h"
 #include "kernels/kernels.h"
+#include "mapping/srht.h"
 
 namespace mn::mapping {
 
@@ -44,17 +46,76 @@ Tensor random_orthonormal_columns(int64_t rows, int64_t cols, uint64_t seed, uin
   return out;
 }
 
+const char* mapper_family_name(MapperFamily family) {
+  switch (family) {
+    case MapperFamily::Block: return "block";
+    case MapperFamily::Dense: return "dense";
+    case MapperFamily::Srht: return "srht";
+  }
+  return "?";
+}
+
+MapperFamily parse_mapper_family(const std::string& name) {
+  for (MapperFamily f : {MapperFamily::Block, MapperFamily::Dense, MapperFamily::Srht})
+    if (name == mapper_family_name(f)) return f;
+  throw ValueError(str("Unknown mapper family '", name, "'; choose from: block, dense, srht"));
+}
+
+const char* mapper_construction(MapperFamily family) {
+  switch (family) {
+    case MapperFamily::Block: return kMapperConstruction;
+    case MapperFamily::Dense: return "dense/philox-householder-f32";
+    case MapperFamily::Srht: return "srht/philox-fwht-f32";
+  }
+  return "?";
+}
+
+namespace {
+// The dense family's guard, before anything is allocated.
+void check_dense_size(const std::string& key, int64_t rows, int64_t cols, const MapperMatrixOptions& options) {
+  int64_t elements = 0, bytes = 0;
+  const bool huge = mul_overflows(rows, cols, &elements) || mul_overflows(elements, int64_t{4}, &bytes);
+  int64_t cap = options.max_dense_bytes;
+  const char* cap_name = "max_dense_bytes";
+  if (options.allow_large) {
+    cap = static_cast<int64_t>(sysconf(_SC_PHYS_PAGES)) * static_cast<int64_t>(sysconf(_SC_PAGE_SIZE)) / 3;
+    cap_name = "a third of the physical memory (allow_large)";
+  }
+  if (huge || bytes > cap)
+    throw MemoryError(str("the dense mapper matrix '", key, "' (", rows, " x ", cols, ") would need ",
+                          huge ? std::string("more than int64 can count") : thousands(bytes),
+                          " bytes as an explicit f32 matrix, above the cap of ", thousands(cap), " bytes (",
+                          cap_name, "); use the block or srht mapper family, which never store it"));
+}
+}  // namespace
+
 OrthogonalMatrix OrthogonalMatrix::build(uint64_t seed, const std::string& key, int64_t rows, int64_t cols,
-                                         bool expand, Device device) {
+                                         bool expand, Device device, const MapperMatrixOptions& options) {
   MN_CHECK(rows > 0 && cols > 0, ValueError, "mapper matrix '", key, "' must have positive dimensions, got ", rows,
            "x", cols);
   OrthogonalMatrix m;
   m.rows_ = rows;
   m.cols_ = cols;
+  m.family_ = options.family;
   const uint64_t stream = stream_key(key);
   const double expansion = expand ? std::sqrt(static_cast<double>(std::max(rows, cols))) : 1.0;
+  if (options.family == MapperFamily::Srht) {
+    // W = T (orthonormal columns) or T^T (orthonormal rows) for T the Hadamard map of the taller shape.
+    const bool transposed = rows < cols;
+    auto plan = srht_plan(seed, stream ^ 0x5a47ULL, std::max(rows, cols), std::min(rows, cols), expansion);
+    if (plan) {
+      m.srht_ = std::make_shared<const kernels::SrhtPlan>(*plan);
+      m.srht_transposed_ = transposed;
+      return m;  // nothing to move: the map is regenerated on whatever device its input lives
+    }
+  }
   double scale = 1.0;
-  if (rows < cols) {
+  if (options.family == MapperFamily::Dense) check_dense_size(key, rows, cols, options);
+  if (options.family == MapperFamily::Dense && rows >= cols) {
+    // The block family's tail stream: with rows < 2 cols both families give the same matrix.
+    m.tail_ = random_orthonormal_columns(rows, cols, seed, stream ^ 0x7a11ULL);
+    scale = expansion;
+  } else if (rows < cols) {
     // Orthonormal rows: the transpose of a cols x rows matrix with orthonormal columns.
     m.tail_ = random_orthonormal_columns(cols, rows, seed, stream ^ 0x7a11ULL).t().contiguous();
     scale = expansion;
@@ -99,6 +160,7 @@ OrthogonalMatrix OrthogonalMatrix::build(uint64_t seed, const std::string& key, 
 Tensor OrthogonalMatrix::apply(const Tensor& z) const {
   MN_CHECK(z.dim() == 1 && z.size(0) == cols_, ValueError, "Expected a 1D latent vector with ", cols_,
            " values, got shape ", z.sizes());
+  if (srht_) return srht_transposed_ ? srht_transpose(*srht_, z) : srht_forward(*srht_, z);
   if (!block_.defined()) return matmul(tail_, z);
   // Row block b of Q D_b z is Q (d_b * z): all blocks at once as [k-1, L] x [L, L]^T, written with the
   // tail's GEMV straight into one output (no concatenation pass). W is fixed, so the gradient is
@@ -124,6 +186,7 @@ Tensor OrthogonalMatrix::apply(const Tensor& z) const {
 Tensor OrthogonalMatrix::apply_transpose(const Tensor& u) const {
   MN_CHECK(u.dim() == 1 && u.size(0) == rows_, ValueError, "Expected a vector with ", rows_, " values, got shape ",
            u.sizes());
+  if (srht_) return srht_transposed_ ? srht_forward(*srht_, u) : srht_transpose(*srht_, u);
   const int64_t repeated_rows = block_.defined() ? signs_.size(0) * cols_ : 0;
   Tensor out = matmul(tail_.t(), u.narrow(0, repeated_rows, rows_ - repeated_rows));
   if (block_.defined()) {
@@ -134,6 +197,17 @@ Tensor OrthogonalMatrix::apply_transpose(const Tensor& u) const {
 }
 
 Tensor OrthogonalMatrix::materialize() const {
+  if (srht_) {
+    // Column j is W e_j (rows x cols applications of the map: for tests and small shapes).
+    autograd::NoGradGuard no_grad;
+    std::vector<Tensor> columns;
+    for (int64_t j = 0; j < cols_; ++j) {
+      Tensor e = zeros({cols_});
+      e.data<float>()[j] = 1.0f;
+      columns.push_back(apply(e));
+    }
+    return stack(columns, 1).contiguous();
+  }
   Tensor dense = tail_;
   if (block_.defined()) {
     // Block b = Q D_b: Q with its columns multiplied by the signs.
@@ -144,7 +218,7 @@ Tensor OrthogonalMatrix::materialize() const {
 }
 
 Tensor OrthogonalMatrix::column_mean() const {
-  Tensor ones_rows = ones({rows_}, TensorOptions().with_device(tail_.device()));
+  Tensor ones_rows = ones({rows_}, TensorOptions().with_device(srht_ ? Device(kCPU) : tail_.device()));
   return div(apply_transpose(ones_rows), static_cast<double>(rows_));
 }
 

@@ -14,11 +14,25 @@
 // O(rows * L^2) QR of a full Gaussian: rows = 1e7, L = 4096 builds in 6.3-7.0 s on 2 cores. Storage is about 2 L^2 + (k-1) L floats instead of
 // rows * L, and W z is a GEMM ([k-1, L] x [L, L]) plus one small GEMV, not a memory-bound GEMV over
 // rows * L floats. materialize() gives the same matrix explicitly.
+//
+// That is the "block" family, the default. Two more families build the same kind of W (orthonormal
+// columns or rows, the same expansion), chosen by MapperMatrixOptions::family:
+//   dense  the reference's construction: the orthonormal columns of one rows x cols Gaussian (QR),
+//          stored explicitly: rows * cols floats, so it is refused above max_dense_bytes (MemoryError
+//          stating the bytes). When rows < 2 cols it is the block family's matrix, bit for bit.
+//   srht   a subsampled randomised Hadamard map (kernels/srht_math.h): sign flips, fast Walsh-Hadamard
+//          transforms and permutations regenerated from Philox where they are applied, so it stores
+//          nothing, and W z costs O(rows log P) with P the power of two >= cols (no L x L block). It
+//          needs rows >= P (orthonormal columns) or cols >= the power of two >= rows (orthonormal
+//          rows, W = T^T); a matrix between (e.g. rows = 800, cols = 672) falls back to the block
+//          family's construction, which there is one dense rows x cols tail.
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "core/tensor.h"
+#include "kernels/srht_math.h"
 
 namespace mn::mapping {
 
@@ -26,14 +40,32 @@ namespace mn::mapping {
 // would generate different parameters, so loading them is refused. Bump it whenever the bits change.
 inline constexpr const char* kMapperConstruction = "block-orthogonal/philox-householder-f32";
 
+enum class MapperFamily { Block, Dense, Srht };
+// "block", "dense", "srht"; parse_mapper_family refuses anything else (ValueError listing the choices).
+const char* mapper_family_name(MapperFamily family);
+MapperFamily parse_mapper_family(const std::string& name);
+// The construction name checkpoints record for a family (kMapperConstruction for block).
+const char* mapper_construction(MapperFamily family);
+
+struct MapperMatrixOptions {
+  MapperFamily family = MapperFamily::Block;
+  // dense only: the largest explicit matrix (rows * cols * 4 bytes) it builds. allow_large raises the
+  // cap to a third of the physical memory (the draws, the QR's copy and Q are alive together).
+  int64_t max_dense_bytes = int64_t{1} << 30;
+  bool allow_large = false;
+};
+
 class OrthogonalMatrix {
  public:
   OrthogonalMatrix() = default;
   static OrthogonalMatrix build(uint64_t seed, const std::string& key, int64_t rows, int64_t cols, bool expand,
-                                Device device = kCPU);
+                                Device device = kCPU, const MapperMatrixOptions& options = {});
 
   int64_t rows() const { return rows_; }
   int64_t cols() const { return cols_; }
+  MapperFamily family() const { return family_; }
+  // srht: whether the Hadamard map is used (false where the shape made it fall back to a block matrix).
+  bool hadamard() const { return srht_ != nullptr; }
   // W z for z [cols] -> [rows]; differentiable in z (also twice).
   Tensor apply(const Tensor& z) const;
   // W^T u for u [rows] -> [cols]; differentiable in u.
@@ -51,6 +83,10 @@ class OrthogonalMatrix {
 
  private:
   int64_t rows_ = 0, cols_ = 0;
+  MapperFamily family_ = MapperFamily::Block;
+  // srht: the Hadamard plan (no factors); transposed when W has orthonormal rows (W = T^T).
+  std::shared_ptr<const kernels::SrhtPlan> srht_;
+  bool srht_transposed_ = false;
   // The factors hold the scale (expansion / sqrt(k)): W = [block_ D_1; ...; block_ D_{k-1}; tail_].
   Tensor block_;  // [L, L] shared orthogonal block of the repeated part (undefined if none)
   Tensor signs_;  // [k-1, L] +-1 column signs of the repeated blocks

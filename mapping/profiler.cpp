@@ -38,14 +38,18 @@ std::string human_bytes(int64_t bytes) {
 }
 
 StrategyStats measure(const std::string& strategy, const ParameterSpec& spec, int64_t latent_dim, Device device,
-                      int n_warmup, int n_repeat, bool allow_large) {
+                      int n_warmup, int n_repeat, bool allow_large, const std::string& mapper) {
   StrategyStats stats;
   stats.dense_bytes = spec.total_numel() * latent_dim * 4;  // every strategy maps all N from L
   try {
     GeneratorOptions options;
     options.device = device;
     options.allow_large = allow_large;
+    options.mapper = mapper;
+    const auto build_start = std::chrono::steady_clock::now();
     std::unique_ptr<ParameterGenerator> gen = make_generator(strategy, spec, latent_dim, options);
+    stats.build_time_ms =
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - build_start).count();
     stats.fixed_bytes = static_cast<int64_t>(gen->fixed_bytes());
     stats.dense_bytes = static_cast<int64_t>(gen->fixed_projection_bytes());
     // As in training: the latents require grad, so every call records its autograd graph.
@@ -71,14 +75,14 @@ StrategyStats measure(const std::string& strategy, const ParameterSpec& spec, in
 
 std::map<std::string, StrategyStats> benchmark_strategies(const ParameterSpec& spec, int64_t latent_dim,
                                                           Device device, int n_warmup, int n_repeat,
-                                                          bool allow_large) {
+                                                          bool allow_large, const std::string& mapper) {
   MN_CHECK(latent_dim > 0, ValueError, "benchmark_strategies: latent_dim must be positive, got ", latent_dim);
   MN_CHECK(n_warmup >= 0, ValueError, "benchmark_strategies: n_warmup must be non-negative, got ", n_warmup);
   MN_CHECK(n_repeat >= 1, ValueError, "benchmark_strategies: n_repeat must be at least 1, got ", n_repeat);
   MN_CHECK(spec.total_numel() > 0, ValueError, "benchmark_strategies: the spec holds no parameters");
   std::map<std::string, StrategyStats> results;
   for (const char* strategy : {"slvt", "layerwise", "lazy_layerwise"})
-    results[strategy] = measure(strategy, spec, latent_dim, device, n_warmup, n_repeat, allow_large);
+    results[strategy] = measure(strategy, spec, latent_dim, device, n_warmup, n_repeat, allow_large, mapper);
   return results;
 }
 

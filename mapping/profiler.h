@@ -52,6 +52,7 @@ struct StrategyStats {
   int64_t dense_bytes = 0;
   std::string error;            // non-empty when the strategy could not be built or run
   bool ok() const { return error.empty(); }
+  double build_time_ms = 0;     // wall time of building the generator (its fixed mapper matrices)
 };
 
 // Builds a generator per strategy ("slvt", "layerwise", "lazy_layerwise") for `spec` - without
@@ -60,11 +61,13 @@ struct StrategyStats {
 // tree already released. Generation runs with gradients enabled, as in training (the latents require
 // grad, so the autograd graph and the tensors it saves count towards the peak); no backward is run.
 // A strategy that fails (e.g. slvt's projection-size guard, an out-of-memory) records `error` instead
-// of throwing; allow_large lifts that guard (GeneratorOptions::allow_large). On CUDA every timed call ends with a device-to-host copy of one value, so the time
+// of throwing; allow_large lifts that guard (GeneratorOptions::allow_large); `mapper` is the mapper
+// family (GeneratorOptions::mapper). On CUDA every timed call ends with a device-to-host copy of one value, so the time
 // covers the queued kernels; the copy is not counted in the peak.
 std::map<std::string, StrategyStats> benchmark_strategies(const ParameterSpec& spec, int64_t latent_dim = 64,
                                                           Device device = kCPU, int n_warmup = 2,
-                                                          int n_repeat = 5, bool allow_large = false);
+                                                          int n_repeat = 5, bool allow_large = false,
+                                                          const std::string& mapper = "block");
 
 // The scaling guide's table, one line per strategy in the order slvt, layerwise, lazy_layerwise (then
 // any others): "slvt                  peak=  12.34 MB  time=  0.83 ms  (12,340,224 B)  fixed=1.3 MB

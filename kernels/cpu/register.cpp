@@ -16,6 +16,7 @@ void register_cpu_norm();         // kernels/cpu/norm.cpp: row_norm_* (layer nor
 void register_cpu_gather();         // kernels/cpu/gather.cpp: gather, scatter_add
 void register_cpu_scan();           // kernels/cpu/scan.cpp: cumsum, topk
 void register_cpu_adaptive_pool();  // kernels/cpu/adaptive_pool.cpp: adaptive avg/max pool2d
+void register_cpu_srht();           // kernels/cpu/srht.cpp: srht_apply, srht_apply_transpose
 
 void register_cpu_kernels() {
   register_cpu_elementwise();
@@ -31,6 +32,7 @@ void register_cpu_kernels() {
   register_cpu_gather();
   register_cpu_scan();
   register_cpu_adaptive_pool();
+  register_cpu_srht();
 }
 
 }  // namespace mn::kernels

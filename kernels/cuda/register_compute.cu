@@ -14,6 +14,7 @@ void register_cuda_norm();         // kernels/cuda/norm.cu: row_norm_* (layer no
 void register_cuda_gather();         // kernels/cuda/gather.cu: gather, scatter_add
 void register_cuda_scan();           // kernels/cuda/scan.cu: cumsum, topk
 void register_cuda_adaptive_pool();  // kernels/cuda/adaptive_pool.cu: adaptive avg/max pool2d
+void register_cuda_srht();           // kernels/cuda/srht.cu: srht_apply, srht_apply_transpose
 
 void register_cuda_compute_kernels() {
   register_cuda_elementwise();
@@ -27,6 +28,7 @@ void register_cuda_compute_kernels() {
   register_cuda_gather();
   register_cuda_scan();
   register_cuda_adaptive_pool();
+  register_cuda_srht();
 }
 
 }  // namespace mn::kernels
