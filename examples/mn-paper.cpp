@@ -184,8 +184,9 @@ std::string markdown(const json& report, const std::string& header) {
           " |\n";
   }
   return md +
-         "\n≠: our trainable count differs from the paper's. Accuracy: mean ± sample std (n − 1) over the seeds "
-         "that finished. Public reimplementation: penglei0501/Mapping-Networks.\n";
+         "\nTrainable (ours): mn-train's count, or what the flags should give when no run finished; ≠: it differs "
+         "from the paper's. Accuracy: mean ± sample std (n − 1) over the seeds that finished. Public "
+         "reimplementation: penglei0501/Mapping-Networks.\n";
 }
 
 }  // namespace
@@ -280,7 +281,8 @@ int main(int argc, char** argv) {
     std::string what = r.message;
     if (r.outcome == Outcome::Done)
       what = "test " + fixed(100.0 * r.result.value("test_accuracy", 0.0)) + " % after " +
-             std::to_string(r.result.value("epochs", int64_t{0})) + " epochs, " + fixed(r.result.value("seconds", 0.0), 0) + " s";
+             mn::examples::count_of(r.result.value("epochs", int64_t{0}), "epoch") + ", " +
+             fixed(r.result.value("seconds", 0.0), 0) + " s";
     std::fprintf(stderr, "mn-paper: [%zu/%zu] %s seed %llu: %s\n", ended, runs.size(), run_name(r.args).c_str(),
                  static_cast<unsigned long long>(r.seed), what.c_str());
   });
@@ -306,7 +308,7 @@ int main(int argc, char** argv) {
   char when[32];
   std::strftime(when, sizeof when, "%Y-%m-%d %H:%M UTC", std::gmtime(&now));
   const std::string header = "mn-paper, " + std::string(when) + ": `" + report["command"].get<std::string>() + "`; " +
-                             std::to_string(o.epochs) + " epochs, " +
+                             mn::examples::count_of(o.epochs, "epoch") + ", " +
                              (limit > 0 ? std::to_string(limit) + " images" : std::string("all images")) + ", " +
                              std::to_string(seeds.size()) + " seed(s), " + fixed(wall, 0) + " s.\n";
   const std::string md = markdown(report, header);

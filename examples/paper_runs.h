@@ -217,6 +217,7 @@ void run_all(std::vector<Run>& runs, const RunSettings& s, int jobs, Progress pr
       if (const auto it = rejected.find(r.args); it != rejected.end()) {
         r.outcome = Outcome::Unavailable;
         r.message = it->second;
+        progress(r);
         continue;
       }
       if (const pid_t pid = start(r, s); pid > 0) running[pid] = &r - runs.data();
