@@ -45,6 +45,8 @@ struct GeneratorOptions {
   bool empty_cache_on_cuda = true;  // lazy_layerwise only
   int64_t max_projection_elements = 100'000'000;  // slvt only: guard on L * N (the reference's)
   bool allow_large = false;
+  // strategy "lrd" (make_generator): the rank of the factored 2-D weights (mapping/lrd.h); 0 elsewhere.
+  int64_t lrd_rank = 0;
 };
 
 class ParameterGenerator {
@@ -82,10 +84,15 @@ class ParameterGenerator {
   const GeneratorOptions& options() const { return options_; }
 
  protected:
+  // output_dims: the mapper output length of the named groups when it is not the group's parameter
+  // count (lrd maps to factors); a group not named maps to its n_g values.
   ParameterGenerator(ParameterSpec spec, std::vector<std::pair<std::string, std::vector<std::string>>> groups,
-                     std::map<std::string, int64_t> latent_dims, GeneratorOptions options);
-  // theta_g for one group (scaled).
-  Tensor generate_group(const Group& g, const LatentOverrides& latents) const;
+                     std::map<std::string, int64_t> latent_dims, GeneratorOptions options,
+                     const std::map<std::string, int64_t>& output_dims = {});
+  // theta_g for one group (scaled): the group's n_g values in its local_spec layout. Virtual so that a
+  // generator whose mapper output is not theta_g itself (lrd) turns it into theta_g here, and every
+  // caller (generate_parameters, generate_group_parameters, streaming) sees the same values.
+  virtual Tensor generate_group(const Group& g, const LatentOverrides& latents) const;
 
   ParameterSpec spec_;
   std::vector<Group> groups_;
@@ -110,6 +117,12 @@ class GroupedGenerator : public ParameterGenerator {
                    int64_t latent_dim, GeneratorOptions options = {});
   ParameterTree generate_parameters(const LatentOverrides& latents = {}) const override;
   std::string strategy() const override { return "grouped"; }
+
+ protected:
+  // For subclasses whose mappers produce output_dims values instead of n_g (lrd).
+  GroupedGenerator(ParameterSpec spec, std::vector<std::pair<std::string, std::vector<std::string>>> groups,
+                   std::map<std::string, int64_t> latent_dims, GeneratorOptions options,
+                   const std::map<std::string, int64_t>& output_dims);
 };
 
 class LayerwiseGenerator : public GroupedGenerator {
@@ -128,8 +141,9 @@ class LazyLayerwiseGenerator : public LayerwiseGenerator {
 // Owner-module groups of a spec: {"0": [0.weight, 0.bias], "<root>": [...]}, first-appearance order.
 std::vector<std::pair<std::string, std::vector<std::string>>> layerwise_groups(const ParameterSpec& spec);
 
-// Builds a generator by strategy name: "slvt", "layerwise", "lazy_layerwise" or "grouped" (which needs
-// `groups`). Unknown names are a ValueError listing the choices.
+// Builds a generator by strategy name: "slvt", "layerwise", "lazy_layerwise", "grouped" (which needs
+// `groups`) or "lrd" (LRDGenerator with options.lrd_rank, mapping/lrd.h). Unknown names are a
+// ValueError listing the choices.
 std::unique_ptr<ParameterGenerator> make_generator(
     const std::string& strategy, const ParameterSpec& spec, int64_t latent_dim, GeneratorOptions options = {},
     const std::vector<std::pair<std::string, std::vector<std::string>>>& groups = {},
