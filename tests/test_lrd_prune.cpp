@@ -362,3 +362,36 @@ TEST_CASE("mn-train: --strategy lrd --rank, direct --rank, --prune: counts, resu
   fails_with(str(kTiny, " --strategy direct --rank -1 --out ", dir / "x"), "rank must be positive, got -1");
   fails_with(str("--out ", dir / "split", " --resume --prune 0.5"), "--prune: the run has 0.9, the command line 0.5");
 }
+
+TEST_CASE("lrd/prune: a checkpoint records rank and prune fraction and refuses a model built otherwise") {
+  mn::testing::TempDir dir("lrd_prune_addons");
+  const MappingOptions o{.latent_dim = 4, .strategy = "lrd", .lrd_rank = 2, .prune_fraction = 0.5};
+  MappingModel model(small_net(), o);
+  save_checkpoint(dir.file("m.safetensors"), model);
+  // Ranks 5 and 6 both leave the weights (min sizes 5 and 3) unfactored, so the mappers agree and the
+  // recorded rank is what tells them apart; at factoring ranks the mapper sizes differ too.
+  MappingOptions rank5 = o, rank6 = o;
+  rank5.lrd_rank = 5;
+  rank6.lrd_rank = 6;
+  MappingModel five(small_net(), rank5), six(small_net(), rank6);
+  save_checkpoint(dir.file("r.safetensors"), five);
+  CHECK_THROWS_WITH_AS(load_checkpoint(dir.file("r.safetensors"), six),
+                       doctest::Contains("was saved with lrd_rank 5 but the model uses 6"), ValueError);
+  MappingOptions rank3 = o;
+  rank3.lrd_rank = 3;
+  MappingModel wrong_rank(small_net(), rank3);
+  CHECK_THROWS_WITH_AS(load_checkpoint(dir.file("m.safetensors"), wrong_rank), doctest::Contains("mapper mismatch"),
+                       ValueError);
+  MappingOptions unpruned = o;
+  unpruned.prune_fraction = 0;
+  MappingModel wrong_prune(small_net(), unpruned);
+  CHECK_THROWS_WITH_AS(load_checkpoint(dir.file("m.safetensors"), wrong_prune),
+                       doctest::Contains("was saved with prune_fraction 0.5 but the model uses 0"), ValueError);
+  // A plain layerwise checkpoint has no add_ons section and loads into a plain model only.
+  MappingModel plain(small_net(), MappingOptions{.latent_dim = 4});
+  save_checkpoint(dir.file("p.safetensors"), plain);
+  CHECK(safetensors::load(dir.file("p.safetensors")).metadata.count("add_ons") == 0);
+  MappingModel pruned(small_net(), MappingOptions{.latent_dim = 4, .prune_fraction = 0.25});
+  CHECK_THROWS_WITH_AS(load_checkpoint(dir.file("p.safetensors"), pruned),
+                       doctest::Contains("prune_fraction 0 but the model uses 0.25"), ValueError);
+}
