@@ -350,8 +350,8 @@ void check_knobs_apply(const Options& o) {
   MN_CHECK(o.rank >= 0, ValueError, "rank must be positive, got ", o.rank);
   MN_CHECK(o.strategy != "lrd" || o.rank > 0, ValueError,
            "--strategy lrd factors the 2-D weights at a rank: give --rank R (R > 0)");
-  MN_CHECK(o.rank == 0 || o.strategy == "lrd" || o.direct(), ValueError, "--rank ", o.rank,
-           " factors the weights of --strategy lrd (mapped) or direct, not ", o.strategy);
+  MN_CHECK(o.rank == 0 || o.strategy == "lrd" || o.strategy == "slvt" || o.direct(), ValueError, "--rank ", o.rank,
+           " factors the weights of --strategy lrd (layer-wise), slvt (slvt + LRD) or direct, not ", o.strategy);
   nn::check_prune_fraction(o.prune);
 }
 
@@ -787,8 +787,8 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   // LRD and pruning add-ons (paper Table 8).
   app.add_option("--rank", o.rank,
-                 "--strategy lrd: generate every 2-D weight [m, n] with rank < min(m, n) as U V^T of this rank; "
-                 "--strategy direct: train such weights as factors U [m, rank], V [n, rank]")
+                 "--strategy lrd (layer-wise groups) or slvt (one group): generate every 2-D weight [m, n] with "
+                 "rank < min(m, n) as U V^T of this rank; --strategy direct: train such weights as factors U [m, rank], V [n, rank]")
       ->capture_default_str();
   app.add_option("--prune", o.prune,
                  "unstructured magnitude pruning: mask this fraction (0 <= F < 1) of every weight tensor by its "

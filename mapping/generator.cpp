@@ -367,6 +367,11 @@ std::unique_ptr<ParameterGenerator> make_generator(
     const std::vector<std::pair<std::string, std::vector<std::string>>>& groups,
     const std::map<std::string, int64_t>& group_latent_dims) {
   MN_CHECK(latent_dim > 0, ValueError, "latent_dim must be positive, got ", latent_dim);
+  // slvt + LRD: one group "all" whose map produces the factors (mapping/lrd.h).
+  if ((strategy == "slvt" || strategy == "single_vector") && options.lrd_rank > 0) {
+    const int64_t rank = options.lrd_rank;
+    return std::make_unique<LRDGenerator>(spec, single_group(spec), latent_dim, rank, std::move(options));
+  }
   if (strategy == "slvt" || strategy == "single_vector")
     return std::make_unique<SingleVectorGenerator>(spec, latent_dim, std::move(options));
   if (strategy == "layerwise") return std::make_unique<LayerwiseGenerator>(spec, latent_dim, std::move(options));

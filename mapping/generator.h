@@ -142,7 +142,8 @@ class LazyLayerwiseGenerator : public LayerwiseGenerator {
 std::vector<std::pair<std::string, std::vector<std::string>>> layerwise_groups(const ParameterSpec& spec);
 
 // Builds a generator by strategy name: "slvt", "layerwise", "lazy_layerwise", "grouped" (which needs
-// `groups`) or "lrd" (LRDGenerator with options.lrd_rank, mapping/lrd.h). Unknown names are a
+// `groups`) or "lrd" (LRDGenerator with options.lrd_rank, mapping/lrd.h); "slvt" with lrd_rank > 0 is an
+// LRDGenerator over one group "all" (slvt + LRD). Unknown names are a
 // ValueError listing the choices.
 std::unique_ptr<ParameterGenerator> make_generator(
     const std::string& strategy, const ParameterSpec& spec, int64_t latent_dim, GeneratorOptions options = {},

@@ -16,30 +16,38 @@ int64_t output_numel(const Shape& shape, int64_t rank) {
   return factored(shape, rank) ? rank * (shape[0] + shape[1]) : shape.numel();
 }
 
-// The mapper output length of every layerwise group (checked rank first: the base builds the mappers).
-std::map<std::string, int64_t> lrd_output_dims(const ParameterSpec& spec, int64_t rank) {
+using Groups = std::vector<std::pair<std::string, std::vector<std::string>>>;
+
+// The mapper output length of every group (checked rank first: the base builds the mappers). Names the
+// spec lacks count 0 here; the base constructor then refuses them.
+std::map<std::string, int64_t> lrd_output_dims(const ParameterSpec& spec, const Groups& groups, int64_t rank) {
   MN_CHECK(rank > 0, ValueError, "rank must be positive, got ", rank);
   std::map<std::string, int64_t> dims;
-  for (const auto& [group, names] : layerwise_groups(spec)) {
+  for (const auto& [group, names] : groups) {
     int64_t n = 0;
-    for (const auto& name : names) n += output_numel(spec.entry(name).shape, rank);
+    for (const auto& name : names)
+      if (spec.contains(name)) n += output_numel(spec.entry(name).shape, rank);
     dims[group] = n;
   }
   return dims;
 }
 
-std::map<std::string, int64_t> same_latent_dim(const ParameterSpec& spec, int64_t latent_dim) {
+std::map<std::string, int64_t> same_latent_dim(const Groups& groups, int64_t latent_dim) {
   MN_CHECK(latent_dim > 0, ValueError, "latent_dim must be positive, got ", latent_dim);
   std::map<std::string, int64_t> dims;
-  for (const auto& [group, names] : layerwise_groups(spec)) dims[group] = latent_dim;
+  for (const auto& [group, names] : groups) dims[group] = latent_dim;
   return dims;
 }
 
 }  // namespace
 
 LRDGenerator::LRDGenerator(ParameterSpec spec, int64_t latent_dim, int64_t rank, GeneratorOptions options)
-    : GroupedGenerator(spec, layerwise_groups(spec), same_latent_dim(spec, latent_dim), std::move(options),
-                       lrd_output_dims(spec, rank)),
+    : LRDGenerator(spec, layerwise_groups(spec), latent_dim, rank, std::move(options)) {}
+
+LRDGenerator::LRDGenerator(ParameterSpec spec, Groups groups, int64_t latent_dim, int64_t rank,
+                           GeneratorOptions options)
+    : GroupedGenerator(spec, groups, same_latent_dim(groups, latent_dim), std::move(options),
+                       lrd_output_dims(spec, groups, rank)),
       rank_(rank) {
   for (const auto& g : groups_) {
     std::vector<Piece> pieces;

@@ -13,6 +13,7 @@
 // target's own init std. (The reference applies no such factor: its W starts sqrt(r) times too wide.)
 //
 // Linear(4, 4) at rank 2: one group "<root>", mapper output 4*2 + 4*2 + 4 = 20 values, W of rank 2.
+// The groups may also be given: one group "all" is slvt + LRD (make_generator("slvt") with lrd_rank).
 #include "mapping/generator.h"
 
 namespace mn::mapping {
@@ -21,6 +22,10 @@ class LRDGenerator : public GroupedGenerator {
  public:
   // ValueError "rank must be positive, got R" unless rank > 0 (before anything is built).
   LRDGenerator(ParameterSpec spec, int64_t latent_dim, int64_t rank, GeneratorOptions options = {});
+  // With other groups (an exact partition of the spec, as GroupedGenerator's): {{"all", spec.names()}} is
+  // slvt + LRD (one latent of length L for the whole target; make_generator("slvt") with lrd_rank > 0).
+  LRDGenerator(ParameterSpec spec, std::vector<std::pair<std::string, std::vector<std::string>>> groups,
+               int64_t latent_dim, int64_t rank, GeneratorOptions options = {});
   std::string strategy() const override { return "lrd"; }
   int64_t rank() const { return rank_; }
   // Target names of the factored weights, spec order.

@@ -28,8 +28,9 @@ MappingModel::MappingModel(std::shared_ptr<nn::Module> target, MappingOptions op
     : nn::Module("MappingModel"), target_(std::move(target)), options_(std::move(options)) {
   MN_CHECK(options_.latent_dim > 0, ValueError, "latent_dim must be positive, got ", options_.latent_dim);
   MN_CHECK(target_ != nullptr, ValueError, "MappingModel: target module is null");
-  MN_CHECK(options_.lrd_rank == 0 || options_.strategy == "lrd", ValueError, "lrd_rank ", options_.lrd_rank,
-           " factors the weights of strategy 'lrd'; strategy '", options_.strategy, "' has no rank (set it to 0)");
+  MN_CHECK(options_.lrd_rank == 0 || options_.strategy == "lrd" || options_.strategy == "slvt", ValueError,
+           "lrd_rank ", options_.lrd_rank, " factors the weights of strategy 'lrd' (or 'slvt': slvt + LRD); strategy '",
+           options_.strategy, "' has no rank (set it to 0)");
   check_target();
   generator_ = make_generator(options_.strategy, ParameterSpec::from_module(*target_), options_.latent_dim,
                               generator_options(options_), options_.groups, options_.group_latent_dims);

@@ -67,7 +67,8 @@ struct MappingOptions {
   // find_unused_parameters case); they are still generated.
   bool allow_unused_parameters = false;
   // LRD and pruning add-ons (the paper's Table 8).
-  // strategy "lrd": the rank of every factored 2-D weight (mapping/lrd.h); must be 0 for the others.
+  // strategy "lrd" (layer-wise groups) or "slvt" (one group, slvt + LRD): the rank of every factored 2-D
+  // weight (mapping/lrd.h); 0: no factorisation (and must be 0 for the other strategies).
   int64_t lrd_rank = 0;
   // Unstructured magnitude pruning of the generated parameters, any strategy: each tensor of two or
   // more dimensions keeps its llround((1 - f) * numel) entries of largest |value| at the initial

@@ -121,6 +121,14 @@ TEST_CASE("lrd: CNN2 at rank 32 factors FC1 only and starts at the target's init
   INFO("init std " << init << ", generated " << generated);
   CHECK(generated == doctest::Approx(init).epsilon(0.2));
   CHECK(population_std(tree.at("9.weight")) == doctest::Approx(population_std(own.at("9.weight"))).epsilon(0.2));
+
+  // slvt + LRD: one latent for the whole target, the same factored layout in one mapper.
+  MappingModel slvt(target, MappingOptions{.latent_dim = 64, .strategy = "slvt", .lrd_rank = 32});
+  const auto& one = dynamic_cast<const LRDGenerator&>(slvt.generator());
+  CHECK(one.group_names() == std::vector<std::string>{"all"});
+  CHECK(one.group_output_dim(0) == 108618 - 102400 + 32 * (128 + 800));
+  CHECK(slvt.trainable_parameter_count() == 64);
+  CHECK(population_std(slvt.generate_parameters().at("7.weight")) == doctest::Approx(init).epsilon(0.2));
 }
 
 TEST_CASE("lrd: gradients of the generated factors' products (gradcheck)") {
@@ -328,6 +336,8 @@ TEST_CASE("mn-train: --strategy lrd --rank, direct --rank, --prune: counts, resu
   CHECK(lrd["strategy"] == "lrd");
   CHECK(lrd["trainable_params"] == 4 * 64);
   CHECK(lrd["target_params"] == 108618);
+  const json slvt = run_json(exe, str(kTiny, " --strategy slvt --rank 32 --latent-dim 64 --epochs 1 --out ", dir / "slvt"));
+  CHECK(slvt["trainable_params"] == 64);
   const json direct = run_json(exe, str(kTiny, " --strategy direct --rank 32 --epochs 1 --out ", dir / "direct"));
   CHECK(direct["trainable_params"] == 35914);
   // The exported weights are the target's own tensors (W = U V^T), not the factors.
