@@ -73,6 +73,23 @@ std::shared_ptr<nn::Sequential> small_net() {
 
 std::vector<float> values(const Tensor& t) { return t.detach().contiguous().to_vector<float>(); }
 
+// gradcheck of every generated tensor (flattened, concatenated) with respect to the groups' latents.
+std::string gradcheck_latents(const std::vector<std::pair<std::string, Tensor>>& latents,
+                              const std::function<ParameterTree(const LatentOverrides&)>& generate) {
+  std::vector<Tensor> inputs;
+  for (const auto& [name, z] : latents) inputs.push_back(z.detach().clone().requires_grad_(true));
+  return autograd::gradcheck(
+      [&](const std::vector<Tensor>& v) {
+        LatentOverrides over;
+        for (size_t i = 0; i < latents.size(); ++i) over[latents[i].first] = v[i];
+        const ParameterTree tree = generate(over);
+        std::vector<Tensor> flat;
+        for (const auto& [n, t] : tree.items()) flat.push_back(t.reshape({t.numel()}));
+        return cat(flat, 0);
+      },
+      inputs);
+}
+
 }  // namespace
 
 TEST_CASE("lrd: the reference's Linear(4, 4) at rank 2 - one group of 20 outputs, a weight of rank 2") {
@@ -136,18 +153,8 @@ TEST_CASE("lrd: gradients of the generated factors' products (gradcheck)") {
   auto net = small_net();
   LRDGenerator gen(ParameterSpec::from_module(*net), 4, 2);
   gen.initialize_parameter_scaling(*net);
-  const auto names = gen.group_names();
-  std::vector<Tensor> inputs;
-  for (const auto& [name, z] : gen.named_latents()) inputs.push_back(z.detach().clone().requires_grad_(true));
-  const auto fn = [&](const std::vector<Tensor>& v) {
-    LatentOverrides o;
-    for (size_t i = 0; i < names.size(); ++i) o[names[i]] = v[i];
-    std::vector<Tensor> flat;
-    const ParameterTree tree = gen.generate_parameters(o);
-    for (const auto& [n, t] : tree.items()) flat.push_back(t.reshape({t.numel()}));
-    return cat(flat, 0);
-  };
-  CHECK(autograd::gradcheck(fn, inputs) == "");
+  CHECK(gradcheck_latents(gen.named_latents(), [&](const LatentOverrides& o) { return gen.generate_parameters(o); }) ==
+        "");
   // The layer-by-layer path (streaming) produces the same values.
   const ParameterTree all = gen.generate_parameters();
   const ParameterTree first = gen.generate_group_parameters(0);
@@ -208,18 +215,8 @@ TEST_CASE("prune: every generator's parameters come out masked, the same masks f
     MappingModel again(small_net(), o);
     for (const auto& [name, m] : masks) CHECK(values(again.prune_masks().at(name)) == values(m));
     // Gradients through the masks (masked entries contribute nothing to the latents' gradient).
-    const auto names = model.generator().group_names();
-    std::vector<Tensor> inputs;
-    for (const auto& [name, z] : model.named_latents()) inputs.push_back(z.detach().clone().requires_grad_(true));
-    const auto fn = [&](const std::vector<Tensor>& v) {
-      LatentOverrides over;
-      for (size_t i = 0; i < names.size(); ++i) over[names[i]] = v[i];
-      std::vector<Tensor> flat;
-      const ParameterTree tree = model.generate_parameters(over);
-      for (const auto& [n, t] : tree.items()) flat.push_back(t.reshape({t.numel()}));
-      return cat(flat, 0);
-    };
-    CHECK(autograd::gradcheck(fn, inputs) == "");
+    CHECK(gradcheck_latents(model.named_latents(),
+                            [&](const LatentOverrides& over) { return model.generate_parameters(over); }) == "");
   }
   CHECK_THROWS_WITH_AS(MappingModel(small_net(), MappingOptions{.prune_fraction = 1.5}),
                        "prune fraction must be in [0, 1), got 1.5", ValueError);
