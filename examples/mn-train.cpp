@@ -8,9 +8,9 @@
 // --resume continues the run in --out from its checkpoint: the options that define the run (target,
 // strategy, latent dim, batch size, optimizer, lr, seed, limit, loss and its weights, scheduler, the
 // mapper's alpha, clipping, accumulation, early stopping, weight decay, --rank, --prune) and its
-// --epochs come from the checkpoint, so `mn-train --out DIR --resume` is enough; a flag given with --resume must agree with
-// the run (--epochs may differ: the run then continues to that many epochs in total). A checkpoint
-// written before an option existed ran with its default.
+// --epochs come from the checkpoint, so `mn-train --out DIR --resume` is enough; a flag given with
+// --resume must agree with the run (--epochs may differ: the run then continues to that many epochs
+// in total). A checkpoint written before an option existed ran with its default.
 // Every epoch writes DIR/metrics.csv and DIR/checkpoint.safetensors (atomically); the end of the run
 // draws DIR/curves.png (loss and accuracy per epoch, through DIR/curves.gp) with gnuplot, or warns on
 // stderr that gnuplot is missing. --resume continues from the checkpoint's epoch with the stored latents,
