@@ -7,10 +7,10 @@
 //
 // --resume continues the run in --out from its checkpoint: the options that define the run (target,
 // strategy, latent dim, batch size, optimizer, lr, seed, limit, loss and its weights, scheduler, the
-// mapper's alpha, clipping, accumulation, early stopping, weight decay) and its --epochs come from the
-// checkpoint, so `mn-train --out DIR --resume` is enough; a flag given with --resume must agree with
-// the run (--epochs may differ: the run then continues to that many epochs in total). A checkpoint
-// written before an option existed ran with its default.
+// mapper's alpha, clipping, accumulation, early stopping, weight decay, --rank, --prune) and its
+// --epochs come from the checkpoint, so `mn-train --out DIR --resume` is enough; a flag given with
+// --resume must agree with the run (--epochs may differ: the run then continues to that many epochs
+// in total). A checkpoint written before an option existed ran with its default.
 // Every epoch writes DIR/metrics.csv and DIR/checkpoint.safetensors (atomically); the end of the run
 // draws DIR/curves.png (loss and accuracy per epoch, through DIR/curves.gp) with gnuplot, or warns on
 // stderr that gnuplot is missing. --resume continues from the checkpoint's epoch with the stored latents,
@@ -78,6 +78,7 @@
 #include "mapping/trainer.h"
 #include "nn/data/dataloader.h"
 #include "nn/data/fashion_mnist.h"
+#include "nn/reparametrize.h"
 #include "nn/safetensors.h"
 #include "nn/serialize.h"
 #include "nn/train/interrupt.h"
@@ -131,6 +132,11 @@ struct Options {
   std::string write_config;           // --write-config
   // --mapper: the family of the mappers' fixed matrices (MappingOptions::mapper): block, dense, srht.
   std::string mapper = "block";
+  // LRD and pruning add-ons (paper Table 8): --rank factors every 2-D weight [m, n] with rank < min(m, n)
+  // (--strategy lrd: generated as U V^T, mapping/lrd.h; --strategy direct: trained as factors U, V,
+  // nn/reparametrize.h); --prune masks that fraction of every weight tensor by initial magnitude.
+  int64_t rank = 0;   // 0: no factorisation
+  double prune = 0;   // 0: no pruning; else in [0, 1)
   bool direct() const { return strategy == "direct"; }
 };
 
@@ -207,6 +213,9 @@ const RunOption kRunOptions[] = {
        if (!v.is_null()) o.mapper = v.get<std::string>();
      },
      true},
+    // LRD and pruning add-ons.
+    {"rank", "--rank", [](Options& o, const json& v) { o.rank = v.get<int64_t>(); }, true},
+    {"prune", "--prune", [](Options& o, const json& v) { o.prune = v.get<double>(); }, true},
 };
 
 double effective_lr(const Options& o) { return o.lr > 0 ? o.lr : (o.direct() ? 1e-3 : 1e-2); }
@@ -246,7 +255,9 @@ json run_config(const Options& o, int world_size) {
           {"weight_decay", effective_weight_decay(o)},
           {"amsgrad", o.amsgrad},
           {"epochs", o.epochs},
-          {"mapper", mapped(o.mapper)}};
+          {"mapper", mapped(o.mapper)},
+          {"rank", o.rank},
+          {"prune", o.prune}};
 }
 
 // What run_config records for `key` when the knob has its default, for the run `o` describes (the
@@ -347,6 +358,12 @@ void check_knobs_apply(const Options& o) {
            "--amsgrad is an option of --optimizer adam and adamw, not ", o.optimizer);
   MN_CHECK(!o.direct() || o.mapper == defaults.mapper, ValueError, "--mapper ", o.mapper,
            " chooses the fixed matrices of a mapper, and --strategy direct trains the target without one");
+  MN_CHECK(o.rank >= 0, ValueError, "rank must be positive, got ", o.rank);
+  MN_CHECK(o.strategy != "lrd" || o.rank > 0, ValueError,
+           "--strategy lrd factors the 2-D weights at a rank: give --rank R (R > 0)");
+  MN_CHECK(o.rank == 0 || o.strategy == "lrd" || o.strategy == "slvt" || o.direct(), ValueError, "--rank ", o.rank,
+           " factors the weights of --strategy lrd (layer-wise), slvt (slvt + LRD) or direct, not ", o.strategy);
+  nn::check_prune_fraction(o.prune);
 }
 
 // --out must take files before any training: otherwise the first epoch's work is lost when its
@@ -529,8 +546,14 @@ Summary run(const Options& o, Device device, const data::Dataset& train_set, con
   manual_seed(o.seed);
   auto target = mapping::make_target(o.target, {o.mlp_hidden});
   std::optional<mapping::MappingModel> model;
+  // Direct training with --rank or --prune trains the target through its factors and masks; the masks
+  // and factors are drawn from the seeded generator here, so a resumed run rebuilds the same ones.
+  std::shared_ptr<nn::Reparametrized> reparametrized;
   if (o.direct()) {
     if (!device.is_cpu()) target->to(device);
+    if (o.rank > 0 || o.prune > 0)
+      reparametrized = std::make_shared<nn::Reparametrized>(
+          target, nn::ReparametrizeOptions{.lrd_rank = o.rank, .prune_fraction = o.prune});
   } else {
     mapping::MappingOptions mo{.latent_dim = o.latent_dim,
                                .strategy = o.strategy,
@@ -541,7 +564,9 @@ Summary run(const Options& o, Device device, const data::Dataset& train_set, con
                                // BatchNorm targets (resnet*): the running statistics the mapped model
                                // trains are kept for evaluation, the checkpoint and the export.
                                .write_back_buffers = true,
-                               .stream_layers = o.stream_layers};
+                               .stream_layers = o.stream_layers,
+                               .lrd_rank = o.rank,
+                               .prune_fraction = o.prune};
     mo.mapper = o.mapper;  // --mapper
     if (o.strategy == "grouped") mo.groups = weight_bias_groups(*target);
     try {
@@ -587,8 +612,9 @@ Summary run(const Options& o, Device device, const data::Dataset& train_set, con
         checkpoint, 1, train::CheckpointMetadata{{{"program", "mn-train"}}, run_config(o, dist.world_size).dump()}));
   }
   std::unique_ptr<train::Trainer> trainer;
+  nn::Module& direct_module = reparametrized ? static_cast<nn::Module&>(*reparametrized) : *target;
   if (o.direct()) {
-    trainer = std::make_unique<train::Trainer>(*target, train_loader, &test_loader, train::classification(),
+    trainer = std::make_unique<train::Trainer>(direct_module, train_loader, &test_loader, train::classification(),
                                                trainer_config(o), callbacks);
   } else {
     std::shared_ptr<mapping::Loss> loss = std::make_shared<mapping::ClassificationLoss>();
@@ -607,11 +633,14 @@ Summary run(const Options& o, Device device, const data::Dataset& train_set, con
   // same mappers and hooks the gradients; the trainer averages its metrics over the ranks.
   std::optional<dist::DistributedDataParallel> ddp;
   if (dist.active) {
-    ddp.emplace(dist::wrap_ddp(o.direct() ? static_cast<nn::Module&>(*target) : *model));
+    ddp.emplace(dist::wrap_ddp(o.direct() ? direct_module : *model));
     trainer->set_data_parallel(&*ddp);
   }
 
-  const int64_t trainable = o.direct() ? target->parameter_count() : model->trainable_parameter_count();
+  // Direct with --prune: the entries the masks leave trainable (what the paper counts).
+  const int64_t trainable = o.direct() ? (reparametrized ? reparametrized->trainable_parameter_count()
+                                                         : target->parameter_count())
+                                       : model->trainable_parameter_count();
   const int64_t target_params = o.direct() ? target->parameter_count() : model->target_parameter_count();
   if ((!o.json || tty) && dist.main()) {
     if (o.direct())
@@ -660,7 +689,10 @@ Summary run(const Options& o, Device device, const data::Dataset& train_set, con
   // an unfinished epoch (the checkpoint holds the last completed one).
   if (dist.main() && !s.interrupted) {
     s.exported = o.export_path.empty() ? (out_dir / "weights.safetensors").string() : o.export_path;
-    if (o.direct()) {
+    if (reparametrized) {
+      // The target's own names and shapes (W = U V^T, masks applied), as for a plain direct run.
+      safetensors::save(s.exported, reparametrized->effective_state_dict(), {{"format", "pt"}});
+    } else if (o.direct()) {
       nn::save(*target, s.exported);
     } else {
       mapping::export_generated_parameters(s.exported, *model);
@@ -684,7 +716,7 @@ int main(int argc, char** argv) {
       ->delimiter(',')
       ->capture_default_str();
   app.add_option("--strategy", o.strategy, "direct, or how the latents generate the parameters")
-      ->check(CLI::IsMember({"direct", "slvt", "layerwise", "lazy_layerwise", "grouped"}))
+      ->check(CLI::IsMember({"direct", "slvt", "layerwise", "lazy_layerwise", "grouped", "lrd"}))
       ->capture_default_str();
   app.add_option("--latent-dim", o.latent_dim, "latent length per group (grouped: weights and biases)")
       ->check(whole_number_at_least(1))
@@ -772,6 +804,14 @@ int main(int argc, char** argv) {
                  "(the reference's explicit matrix, refused above 1 GiB unless --allow-large) or srht (a "
                  "randomised Hadamard map that stores nothing)")
       ->check(CLI::IsMember({"block", "dense", "srht"}))
+  // LRD and pruning add-ons (paper Table 8).
+  app.add_option("--rank", o.rank,
+                 "--strategy lrd (layer-wise groups) or slvt (one group): generate every 2-D weight [m, n] with "
+                 "rank < min(m, n) as U V^T of this rank; --strategy direct: train such weights as factors U [m, rank], V [n, rank]")
+      ->capture_default_str();
+  app.add_option("--prune", o.prune,
+                 "unstructured magnitude pruning: mask this fraction (0 <= F < 1) of every weight tensor by its "
+                 "initial |value| (biases and 1-D tensors are kept); any strategy")
       ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
 

@@ -10,6 +10,7 @@
 #include <type_traits>
 
 #include "autograd/node.h"
+#include "mapping/lrd.h"
 #include "nn/safetensors.h"
 #include "nn/train/state_json.h"
 
@@ -64,6 +65,14 @@ struct Loaded {
   json mapper;
   std::vector<std::pair<std::string, std::vector<std::string>>> groups;  // group -> parameter names
 };
+
+// LRD and pruning add-ons (metadata "add_ons", written when either is on): the LRD rank (0 unless the
+// generator is an LRDGenerator) and MappingOptions::prune_fraction. Both change what the latents
+// generate while the latents keep their shapes, so a checkpoint must not load across them.
+json add_ons_json(const MappingModel& model) {
+  const auto* lrd = dynamic_cast<const LRDGenerator*>(&model.generator());
+  return {{"lrd_rank", lrd != nullptr ? lrd->rank() : int64_t{0}}, {"prune_fraction", model.options().prune_fraction}};
+}
 
 json metadata_json(const std::string& path, const safetensors::File& file, const std::string& key) {
   try {
@@ -252,6 +261,25 @@ void check_generator(const std::string& path, const Loaded& loaded, const Mappin
   } catch (const json::exception& e) {
     invalid(path, str("malformed 'mapper' metadata: ", e.what()));
   }
+  if (loaded.file.metadata.count("add_ons") || add_ons_json(model) != json{{"lrd_rank", 0}, {"prune_fraction", 0.0}}) {
+    int64_t saved_rank = 0;
+    double saved_prune = 0.0;
+    if (loaded.file.metadata.count("add_ons")) {
+      try {
+        const json saved = metadata_json(path, loaded.file, "add_ons");
+        saved_rank = saved.at("lrd_rank").get<int64_t>();
+        saved_prune = saved.at("prune_fraction").get<double>();
+      } catch (const json::exception& e) {
+        invalid(path, str("malformed 'add_ons' metadata: ", e.what()));
+      }
+    }
+    const json mine = add_ons_json(model);
+    MN_CHECK(saved_rank == mine.at("lrd_rank").get<int64_t>(), ValueError, "checkpoint ", path,
+             " was saved with lrd_rank ", saved_rank, " but the model uses ", mine.at("lrd_rank").get<int64_t>());
+    MN_CHECK(saved_prune == mine.at("prune_fraction").get<double>(), ValueError, "checkpoint ", path,
+             " was saved with prune_fraction ", saved_prune, " but the model uses ",
+             mine.at("prune_fraction").get<double>());
+  }
   MN_CHECK(info.parameter_scaling || !gen.scaling_initialized(), ValueError, "checkpoint ", path,
            " was saved without parameter scaling but the model scales its parameters; build it with "
            "parameter_scaling = false");
@@ -359,6 +387,8 @@ void save_checkpoint(const std::string& path, const MappingModel& model, const C
   metadata["groups"] = encode(groups);
   metadata["parameter_scaling"] = encode(!scales.empty());
   metadata["mapper"] = encode(mapper_json(model));
+  const json add_ons = add_ons_json(model);
+  if (add_ons.at("lrd_rank") != 0 || add_ons.at("prune_fraction") != 0.0) metadata["add_ons"] = encode(add_ons);
   metadata["spec"] = encode(spec);
   metadata["metadata"] = encode(json(extras.metadata));
   if (!extras.config.empty()) {

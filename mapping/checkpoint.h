@@ -14,6 +14,8 @@
 //   format "mapping_networks.checkpoint", schema_version 1, package_version, strategy, seed,
 //   latent_dims {group: L}, groups [[group, [parameter names]]...], parameter_scaling,
 //   mapper {alpha, default, groups: {group: description}}, spec [[name, [shape]]...] in spec order,
+//   add_ons {lrd_rank, prune_fraction} (only when either is set: LRD and pruning change what the
+//   latents generate, so they must match on load; the pruning masks are rebuilt, never stored),
 //   trainer_state {epoch, should_stop, scheduler_epoch, [scheduler_state, scheduler_step_metric],
 //   [callbacks {key: state}], optimizer_lr, history, rng} (optional),
 //   metadata {user strings}, config (optional JSON).

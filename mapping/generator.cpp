@@ -8,6 +8,7 @@
 #include "autograd/ops.h"
 #include "core/allocator.h"
 #include "core/random.h"
+#include "mapping/lrd.h"
 #include "nn/module.h"
 
 namespace mn::mapping {
@@ -85,7 +86,8 @@ MapperMatrixOptions mapper_matrix_options(const std::string& mapper, int64_t max
 
 ParameterGenerator::ParameterGenerator(ParameterSpec spec,
                                        std::vector<std::pair<std::string, std::vector<std::string>>> groups,
-                                       std::map<std::string, int64_t> latent_dims, GeneratorOptions options)
+                                       std::map<std::string, int64_t> latent_dims, GeneratorOptions options,
+                                       const std::map<std::string, int64_t>& output_dims)
     : spec_(std::move(spec)), options_(std::move(options)) {
   const MapperMatrixOptions matrices =
       mapper_matrix_options(options_.mapper, options_.max_dense_mapper_bytes, options_.allow_large);
@@ -127,11 +129,12 @@ ParameterGenerator::ParameterGenerator(ParameterSpec spec,
       shapes.emplace_back(n, spec_.entry(n).shape);
     }
     g.local_spec = ParameterSpec::from_shapes(shapes);
-    g.mapper = options_.mapper_factory(g.latent_dim, g.local_spec.total_numel(), options_.seed, "mapper/" + gname);
-    MN_CHECK(g.mapper->latent_dim() == g.latent_dim && g.mapper->output_dim() == g.local_spec.total_numel(),
-             ValueError, "Mapper dimensions do not match the layer generator: mapper maps ", g.mapper->latent_dim(),
-             " -> ", g.mapper->output_dim(), ", group '", gname, "' needs ", g.latent_dim, " -> ",
-             g.local_spec.total_numel());
+    const auto out = output_dims.find(gname);
+    const int64_t out_dim = out != output_dims.end() ? out->second : g.local_spec.total_numel();
+    g.mapper = options_.mapper_factory(g.latent_dim, out_dim, options_.seed, "mapper/" + gname);
+    MN_CHECK(g.mapper->latent_dim() == g.latent_dim && g.mapper->output_dim() == out_dim, ValueError,
+             "Mapper dimensions do not match the layer generator: mapper maps ", g.mapper->latent_dim(), " -> ",
+             g.mapper->output_dim(), ", group '", gname, "' needs ", g.latent_dim, " -> ", out_dim);
     if (!options_.device.is_cpu()) g.mapper->to(options_.device);
     g.latent = initial_latent(options_.seed, gname, g.latent_dim, options_.device);
     groups_.push_back(std::move(g));
@@ -303,6 +306,13 @@ GroupedGenerator::GroupedGenerator(ParameterSpec spec,
                                    std::map<std::string, int64_t> latent_dims, GeneratorOptions options)
     : ParameterGenerator(std::move(spec), std::move(groups), std::move(latent_dims), std::move(options)) {}
 
+GroupedGenerator::GroupedGenerator(ParameterSpec spec,
+                                   std::vector<std::pair<std::string, std::vector<std::string>>> groups,
+                                   std::map<std::string, int64_t> latent_dims, GeneratorOptions options,
+                                   const std::map<std::string, int64_t>& output_dims)
+    : ParameterGenerator(std::move(spec), std::move(groups), std::move(latent_dims), std::move(options),
+                         output_dims) {}
+
 namespace {
 std::map<std::string, int64_t> same_dim(const std::vector<std::pair<std::string, std::vector<std::string>>>& groups,
                                         int64_t latent_dim) {
@@ -366,6 +376,11 @@ std::unique_ptr<ParameterGenerator> make_generator(
     const std::vector<std::pair<std::string, std::vector<std::string>>>& groups,
     const std::map<std::string, int64_t>& group_latent_dims) {
   MN_CHECK(latent_dim > 0, ValueError, "latent_dim must be positive, got ", latent_dim);
+  // slvt + LRD: one group "all" whose map produces the factors (mapping/lrd.h).
+  if ((strategy == "slvt" || strategy == "single_vector") && options.lrd_rank > 0) {
+    const int64_t rank = options.lrd_rank;
+    return std::make_unique<LRDGenerator>(spec, single_group(spec), latent_dim, rank, std::move(options));
+  }
   if (strategy == "slvt" || strategy == "single_vector")
     return std::make_unique<SingleVectorGenerator>(spec, latent_dim, std::move(options));
   if (strategy == "layerwise") return std::make_unique<LayerwiseGenerator>(spec, latent_dim, std::move(options));
@@ -377,7 +392,12 @@ std::unique_ptr<ParameterGenerator> make_generator(
     for (const auto& [name, params] : groups) dims.try_emplace(name, latent_dim);
     return std::make_unique<GroupedGenerator>(spec, groups, dims, std::move(options));
   }
-  throw ValueError(str("Unknown strategy '", strategy, "'; choose from: grouped, layerwise, lazy_layerwise, slvt"));
+  if (strategy == "lrd") {
+    const int64_t rank = options.lrd_rank;
+    return std::make_unique<LRDGenerator>(spec, latent_dim, rank, std::move(options));
+  }
+  throw ValueError(
+      str("Unknown strategy '", strategy, "'; choose from: grouped, layerwise, lazy_layerwise, lrd, slvt"));
 }
 
 }  // namespace mn::mapping

@@ -50,6 +50,8 @@ struct GeneratorOptions {
   // mapper_factory is given (then the factory decides the matrices, and this only names them).
   std::string mapper = "block";
   int64_t max_dense_mapper_bytes = int64_t{1} << 30;
+  // strategy "lrd" (make_generator): the rank of the factored 2-D weights (mapping/lrd.h); 0 elsewhere.
+  int64_t lrd_rank = 0;
 };
 
 // The matrix options GeneratorOptions' mapper fields describe (ValueError for an unknown family).
@@ -90,10 +92,15 @@ class ParameterGenerator {
   const GeneratorOptions& options() const { return options_; }
 
  protected:
+  // output_dims: the mapper output length of the named groups when it is not the group's parameter
+  // count (lrd maps to factors); a group not named maps to its n_g values.
   ParameterGenerator(ParameterSpec spec, std::vector<std::pair<std::string, std::vector<std::string>>> groups,
-                     std::map<std::string, int64_t> latent_dims, GeneratorOptions options);
-  // theta_g for one group (scaled).
-  Tensor generate_group(const Group& g, const LatentOverrides& latents) const;
+                     std::map<std::string, int64_t> latent_dims, GeneratorOptions options,
+                     const std::map<std::string, int64_t>& output_dims = {});
+  // theta_g for one group (scaled): the group's n_g values in its local_spec layout. Virtual so that a
+  // generator whose mapper output is not theta_g itself (lrd) turns it into theta_g here, and every
+  // caller (generate_parameters, generate_group_parameters, streaming) sees the same values.
+  virtual Tensor generate_group(const Group& g, const LatentOverrides& latents) const;
 
   ParameterSpec spec_;
   std::vector<Group> groups_;
@@ -118,6 +125,12 @@ class GroupedGenerator : public ParameterGenerator {
                    int64_t latent_dim, GeneratorOptions options = {});
   ParameterTree generate_parameters(const LatentOverrides& latents = {}) const override;
   std::string strategy() const override { return "grouped"; }
+
+ protected:
+  // For subclasses whose mappers produce output_dims values instead of n_g (lrd).
+  GroupedGenerator(ParameterSpec spec, std::vector<std::pair<std::string, std::vector<std::string>>> groups,
+                   std::map<std::string, int64_t> latent_dims, GeneratorOptions options,
+                   const std::map<std::string, int64_t>& output_dims);
 };
 
 class LayerwiseGenerator : public GroupedGenerator {
@@ -136,8 +149,10 @@ class LazyLayerwiseGenerator : public LayerwiseGenerator {
 // Owner-module groups of a spec: {"0": [0.weight, 0.bias], "<root>": [...]}, first-appearance order.
 std::vector<std::pair<std::string, std::vector<std::string>>> layerwise_groups(const ParameterSpec& spec);
 
-// Builds a generator by strategy name: "slvt", "layerwise", "lazy_layerwise" or "grouped" (which needs
-// `groups`). Unknown names are a ValueError listing the choices.
+// Builds a generator by strategy name: "slvt", "layerwise", "lazy_layerwise", "grouped" (which needs
+// `groups`) or "lrd" (LRDGenerator with options.lrd_rank, mapping/lrd.h); "slvt" with lrd_rank > 0 is an
+// LRDGenerator over one group "all" (slvt + LRD). Unknown names are a
+// ValueError listing the choices.
 std::unique_ptr<ParameterGenerator> make_generator(
     const std::string& strategy, const ParameterSpec& spec, int64_t latent_dim, GeneratorOptions options = {},
     const std::vector<std::pair<std::string, std::vector<std::string>>>& groups = {},

@@ -1,9 +1,12 @@
 #include "mapping/mapping_model.h"
 
+#include <cmath>
 #include <limits>
 #include <sstream>
 
 #include "autograd/node.h"
+#include "autograd/ops.h"
+#include "nn/reparametrize.h"
 
 namespace mn::mapping {
 
@@ -21,6 +24,7 @@ GeneratorOptions generator_options(const MappingOptions& o) {
   g.allow_large = o.allow_large;
   g.mapper = o.mapper;
   g.max_dense_mapper_bytes = o.max_dense_mapper_bytes;
+  g.lrd_rank = o.lrd_rank;
   return g;
 }
 }  // namespace
@@ -29,6 +33,9 @@ MappingModel::MappingModel(std::shared_ptr<nn::Module> target, MappingOptions op
     : nn::Module("MappingModel"), target_(std::move(target)), options_(std::move(options)) {
   MN_CHECK(options_.latent_dim > 0, ValueError, "latent_dim must be positive, got ", options_.latent_dim);
   MN_CHECK(target_ != nullptr, ValueError, "MappingModel: target module is null");
+  MN_CHECK(options_.lrd_rank == 0 || options_.strategy == "lrd" || options_.strategy == "slvt", ValueError,
+           "lrd_rank ", options_.lrd_rank, " factors the weights of strategy 'lrd' (or 'slvt': slvt + LRD); strategy '",
+           options_.strategy, "' has no rank (set it to 0)");
   check_target();
   generator_ = make_generator(options_.strategy, ParameterSpec::from_module(*target_), options_.latent_dim,
                               generator_options(options_), options_.groups, options_.group_latent_dims);
@@ -55,6 +62,8 @@ MappingModel::MappingModel(WithGenerator, std::shared_ptr<nn::Module> target,
 }
 
 void MappingModel::finish_construction() {
+  nn::check_prune_fraction(options_.prune_fraction);
+  build_prune_masks();
   for (auto& [n, t] : target_->named_buffers()) buffers_[n] = t.detach().clone();
   if (options_.stream_layers) plan_streaming();
   if (!options_.device.is_cpu()) to(options_.device);
@@ -98,7 +107,7 @@ ForwardResult MappingModel::run_with(const std::function<Tensor(nn::Module&)>& f
   MN_CHECK(!options_.stream_layers, ValueError,
            "run_with runs the target as a whole; a model with stream_layers runs through run(input)");
   ForwardResult result;
-  result.generated_parameters = generator_->generate_parameters(latents);
+  result.generated_parameters = apply_prune_masks(generator_->generate_parameters(latents));
   std::map<std::string, Tensor> tensors = result.generated_parameters.to_map();
   // Buffers are the model's copies, cloned for this call so nothing leaks between calls unless
   // write-back is on.
@@ -162,7 +171,36 @@ void MappingModel::to(Device device) {
   generator_->to(device);
   target_->to(device);
   for (auto& [n, t] : buffers_) t = t.to(device);
+  for (auto& [n, m] : prune_masks_) m = m.to(device);
   options_.device = device;
+}
+
+void MappingModel::build_prune_masks() {
+  prune_masks_.clear();
+  if (options_.prune_fraction == 0) return;
+  // Group by group, at the generator's own (initial) latents: one group's tensors alive at a time.
+  autograd::NoGradGuard no_grad;
+  for (size_t gi = 0; gi < generator_->groups().size(); ++gi) {
+    const ParameterTree part = generator_->generate_group_parameters(gi);
+    for (auto& [name, mask] : nn::magnitude_prune_masks(part.items(), options_.prune_fraction))
+      prune_masks_[name] = mask;
+  }
+}
+
+ParameterTree MappingModel::apply_prune_masks(ParameterTree tree) const {
+  if (prune_masks_.empty()) return tree;
+  std::vector<std::pair<std::string, Tensor>> items;
+  for (const auto& [name, t] : tree.items()) {
+    auto it = prune_masks_.find(name);
+    items.emplace_back(name, it == prune_masks_.end() ? t : mul(t, it->second));
+  }
+  return ParameterTree(std::move(items));
+}
+
+int64_t MappingModel::unpruned_parameter_count() const {
+  int64_t n = target_parameter_count();
+  for (const auto& [name, m] : prune_masks_) n -= m.numel() - static_cast<int64_t>(std::llround(sum(m).item()));
+  return n;
 }
 
 nn::NamedTensorGroups MappingModel::replica_state() const {
@@ -180,6 +218,7 @@ void MappingModel::append_guard_words(std::vector<uint64_t>& key) const {
   // what the generator reads besides the latents: scales and mapper factors (replaced by set_scales / to).
   nn::module_guard(*target_)(key);
   for (const Tensor& b : generator_->buffers()) guard_memory(key, b);
+  for (const auto& [name, m] : prune_masks_) guard_memory(key, m);
 }
 
 }  // namespace mn::mapping

@@ -32,7 +32,7 @@ namespace mn::mapping {
 
 struct MappingOptions {
   int64_t latent_dim = 256;
-  // "slvt", "layerwise", "lazy_layerwise" or "grouped" (with `groups`).
+  // "slvt", "layerwise", "lazy_layerwise", "grouped" (with `groups`) or "lrd" (with lrd_rank).
   std::string strategy = "layerwise";
   uint64_t seed = 0;
   bool parameter_scaling = true;
@@ -71,6 +71,18 @@ struct MappingOptions {
   // stores nothing); see mapping/orthogonal.h. Checkpoints record it.
   std::string mapper = "block";
   int64_t max_dense_mapper_bytes = int64_t{1} << 30;
+  // LRD and pruning add-ons (the paper's Table 8).
+  // strategy "lrd" (layer-wise groups) or "slvt" (one group, slvt + LRD): the rank of every factored 2-D
+  // weight (mapping/lrd.h); 0: no factorisation (and must be 0 for the other strategies).
+  int64_t lrd_rank = 0;
+  // Unstructured magnitude pruning of the generated parameters, any strategy: each tensor of two or
+  // more dimensions keeps its llround((1 - f) * numel) entries of largest |value| at the initial
+  // latents (a fixed 0/1 mask, nn::magnitude_prune_masks); biases and other 1-D tensors are not pruned.
+  // The masks are a pure function of the seed and the options (a per-tensor scale does not reorder a
+  // tensor), so they are rebuilt by construction and never stored; every generated tree the model
+  // hands out (run, generate_parameters, streaming, export) is masked, so masked entries are zero and
+  // pass no gradient to the latents. 0 <= f < 1.
+  double prune_fraction = 0.0;
 };
 
 struct ForwardResult {
@@ -100,9 +112,14 @@ class MappingModel : public nn::Module {
   // nn::Module's single-input forward: run(x).predictions.
   Tensor forward(const Tensor& x) override { return run(x).predictions; }
 
+  // The generated parameters (pruning masks applied, MappingOptions::prune_fraction).
   ParameterTree generate_parameters(const LatentOverrides& latents = {}) const {
-    return generator_->generate_parameters(latents);
+    return apply_prune_masks(generator_->generate_parameters(latents));
   }
+  // The fixed pruning masks by target name (empty without pruning).
+  const std::map<std::string, Tensor>& prune_masks() const { return prune_masks_; }
+  // Generated parameters that can be nonzero: the target's count minus the masked entries.
+  int64_t unpruned_parameter_count() const;
   // The latents under their group names (parameters() lists the same tensors, named "latents.<group>").
   std::vector<std::pair<std::string, Tensor>> named_latents() const { return generator_->named_latents(); }
   std::map<std::string, Tensor> modulated_column_means(const LatentOverrides& latents = {}) const {
@@ -174,6 +191,12 @@ class MappingModel : public nn::Module {
   ForwardResult run_streamed(const Tensor& input, const LatentOverrides& latents);
   std::map<const nn::Module*, StreamOwner> stream_owners_;
   std::vector<size_t> resident_groups_;
+
+  // Pruning (MappingOptions::prune_fraction): masks computed once from the initial generation, and
+  // their application to a generated tree (or a group's part of it).
+  void build_prune_masks();
+  ParameterTree apply_prune_masks(ParameterTree tree) const;
+  std::map<std::string, Tensor> prune_masks_;
 
   std::shared_ptr<nn::Module> target_;
   MappingOptions options_;

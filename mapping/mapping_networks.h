@@ -34,6 +34,7 @@
 #include "nn/module.h"
 #include "nn/optim.h"
 #include "nn/progress.h"  // mn::Progress
+#include "nn/reparametrize.h"  // low-rank factors and magnitude pruning for direct training
 #include "nn/safetensors.h"
 #include "nn/serialize.h"  // nn::save / nn::load of a module's weights
 #include "nn/train/checkpoint.h"  // save/read/load_module_checkpoint
@@ -44,6 +45,7 @@
 #include "mapping/checkpoint.h"
 #include "mapping/generator.h"
 #include "mapping/losses.h"
+#include "mapping/lrd.h"
 #include "mapping/mapper.h"
 #include "mapping/mapping_model.h"
 #include "mapping/orthogonal.h"

@@ -83,7 +83,7 @@ class MappingModel::StreamCall : public nn::CallInterceptor, public std::enable_
     for (size_t k = 0; k < owner.groups.size(); ++k) own[groups[owner.groups[k]].name] = in[n_args + k];
     std::map<std::string, Tensor> tensors;
     for (size_t gi : owner.groups) {
-      const ParameterTree part = model_.generator_->generate_group_parameters(gi, own);
+      const ParameterTree part = model_.apply_prune_masks(model_.generator_->generate_group_parameters(gi, own));
       for (const auto& [name, t] : part.items()) tensors[name.substr(owner.prefix.size())] = t;
     }
     for (size_t b = 0; b < buffers.size(); ++b) tensors[owner.buffers[b].name] = buffers[b].clone();
@@ -174,7 +174,7 @@ ForwardResult MappingModel::run_streamed(const Tensor& input, const LatentOverri
   std::map<std::string, Tensor> tensors;
   for (auto& [n, t] : buffers_) tensors[n] = t.clone();
   for (size_t gi : resident_groups_) {
-    const ParameterTree part = generator_->generate_group_parameters(gi, latents);
+    const ParameterTree part = apply_prune_masks(generator_->generate_group_parameters(gi, latents));
     for (const auto& [name, t] : part.items()) tensors[name] = t;
   }
   nn::StateDict updated;
