@@ -78,8 +78,10 @@ std::vector<float> parameter_scales(const ParameterSpec& spec, const nn::Module&
 
 ParameterGenerator::ParameterGenerator(ParameterSpec spec,
                                        std::vector<std::pair<std::string, std::vector<std::string>>> groups,
-                                       std::map<std::string, int64_t> latent_dims, GeneratorOptions options)
+                                       std::map<std::string, int64_t> latent_dims, GeneratorOptions options,
+                                       int64_t output_block)
     : spec_(std::move(spec)), options_(std::move(options)) {
+  MN_CHECK(output_block > 0, ValueError, "block size must be positive, got ", output_block);
   if (!options_.mapper_factory) options_.mapper_factory = default_mapper_factory();
   MN_CHECK(!groups.empty(), ValueError, "At least one parameter group is required");
   // Exact partition of the spec.
@@ -118,11 +120,11 @@ ParameterGenerator::ParameterGenerator(ParameterSpec spec,
       shapes.emplace_back(n, spec_.entry(n).shape);
     }
     g.local_spec = ParameterSpec::from_shapes(shapes);
-    g.mapper = options_.mapper_factory(g.latent_dim, g.local_spec.total_numel(), options_.seed, "mapper/" + gname);
-    MN_CHECK(g.mapper->latent_dim() == g.latent_dim && g.mapper->output_dim() == g.local_spec.total_numel(),
-             ValueError, "Mapper dimensions do not match the layer generator: mapper maps ", g.mapper->latent_dim(),
-             " -> ", g.mapper->output_dim(), ", group '", gname, "' needs ", g.latent_dim, " -> ",
-             g.local_spec.total_numel());
+    const int64_t outputs = (g.local_spec.total_numel() + output_block - 1) / output_block;
+    g.mapper = options_.mapper_factory(g.latent_dim, outputs, options_.seed, "mapper/" + gname);
+    MN_CHECK(g.mapper->latent_dim() == g.latent_dim && g.mapper->output_dim() == outputs, ValueError,
+             "Mapper dimensions do not match the layer generator: mapper maps ", g.mapper->latent_dim(), " -> ",
+             g.mapper->output_dim(), ", group '", gname, "' needs ", g.latent_dim, " -> ", outputs);
     if (!options_.device.is_cpu()) g.mapper->to(options_.device);
     g.latent = initial_latent(options_.seed, gname, g.latent_dim, options_.device);
     groups_.push_back(std::move(g));
@@ -218,7 +220,9 @@ int64_t ParameterGenerator::trainable_parameter_count() const {
 
 size_t ParameterGenerator::fixed_bytes() const {
   size_t b = 0;
-  for (const auto& g : groups_) b += g.mapper->fixed_bytes() + (g.scale.defined() ? g.scale.nbytes() : 0);
+  for (const auto& g : groups_)
+    b += g.mapper->fixed_bytes() + (g.scale.defined() ? g.scale.nbytes() : 0) +
+         (g.offset.defined() ? g.offset.nbytes() : 0);
   return b;
 }
 
@@ -233,6 +237,7 @@ std::vector<Tensor> ParameterGenerator::buffers() const {
   for (const auto& g : groups_) {
     for (const Tensor& t : g.mapper->buffers()) out.push_back(t);
     if (g.scale.defined()) out.push_back(g.scale);
+    if (g.offset.defined()) out.push_back(g.offset);
   }
   return out;
 }
@@ -241,6 +246,7 @@ void ParameterGenerator::to(Device device) {
   for (auto& g : groups_) {
     g.mapper->to(device);
     if (g.scale.defined()) g.scale = g.scale.to(device);
+    if (g.offset.defined()) g.offset = g.offset.to(device);
     // Only a real move makes new leaves: to() on the current device keeps the latents (and so the
     // optimizers, DDP hooks and compiled graphs that hold them) as they are.
     if (g.latent.device() != device) g.latent = g.latent.detach().to(device).requires_grad_(true);
@@ -293,6 +299,13 @@ GroupedGenerator::GroupedGenerator(ParameterSpec spec,
                                    std::vector<std::pair<std::string, std::vector<std::string>>> groups,
                                    std::map<std::string, int64_t> latent_dims, GeneratorOptions options)
     : ParameterGenerator(std::move(spec), std::move(groups), std::move(latent_dims), std::move(options)) {}
+
+GroupedGenerator::GroupedGenerator(ParameterSpec spec,
+                                   std::vector<std::pair<std::string, std::vector<std::string>>> groups,
+                                   std::map<std::string, int64_t> latent_dims, GeneratorOptions options,
+                                   int64_t output_block)
+    : ParameterGenerator(std::move(spec), std::move(groups), std::move(latent_dims), std::move(options),
+                         output_block) {}
 
 namespace {
 std::map<std::string, int64_t> same_dim(const std::vector<std::pair<std::string, std::vector<std::string>>>& groups,
@@ -368,7 +381,12 @@ std::unique_ptr<ParameterGenerator> make_generator(
     for (const auto& [name, params] : groups) dims.try_emplace(name, latent_dim);
     return std::make_unique<GroupedGenerator>(spec, groups, dims, std::move(options));
   }
-  throw ValueError(str("Unknown strategy '", strategy, "'; choose from: grouped, layerwise, lazy_layerwise, slvt"));
+  MN_CHECK(strategy != "finetuning", ValueError,
+           "strategy 'finetuning' adds the latents' modulation to pretrained weights, which make_generator cannot "
+           "take: build a FineTuningGenerator (mapping/finetuning.h), or a MappingModel with "
+           "MappingOptions::pretrained set");
+  throw ValueError(str("Unknown strategy '", strategy,
+                       "'; choose from: finetuning (pretrained weights needed), grouped, layerwise, lazy_layerwise, slvt"));
 }
 
 }  // namespace mn::mapping

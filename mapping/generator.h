@@ -36,6 +36,9 @@ struct Group {
   Tensor latent;                // trainable leaf, N(0, 1/L)
   std::shared_ptr<Mapper> mapper;
   Tensor scale;                 // [n] per-element init scale, undefined until scaling is initialised
+  // Fixed values the group's output is added to (fine-tuning: the pretrained parameters, padded to whole
+  // blocks); undefined for the other generators. Moved by to(), listed by buffers() and fixed_bytes().
+  Tensor offset;
 };
 
 struct GeneratorOptions {
@@ -66,8 +69,8 @@ class ParameterGenerator {
   std::vector<std::pair<std::string, Tensor>> named_latents() const;
   std::vector<Tensor> latents() const;
   // Sets the per-tensor scales from the target's current parameter values.
-  void initialize_parameter_scaling(const nn::Module& target);
-  void set_scales(const std::vector<float>& per_entry_scales);  // one per spec entry (checkpoints)
+  virtual void initialize_parameter_scaling(const nn::Module& target);
+  virtual void set_scales(const std::vector<float>& per_entry_scales);  // one per spec entry (checkpoints)
   std::vector<float> per_entry_scales() const;                   // empty if scaling is off
   bool scaling_initialized() const { return scaling_; }
   // Alignment summaries colmean(W'_g) per group (single-layer mappers).
@@ -82,10 +85,12 @@ class ParameterGenerator {
   const GeneratorOptions& options() const { return options_; }
 
  protected:
+  // output_block > 1: each group's mapper produces ceil(n_g / output_block) values instead of n_g (one
+  // per block of the group's parameters; the subclass's generate_group expands them).
   ParameterGenerator(ParameterSpec spec, std::vector<std::pair<std::string, std::vector<std::string>>> groups,
-                     std::map<std::string, int64_t> latent_dims, GeneratorOptions options);
+                     std::map<std::string, int64_t> latent_dims, GeneratorOptions options, int64_t output_block = 1);
   // theta_g for one group (scaled).
-  Tensor generate_group(const Group& g, const LatentOverrides& latents) const;
+  virtual Tensor generate_group(const Group& g, const LatentOverrides& latents) const;
 
   ParameterSpec spec_;
   std::vector<Group> groups_;
@@ -110,6 +115,10 @@ class GroupedGenerator : public ParameterGenerator {
                    int64_t latent_dim, GeneratorOptions options = {});
   ParameterTree generate_parameters(const LatentOverrides& latents = {}) const override;
   std::string strategy() const override { return "grouped"; }
+
+ protected:
+  GroupedGenerator(ParameterSpec spec, std::vector<std::pair<std::string, std::vector<std::string>>> groups,
+                   std::map<std::string, int64_t> latent_dims, GeneratorOptions options, int64_t output_block);
 };
 
 class LayerwiseGenerator : public GroupedGenerator {
@@ -129,7 +138,9 @@ class LazyLayerwiseGenerator : public LayerwiseGenerator {
 std::vector<std::pair<std::string, std::vector<std::string>>> layerwise_groups(const ParameterSpec& spec);
 
 // Builds a generator by strategy name: "slvt", "layerwise", "lazy_layerwise" or "grouped" (which needs
-// `groups`). Unknown names are a ValueError listing the choices.
+// `groups`). Unknown names are a ValueError listing the choices; "finetuning" needs pretrained weights,
+// which this signature cannot take (a ValueError pointing to FineTuningGenerator and
+// MappingOptions::pretrained).
 std::unique_ptr<ParameterGenerator> make_generator(
     const std::string& strategy, const ParameterSpec& spec, int64_t latent_dim, GeneratorOptions options = {},
     const std::vector<std::pair<std::string, std::vector<std::string>>>& groups = {},

@@ -4,6 +4,7 @@
 #include <sstream>
 
 #include "autograd/node.h"
+#include "mapping/finetuning.h"
 
 namespace mn::mapping {
 
@@ -25,8 +26,17 @@ MappingModel::MappingModel(std::shared_ptr<nn::Module> target, MappingOptions op
   MN_CHECK(options_.latent_dim > 0, ValueError, "latent_dim must be positive, got ", options_.latent_dim);
   MN_CHECK(target_ != nullptr, ValueError, "MappingModel: target module is null");
   check_target();
-  generator_ = make_generator(options_.strategy, ParameterSpec::from_module(*target_), options_.latent_dim,
-                              generator_options(options_), options_.groups, options_.group_latent_dims);
+  if (options_.strategy == "finetuning") {
+    MN_CHECK(!options_.pretrained.empty(), ValueError,
+             "strategy 'finetuning' needs MappingOptions::pretrained (the pretrained target's safetensors file)");
+    generator_ = std::make_unique<FineTuningGenerator>(
+        ParameterSpec::from_module(*target_), options_.latent_dim, load_pretrained(options_.pretrained),
+        FineTuningOptions{options_.finetune_block_size, options_.finetune_alpha, options_.finetune_group_alpha},
+        generator_options(options_));
+  } else {
+    generator_ = make_generator(options_.strategy, ParameterSpec::from_module(*target_), options_.latent_dim,
+                                generator_options(options_), options_.groups, options_.group_latent_dims);
+  }
   if (options_.parameter_scaling) generator_->initialize_parameter_scaling(*target_);
   finish_construction();
 }
@@ -51,6 +61,18 @@ MappingModel::MappingModel(WithGenerator, std::shared_ptr<nn::Module> target,
 
 void MappingModel::finish_construction() {
   for (auto& [n, t] : target_->named_buffers()) buffers_[n] = t.detach().clone();
+  // Fine-tuning starts from the pretrained model's buffers (its BatchNorm statistics) where the file has them.
+  if (const auto* ft = dynamic_cast<const FineTuningGenerator*>(generator_.get())) {
+    autograd::NoGradGuard no_grad;
+    for (auto& [n, t] : buffers_) {
+      auto it = ft->pretrained_extras().find(n);
+      if (it == ft->pretrained_extras().end()) continue;
+      MN_CHECK(it->second.sizes() == t.sizes() && it->second.dtype() == t.dtype(), ValueError,
+               "pretrained weights ", ft->pretrained_path(), ": buffer '", n, "' is ", it->second.dtype(), " ",
+               it->second.sizes(), " in the file but ", t.dtype(), " ", t.sizes(), " in the target");
+      t = it->second.clone();
+    }
+  }
   if (options_.stream_layers) plan_streaming();
   if (!options_.device.is_cpu()) to(options_.device);
 }

@@ -66,6 +66,15 @@ struct MappingOptions {
   // Set this when the target genuinely leaves some parameters unused (PyTorch DDP's
   // find_unused_parameters case); they are still generated.
   bool allow_unused_parameters = false;
+  // strategy "finetuning" (mapping/finetuning.h): the pretrained target's safetensors state dict (PyTorch
+  // names), to which the latents' modulation is added; its parameters become fixed generator buffers,
+  // and the target's buffers found in it (BatchNorm running statistics) replace the target's initial
+  // ones. finetune_block_size (L_b) parameters share one modulation element, scaled by finetune_alpha
+  // (per layer-wise group in finetune_group_alpha). `alpha` stays the mapper's own modulation.
+  std::string pretrained;
+  int64_t finetune_block_size = 250;
+  double finetune_alpha = 0.01;
+  std::map<std::string, double> finetune_group_alpha;
 };
 
 struct ForwardResult {
