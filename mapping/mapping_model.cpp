@@ -187,7 +187,11 @@ nn::NamedTensorGroups MappingModel::replica_state() const {
   for (const Group& g : generator_->groups()) {
     std::vector<Tensor> tensors = g.mapper->buffers();
     tensors.push_back(g.scale);  // undefined without parameter scaling: hashed as such
-    out.emplace_back(str("the mapper buffers and scales of group '", g.name, "'"), std::move(tensors));
+    // Fine-tuning: each rank read its own copy of the pretrained file.
+    if (g.offset.defined()) tensors.push_back(g.offset);
+    out.emplace_back(str("the mapper buffers and scales", g.offset.defined() ? " and pretrained weights" : "",
+                         " of group '", g.name, "'"),
+                     std::move(tensors));
   }
   return out;
 }

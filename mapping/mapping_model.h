@@ -136,8 +136,9 @@ class MappingModel : public nn::Module {
   nn::NamedTensors named_buffers(bool recurse = true) const override;
   void train(bool on = true) override;
   void to(Device device) override;
-  // Per group, its mapper buffers and scale: a function of the seed and the target's initialisation,
-  // never communicated, so data-parallel replicas must agree on them (dist/ddp.h compares hashes).
+  // Per group, its mapper buffers and scale (and fine-tuning's pretrained weights): a function of the
+  // seed, the target's initialisation and the pretrained file, never communicated, so data-parallel
+  // replicas must agree on them (dist/ddp.h compares hashes).
   nn::NamedTensorGroups replica_state() const override;
   void append_guard_words(std::vector<uint64_t>& key) const override;
 
