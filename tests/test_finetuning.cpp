@@ -314,3 +314,36 @@ TEST_CASE("mn-train: --classes, --strategy finetuning --pretrained, --init-from 
   CHECK(r.status != 0);
   CHECK(contains(r.all(), "'12'"));
 }
+
+TEST_CASE("finetuning: streamed layer by layer (stream_layers) it trains the same as generated at once") {
+  TempDir dir("mn_ft_stream");
+  manual_seed(9);
+  auto make = [] {
+    auto net = std::make_shared<nn::Sequential>();
+    net->push_back(std::make_shared<nn::Linear>(4, 3));
+    net->push_back(std::make_shared<nn::ReLU>());
+    net->push_back(std::make_shared<nn::Linear>(3, 2));
+    return net;
+  };
+  auto first = make();
+  const std::string path = saved(*first, dir, "pre.safetensors");
+  MappingOptions mo{.latent_dim = 3, .strategy = "finetuning", .seed = 4};
+  mo.pretrained = path;
+  mo.finetune_block_size = 4;
+  mo.finetune_alpha = 0.3;
+  MappingModel whole(first, mo);
+  mo.stream_layers = true;
+  MappingModel streamed(make(), mo);
+  const Tensor x = mn::testing::random_tensor({5, 4}, 5);
+  const Tensor a = whole.run(x).predictions, b = streamed.run(x).predictions;
+  CHECK(values(a) == values(b));
+  sum(a).backward();
+  sum(b).backward();
+  for (size_t i = 0; i < whole.named_latents().size(); ++i) {
+    INFO(whole.named_latents()[i].first);
+    const std::vector<float> ga = values(whole.named_latents()[i].second.grad());
+    const std::vector<float> gb = values(streamed.named_latents()[i].second.grad());
+    REQUIRE(ga.size() == gb.size());
+    for (size_t k = 0; k < ga.size(); ++k) CHECK(ga[k] == doctest::Approx(gb[k]).epsilon(1e-5));
+  }
+}
