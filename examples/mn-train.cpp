@@ -51,6 +51,13 @@
 // batch shape and replays its kernels afterwards (mn::compile, nn/compile.h): same results bit for bit.
 // With --backend the all-reduce is replayed inside the step. What cannot be captured runs eagerly; the end
 // of the run prints what was captured, or "compiled" in the JSON summary holds that report.
+//
+// Transfer: --strategy finetuning --pretrained FILE generates the target as FILE's weights plus
+// --finetune-alpha x the latents' modulation, one element per --block-size parameters (--alpha stays
+// the mapper's own modulation); the checkpoint records FILE's path and content hash, and --resume refuses
+// a changed FILE. --strategy direct --init-from FILE starts from FILE's weights. --classes 0-4 (or 5,7,9)
+// trains and tests on those labels only (before --limit); the model keeps its 10 outputs. All of them
+// are run options (recorded in the config, checked by --resume). examples/transfer.sh compares them.
 #include <CLI/CLI.hpp>
 #include <unistd.h>
 
@@ -137,6 +144,14 @@ struct Options {
   // nn/reparametrize.h); --prune masks that fraction of every weight tensor by initial magnitude.
   int64_t rank = 0;   // 0: no factorisation
   double prune = 0;   // 0: no pruning; else in [0, 1)
+  // Transfer (issue 19): --strategy finetuning adds the latents' block modulation to --pretrained's
+  // weights; --init-from starts a direct run from a file; --classes keeps some labels (train and test).
+  std::string pretrained;             // MappingOptions::pretrained (finetuning)
+  int64_t block_size = 250;           // MappingOptions::finetune_block_size (finetuning)
+  double finetune_alpha = 0.01;       // MappingOptions::finetune_alpha (finetuning)
+  std::string init_from;              // direct: the target's starting weights (a safetensors state dict)
+  std::string classes;                // "0-4", "5,7,9", "0-2,8"; empty: all ten
+  bool finetuning() const { return strategy == "finetuning"; }
   bool direct() const { return strategy == "direct"; }
 };
 
@@ -216,7 +231,68 @@ const RunOption kRunOptions[] = {
     // LRD and pruning add-ons.
     {"rank", "--rank", [](Options& o, const json& v) { o.rank = v.get<int64_t>(); }, true},
     {"prune", "--prune", [](Options& o, const json& v) { o.prune = v.get<double>(); }, true},
+    // Transfer options (null where the run does not use them). The pretrained file's content is checked
+    // by the checkpoint itself (its hash), so --resume refuses a changed file.
+    {"pretrained", "--pretrained",
+     [](Options& o, const json& v) {
+       if (!v.is_null()) o.pretrained = v.get<std::string>();
+     },
+     true},
+    {"block_size", "--block-size",
+     [](Options& o, const json& v) {
+       if (!v.is_null()) o.block_size = v.get<int64_t>();
+     },
+     true},
+    {"finetune_alpha", "--finetune-alpha",
+     [](Options& o, const json& v) {
+       if (!v.is_null()) o.finetune_alpha = v.get<double>();
+     },
+     true},
+    {"init_from", "--init-from",
+     [](Options& o, const json& v) {
+       if (!v.is_null()) o.init_from = v.get<std::string>();
+     },
+     true},
+    {"classes", "--classes",
+     [](Options& o, const json& v) {
+       std::string text;
+       for (const json& c : v) text += (text.empty() ? "" : ",") + std::to_string(c.get<int64_t>());
+       o.classes = text;
+     },
+     true},
 };
+
+// --classes: "a-b" ranges and single labels, comma-separated, each in 0..9; sorted, without repeats.
+// Empty text: all ten (an empty list).
+std::vector<int64_t> parse_classes(const std::string& text) {
+  std::vector<int64_t> out;
+  if (text.empty()) return out;
+  std::istringstream items(text);
+  std::string item;
+  const auto label = [&text](const std::string& word) {
+    size_t used = 0;
+    int64_t v = -1;
+    try {
+      v = std::stoll(word, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    MN_CHECK(!word.empty() && used == word.size() && v >= 0 && v <= 9, ValueError, "--classes '", text,
+             "': expected labels 0-9 as ranges (a-b) or comma-separated numbers, got '", word, "'");
+    return v;
+  };
+  while (std::getline(items, item, ',')) {
+    const size_t dash = item.find('-');
+    const int64_t lo = label(item.substr(0, dash));
+    const int64_t hi = dash == std::string::npos ? lo : label(item.substr(dash + 1));
+    MN_CHECK(lo <= hi, ValueError, "--classes '", text, "': the range '", item, "' is empty");
+    for (int64_t c = lo; c <= hi; ++c) out.push_back(c);
+  }
+  MN_CHECK(!text.empty() && text.back() != ',', ValueError, "--classes '", text, "' ends with a comma");
+  std::sort(out.begin(), out.end());
+  out.erase(std::unique(out.begin(), out.end()), out.end());
+  return out;
+}
 
 double effective_lr(const Options& o) { return o.lr > 0 ? o.lr : (o.direct() ? 1e-3 : 1e-2); }
 
@@ -257,7 +333,12 @@ json run_config(const Options& o, int world_size) {
           {"epochs", o.epochs},
           {"mapper", mapped(o.mapper)},
           {"rank", o.rank},
-          {"prune", o.prune}};
+          {"prune", o.prune},
+          {"pretrained", o.finetuning() ? json(o.pretrained) : json(nullptr)},
+          {"block_size", o.finetuning() ? json(o.block_size) : json(nullptr)},
+          {"finetune_alpha", o.finetuning() ? json(o.finetune_alpha) : json(nullptr)},
+          {"init_from", o.direct() ? json(o.init_from) : json(nullptr)},
+          {"classes", parse_classes(o.classes)}};
 }
 
 // What run_config records for `key` when the knob has its default, for the run `o` describes (the
@@ -364,6 +445,16 @@ void check_knobs_apply(const Options& o) {
   MN_CHECK(o.rank == 0 || o.strategy == "lrd" || o.strategy == "slvt" || o.direct(), ValueError, "--rank ", o.rank,
            " factors the weights of --strategy lrd (layer-wise), slvt (slvt + LRD) or direct, not ", o.strategy);
   nn::check_prune_fraction(o.prune);
+  MN_CHECK(o.finetuning() == !o.pretrained.empty(), ValueError,
+           o.finetuning() ? "--strategy finetuning needs --pretrained FILE (the weights to fine-tune)"
+                          : "--pretrained is the starting point of --strategy finetuning; for a direct run from a "
+                            "file use --init-from");
+  MN_CHECK(o.finetuning() || (o.block_size == defaults.block_size && o.finetune_alpha == defaults.finetune_alpha),
+           ValueError, "--block-size and --finetune-alpha shape the modulation of --strategy finetuning");
+  MN_CHECK(o.direct() || o.init_from.empty(), ValueError,
+           "--init-from sets the starting weights of --strategy direct; a mapped run generates them "
+           "(--strategy finetuning --pretrained FILE starts from a file)");
+  parse_classes(o.classes);  // checks the syntax before any data is read
 }
 
 // --out must take files before any training: otherwise the first epoch's work is lost when its
@@ -383,8 +474,10 @@ void check_writable_directory(const fs::path& dir) {
   fs::remove(probe, ec);
 }
 
-data::Dataset prepare(const data::Dataset& ds, int64_t limit, Device device) {
-  data::Dataset out = ds.head(limit);
+// --classes first, then --limit (the first N images of those classes).
+data::Dataset prepare(const data::Dataset& ds, const std::string& classes, int64_t limit, Device device) {
+  const std::vector<int64_t> kept = parse_classes(classes);
+  data::Dataset out = (kept.empty() ? ds : data::select_classes(ds, kept)).head(limit);
   out.images = data::normalize(out.images);
   return out.to(device);
 }
@@ -483,7 +576,7 @@ struct Summary {
   bool evaluated_only = false; // no epoch trained in this invocation: test_accuracy measured at the end
   bool stopped_early = false;  // --early-stopping-patience ended the run before --epochs
   std::string exported;        // where the weights went ("" when they were not written)
-  int64_t fixed_bytes = 0;     // mapped runs: bytes of the mappers' fixed matrices and scales (--mapper)
+  int64_t fixed_bytes = 0;     // mapped runs: the generator's fixed tensors (mappers, scales, pretrained)
 };
 
 std::vector<std::pair<std::string, std::vector<std::string>>> weight_bias_groups(const nn::Module& target) {
@@ -550,6 +643,9 @@ Summary run(const Options& o, Device device, const data::Dataset& train_set, con
   // and factors are drawn from the seeded generator here, so a resumed run rebuilds the same ones.
   std::shared_ptr<nn::Reparametrized> reparametrized;
   if (o.direct()) {
+    // --init-from: the starting weights (strict: every name, no extra). A resumed run's checkpoint
+    // holds the trained ones.
+    if (!o.init_from.empty() && !o.resume) nn::load(*target, o.init_from);
     if (!device.is_cpu()) target->to(device);
     if (o.rank > 0 || o.prune > 0)
       reparametrized = std::make_shared<nn::Reparametrized>(
@@ -569,6 +665,11 @@ Summary run(const Options& o, Device device, const data::Dataset& train_set, con
                                .prune_fraction = o.prune};
     mo.mapper = o.mapper;  // --mapper
     if (o.strategy == "grouped") mo.groups = weight_bias_groups(*target);
+    if (o.finetuning()) {
+      mo.pretrained = o.pretrained;
+      mo.finetune_block_size = o.block_size;
+      mo.finetune_alpha = o.finetune_alpha;
+    }
     try {
       model.emplace(target, mo);
     } catch (const MemoryError& e) {
@@ -716,7 +817,7 @@ int main(int argc, char** argv) {
       ->delimiter(',')
       ->capture_default_str();
   app.add_option("--strategy", o.strategy, "direct, or how the latents generate the parameters")
-      ->check(CLI::IsMember({"direct", "slvt", "layerwise", "lazy_layerwise", "grouped", "lrd"}))
+      ->check(CLI::IsMember({"direct", "slvt", "layerwise", "lazy_layerwise", "grouped", "lrd", "finetuning"}))
       ->capture_default_str();
   app.add_option("--latent-dim", o.latent_dim, "latent length per group (grouped: weights and biases)")
       ->check(whole_number_at_least(1))
@@ -804,6 +905,7 @@ int main(int argc, char** argv) {
                  "(the reference's explicit matrix, refused above 1 GiB unless --allow-large) or srht (a "
                  "randomised Hadamard map that stores nothing)")
       ->check(CLI::IsMember({"block", "dense", "srht"}))
+      ->capture_default_str();
   // LRD and pruning add-ons (paper Table 8).
   app.add_option("--rank", o.rank,
                  "--strategy lrd (layer-wise groups) or slvt (one group): generate every 2-D weight [m, n] with "
@@ -813,6 +915,24 @@ int main(int argc, char** argv) {
                  "unstructured magnitude pruning: mask this fraction (0 <= F < 1) of every weight tensor by its "
                  "initial |value| (biases and 1-D tensors are kept); any strategy")
       ->capture_default_str();
+  // Transfer: fine-tuning a pretrained target through latents, direct runs from a file, class subsets.
+  app.add_option("--pretrained", o.pretrained,
+                 "--strategy finetuning: the pretrained weights (safetensors state dict, e.g. another run's "
+                 "weights.safetensors); the run generates them plus the latents' modulation");
+  app.add_option("--block-size", o.block_size,
+                 "--strategy finetuning: parameters sharing one modulation element (L_b; 1: one each)")
+      ->check(whole_number_at_least(1))
+      ->capture_default_str();
+  app.add_option("--finetune-alpha", o.finetune_alpha,
+                 "--strategy finetuning: strength of the modulation added to the pretrained weights "
+                 "(theta = pre + A * repeat_each(o, L_b)); --alpha stays the mapper's own modulation")
+      ->check(finite_number_in_range(0))
+      ->capture_default_str();
+  app.add_option("--init-from", o.init_from,
+                 "--strategy direct: start from these weights (safetensors state dict) instead of the init");
+  app.add_option("--classes", o.classes,
+                 "train and test on these labels only: ranges and lists such as 0-4 or 5,7,9 (the model "
+                 "keeps 10 outputs; default all)");
   CLI11_PARSE(app, argc, argv);
 
   DistInfo dist;
@@ -862,8 +982,8 @@ int main(int argc, char** argv) {
     const fs::path out_dir(o.out);
     check_writable_directory(out_dir);
     if (dist.active) dist::setup_ddp(dist.rank, dist.world_size, dist.backend);
-    const data::Dataset train_set = prepare(data::load_fashion_mnist("train", o.data), o.limit, device);
-    const data::Dataset test = prepare(data::load_fashion_mnist("test", o.data), o.limit, device);
+    const data::Dataset train_set = prepare(data::load_fashion_mnist("train", o.data), o.classes, o.limit, device);
+    const data::Dataset test = prepare(data::load_fashion_mnist("test", o.data), o.classes, o.limit, device);
 
     const Summary s = run(o, device, train_set, test, out_dir, tty, dist);
     if (dist.active) dist::cleanup_ddp();
@@ -891,6 +1011,7 @@ int main(int argc, char** argv) {
       if (!curves.empty()) j["curves"] = curves;
       if (!s.compile_report.empty()) j["compiled"] = s.compile_report;
       if (!s.exported.empty()) j["weights"] = s.exported;
+      if (!o.direct()) j["fixed_bytes"] = s.fixed_bytes;
       if (dist.active) {
         j["world_size"] = dist.world_size;
         j["backend"] = dist.backend;

@@ -11,6 +11,7 @@
 
 #include "autograd/node.h"
 #include "mapping/lrd.h"
+#include "mapping/finetuning.h"
 #include "nn/safetensors.h"
 #include "nn/train/state_json.h"
 
@@ -55,6 +56,16 @@ json mapper_json(const MappingModel& model) {
           {"family", model.generator().options().mapper},
           {"alpha", is_default ? json(model.options().alpha) : json(nullptr)},
           {"groups", groups}};
+}
+
+// What a fine-tuning generator adds to the spec and the latents: the pretrained file (path and content
+// hash, not its tensors) and the modulation's block size and strengths.
+json finetuning_json(const FineTuningGenerator& ft) {
+  return {{"pretrained", ft.pretrained_path()},
+          {"hash", pretrained_hash_hex(ft.pretrained_hash())},
+          {"block_size", ft.block_size()},
+          {"alpha", ft.finetuning_options().alpha},
+          {"group_alpha", ft.finetuning_options().group_alpha}};
 }
 
 // ---- reading ----
@@ -153,6 +164,7 @@ Loaded read(const std::string& path) {
       info.metadata = metadata_json(path, file, "metadata").get<std::map<std::string, std::string>>();
   });
   if (file.metadata.count("config")) info.config = file.metadata.at("config");
+  if (file.metadata.count("finetuning")) info.finetuning = file.metadata.at("finetuning");
   section("trainer_state", [&] {
     if (!file.metadata.count("trainer_state")) return;
     const json state = metadata_json(path, file, "trainer_state");
@@ -206,6 +218,27 @@ bool same_generation(const std::string& a, const std::string& b) {
   // Layer-wise and lazy layer-wise share groups, latents and values bit for bit.
   auto family = [](const std::string& s) { return s == "lazy_layerwise" ? std::string("layerwise") : s; };
   return family(a) == family(b);
+}
+
+// A fine-tuning checkpoint's latents only mean something on top of the same pretrained weights.
+void check_finetuning(const std::string& path, const CheckpointInfo& info, const FineTuningGenerator& ft) {
+  MN_CHECK(!info.finetuning.empty(), ValueError, "checkpoint ", path,
+           " records no pretrained weights (metadata 'finetuning'), so it cannot be checked against the model's ",
+           ft.pretrained_path());
+  try {
+    const json saved = json::parse(info.finetuning);
+    const json mine = finetuning_json(ft);
+    const std::string saved_hash = saved.at("hash").get<std::string>();
+    MN_CHECK(saved_hash == mine.at("hash").get<std::string>(), ValueError, "checkpoint ", path,
+             " was fine-tuned from pretrained weights ", saved.at("pretrained").get<std::string>(), " (hash ",
+             saved_hash, ") but the model's pretrained weights ", ft.pretrained_path(), " have hash ",
+             mine.at("hash").get<std::string>(), ": a different file, so the latents would modulate other weights");
+    for (const char* key : {"block_size", "alpha", "group_alpha"})
+      MN_CHECK(saved.at(key) == mine.at(key), ValueError, "checkpoint ", path, " was fine-tuned with ", key, " ",
+               saved.at(key).dump(), " but the model uses ", mine.at(key).dump());
+  } catch (const json::exception& e) {
+    invalid(path, str("malformed 'finetuning' metadata: ", e.what()));
+  }
 }
 
 void check_generator(const std::string& path, const Loaded& loaded, const MappingModel& model) {
@@ -280,6 +313,7 @@ void check_generator(const std::string& path, const Loaded& loaded, const Mappin
              " was saved with prune_fraction ", saved_prune, " but the model uses ",
              mine.at("prune_fraction").get<double>());
   }
+  if (const auto* ft = dynamic_cast<const FineTuningGenerator*>(&gen)) check_finetuning(path, info, *ft);
   MN_CHECK(info.parameter_scaling || !gen.scaling_initialized(), ValueError, "checkpoint ", path,
            " was saved without parameter scaling but the model scales its parameters; build it with "
            "parameter_scaling = false");
@@ -391,6 +425,7 @@ void save_checkpoint(const std::string& path, const MappingModel& model, const C
   if (add_ons.at("lrd_rank") != 0 || add_ons.at("prune_fraction") != 0.0) metadata["add_ons"] = encode(add_ons);
   metadata["spec"] = encode(spec);
   metadata["metadata"] = encode(json(extras.metadata));
+  if (const auto* ft = dynamic_cast<const FineTuningGenerator*>(&gen)) metadata["finetuning"] = encode(finetuning_json(*ft));
   if (!extras.config.empty()) {
     try {
       metadata["config"] = encode(json::parse(extras.config));

@@ -18,7 +18,9 @@
 //   latents generate, so they must match on load; the pruning masks are rebuilt, never stored),
 //   trainer_state {epoch, should_stop, scheduler_epoch, [scheduler_state, scheduler_step_metric],
 //   [callbacks {key: state}], optimizer_lr, history, rng} (optional),
-//   metadata {user strings}, config (optional JSON).
+//   metadata {user strings}, config (optional JSON), finetuning {pretrained, hash, block_size, alpha,
+//   group_alpha} (strategy "finetuning": the pretrained file's path and FNV-1a 64 content hash, never its
+//   tensors; loading into a model whose pretrained file has another hash is a ValueError naming both).
 // No target parameter and no mapper factor is stored. The file is written to a temporary name and
 // renamed over `path` (parent directories are created), so a failed save leaves the old file intact.
 //
@@ -80,6 +82,9 @@ struct CheckpointInfo {
   std::string trainer_state_json;  // "" when none was saved
   // Parsed trainer state with the optimizer tensors (optimizer/<key> -> key) when one was saved.
   std::optional<TrainerState> trainer_state;
+  // Strategy "finetuning": the metadata 'finetuning' (JSON: pretrained path, hash, block_size, alpha,
+  // group_alpha); "" otherwise.
+  std::string finetuning;
 };
 
 void save_checkpoint(const std::string& path, const MappingModel& model, const CheckpointExtras& extras = {});

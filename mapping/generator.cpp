@@ -230,7 +230,9 @@ int64_t ParameterGenerator::trainable_parameter_count() const {
 
 size_t ParameterGenerator::fixed_bytes() const {
   size_t b = 0;
-  for (const auto& g : groups_) b += g.mapper->fixed_bytes() + (g.scale.defined() ? g.scale.nbytes() : 0);
+  for (const auto& g : groups_)
+    b += g.mapper->fixed_bytes() + (g.scale.defined() ? g.scale.nbytes() : 0) +
+         (g.offset.defined() ? g.offset.nbytes() : 0);
   return b;
 }
 
@@ -245,6 +247,7 @@ std::vector<Tensor> ParameterGenerator::buffers() const {
   for (const auto& g : groups_) {
     for (const Tensor& t : g.mapper->buffers()) out.push_back(t);
     if (g.scale.defined()) out.push_back(g.scale);
+    if (g.offset.defined()) out.push_back(g.offset);
   }
   return out;
 }
@@ -253,6 +256,7 @@ void ParameterGenerator::to(Device device) {
   for (auto& g : groups_) {
     g.mapper->to(device);
     if (g.scale.defined()) g.scale = g.scale.to(device);
+    if (g.offset.defined()) g.offset = g.offset.to(device);
     // Only a real move makes new leaves: to() on the current device keeps the latents (and so the
     // optimizers, DDP hooks and compiled graphs that hold them) as they are.
     if (g.latent.device() != device) g.latent = g.latent.detach().to(device).requires_grad_(true);
@@ -396,8 +400,13 @@ std::unique_ptr<ParameterGenerator> make_generator(
     const int64_t rank = options.lrd_rank;
     return std::make_unique<LRDGenerator>(spec, latent_dim, rank, std::move(options));
   }
-  throw ValueError(
-      str("Unknown strategy '", strategy, "'; choose from: grouped, layerwise, lazy_layerwise, lrd, slvt"));
+  MN_CHECK(strategy != "finetuning", ValueError,
+           "strategy 'finetuning' adds the latents' modulation to pretrained weights, which make_generator cannot "
+           "take: build a FineTuningGenerator (mapping/finetuning.h), or a MappingModel with "
+           "MappingOptions::pretrained set");
+  throw ValueError(str("Unknown strategy '", strategy,
+                       "'; choose from: finetuning (pretrained weights needed), grouped, layerwise, lazy_layerwise, "
+                       "lrd, slvt"));
 }
 
 }  // namespace mn::mapping

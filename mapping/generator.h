@@ -36,6 +36,9 @@ struct Group {
   Tensor latent;                // trainable leaf, N(0, 1/L)
   std::shared_ptr<Mapper> mapper;
   Tensor scale;                 // [n] per-element init scale, undefined until scaling is initialised
+  // Fixed values the group's output is added to (fine-tuning: the pretrained parameters, padded to whole
+  // blocks); undefined for the other generators. Moved by to(), listed by buffers() and fixed_bytes().
+  Tensor offset;
 };
 
 struct GeneratorOptions {
@@ -76,8 +79,8 @@ class ParameterGenerator {
   std::vector<std::pair<std::string, Tensor>> named_latents() const;
   std::vector<Tensor> latents() const;
   // Sets the per-tensor scales from the target's current parameter values.
-  void initialize_parameter_scaling(const nn::Module& target);
-  void set_scales(const std::vector<float>& per_entry_scales);  // one per spec entry (checkpoints)
+  virtual void initialize_parameter_scaling(const nn::Module& target);
+  virtual void set_scales(const std::vector<float>& per_entry_scales);  // one per spec entry (checkpoints)
   std::vector<float> per_entry_scales() const;                   // empty if scaling is off
   bool scaling_initialized() const { return scaling_; }
   // Alignment summaries colmean(W'_g) per group (single-layer mappers).
@@ -151,8 +154,9 @@ std::vector<std::pair<std::string, std::vector<std::string>>> layerwise_groups(c
 
 // Builds a generator by strategy name: "slvt", "layerwise", "lazy_layerwise", "grouped" (which needs
 // `groups`) or "lrd" (LRDGenerator with options.lrd_rank, mapping/lrd.h); "slvt" with lrd_rank > 0 is an
-// LRDGenerator over one group "all" (slvt + LRD). Unknown names are a
-// ValueError listing the choices.
+// LRDGenerator over one group "all" (slvt + LRD). Unknown names are a ValueError listing the choices;
+// "finetuning" needs pretrained weights, which this signature cannot take (a ValueError pointing to
+// FineTuningGenerator and MappingOptions::pretrained).
 std::unique_ptr<ParameterGenerator> make_generator(
     const std::string& strategy, const ParameterSpec& spec, int64_t latent_dim, GeneratorOptions options = {},
     const std::vector<std::pair<std::string, std::vector<std::string>>>& groups = {},

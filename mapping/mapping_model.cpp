@@ -7,6 +7,7 @@
 #include "autograd/node.h"
 #include "autograd/ops.h"
 #include "nn/reparametrize.h"
+#include "mapping/finetuning.h"
 
 namespace mn::mapping {
 
@@ -37,8 +38,17 @@ MappingModel::MappingModel(std::shared_ptr<nn::Module> target, MappingOptions op
            "lrd_rank ", options_.lrd_rank, " factors the weights of strategy 'lrd' (or 'slvt': slvt + LRD); strategy '",
            options_.strategy, "' has no rank (set it to 0)");
   check_target();
-  generator_ = make_generator(options_.strategy, ParameterSpec::from_module(*target_), options_.latent_dim,
-                              generator_options(options_), options_.groups, options_.group_latent_dims);
+  if (options_.strategy == "finetuning") {
+    MN_CHECK(!options_.pretrained.empty(), ValueError,
+             "strategy 'finetuning' needs MappingOptions::pretrained (the pretrained target's safetensors file)");
+    generator_ = std::make_unique<FineTuningGenerator>(
+        ParameterSpec::from_module(*target_), options_.latent_dim, load_pretrained(options_.pretrained),
+        FineTuningOptions{options_.finetune_block_size, options_.finetune_alpha, options_.finetune_group_alpha},
+        generator_options(options_));
+  } else {
+    generator_ = make_generator(options_.strategy, ParameterSpec::from_module(*target_), options_.latent_dim,
+                                generator_options(options_), options_.groups, options_.group_latent_dims);
+  }
   if (options_.parameter_scaling) generator_->initialize_parameter_scaling(*target_);
   finish_construction();
 }
@@ -65,6 +75,18 @@ void MappingModel::finish_construction() {
   nn::check_prune_fraction(options_.prune_fraction);
   build_prune_masks();
   for (auto& [n, t] : target_->named_buffers()) buffers_[n] = t.detach().clone();
+  // Fine-tuning starts from the pretrained model's buffers (its BatchNorm statistics) where the file has them.
+  if (const auto* ft = dynamic_cast<const FineTuningGenerator*>(generator_.get())) {
+    autograd::NoGradGuard no_grad;
+    for (auto& [n, t] : buffers_) {
+      auto it = ft->pretrained_extras().find(n);
+      if (it == ft->pretrained_extras().end()) continue;
+      MN_CHECK(it->second.sizes() == t.sizes() && it->second.dtype() == t.dtype(), ValueError,
+               "pretrained weights ", ft->pretrained_path(), ": buffer '", n, "' is ", it->second.dtype(), " ",
+               it->second.sizes(), " in the file but ", t.dtype(), " ", t.sizes(), " in the target");
+      t = it->second.clone();
+    }
+  }
   if (options_.stream_layers) plan_streaming();
   if (!options_.device.is_cpu()) to(options_.device);
 }
@@ -208,7 +230,11 @@ nn::NamedTensorGroups MappingModel::replica_state() const {
   for (const Group& g : generator_->groups()) {
     std::vector<Tensor> tensors = g.mapper->buffers();
     tensors.push_back(g.scale);  // undefined without parameter scaling: hashed as such
-    out.emplace_back(str("the mapper buffers and scales of group '", g.name, "'"), std::move(tensors));
+    // Fine-tuning: each rank read its own copy of the pretrained file.
+    if (g.offset.defined()) tensors.push_back(g.offset);
+    out.emplace_back(str("the mapper buffers and scales", g.offset.defined() ? " and pretrained weights" : "",
+                         " of group '", g.name, "'"),
+                     std::move(tensors));
   }
   return out;
 }

@@ -83,6 +83,15 @@ struct MappingOptions {
   // hands out (run, generate_parameters, streaming, export) is masked, so masked entries are zero and
   // pass no gradient to the latents. 0 <= f < 1.
   double prune_fraction = 0.0;
+  // strategy "finetuning" (mapping/finetuning.h): the pretrained target's safetensors state dict (PyTorch
+  // names), to which the latents' modulation is added; its parameters become fixed generator buffers,
+  // and the target's buffers found in it (BatchNorm running statistics) replace the target's initial
+  // ones. finetune_block_size (L_b) parameters share one modulation element, scaled by finetune_alpha
+  // (per layer-wise group in finetune_group_alpha). `alpha` stays the mapper's own modulation.
+  std::string pretrained;
+  int64_t finetune_block_size = 250;
+  double finetune_alpha = 0.01;
+  std::map<std::string, double> finetune_group_alpha;
 };
 
 struct ForwardResult {
@@ -149,8 +158,9 @@ class MappingModel : public nn::Module {
   nn::NamedTensors named_buffers(bool recurse = true) const override;
   void train(bool on = true) override;
   void to(Device device) override;
-  // Per group, its mapper buffers and scale: a function of the seed and the target's initialisation,
-  // never communicated, so data-parallel replicas must agree on them (dist/ddp.h compares hashes).
+  // Per group, its mapper buffers and scale (and fine-tuning's pretrained weights): a function of the
+  // seed, the target's initialisation and the pretrained file, never communicated, so data-parallel
+  // replicas must agree on them (dist/ddp.h compares hashes).
   nn::NamedTensorGroups replica_state() const override;
   void append_guard_words(std::vector<uint64_t>& key) const override;
 

@@ -43,6 +43,7 @@
 #include "nn/train/trainer.h"     // train::Trainer, callbacks, history, objectives, TrainerConfig
 
 #include "mapping/checkpoint.h"
+#include "mapping/finetuning.h"  // FineTuningGenerator, load_pretrained
 #include "mapping/generator.h"
 #include "mapping/losses.h"
 #include "mapping/lrd.h"

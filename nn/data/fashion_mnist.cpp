@@ -3,6 +3,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
+#include <set>
 
 #include "autograd/ops.h"
 #include "nn/data/idx.h"
@@ -73,6 +74,17 @@ Dataset Dataset::select(const Tensor& indices) const {
 
 Dataset Dataset::to(Device device) const {
   return {images.device() == device ? images : images.to(device), labels.device() == device ? labels : labels.to(device)};
+}
+
+Dataset select_classes(const Dataset& ds, const std::vector<int64_t>& classes) {
+  MN_CHECK(!classes.empty(), ValueError, "select_classes: the class list is empty");
+  std::set<int64_t> wanted(classes.begin(), classes.end());
+  MN_CHECK(wanted.size() == classes.size(), ValueError, "select_classes: the class list repeats a class");
+  const std::vector<int64_t> labels = ds.labels.to(kCPU).to_vector<int64_t>();
+  std::vector<int64_t> keep;
+  for (size_t i = 0; i < labels.size(); ++i)
+    if (wanted.count(labels[i])) keep.push_back(static_cast<int64_t>(i));
+  return ds.select(from_vector(keep, Shape{static_cast<int64_t>(keep.size())}));
 }
 
 Tensor normalize(const Tensor& images, double mean, double stddev) {

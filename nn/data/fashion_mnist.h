@@ -41,4 +41,8 @@ std::vector<std::string> fashion_mnist_classes();
 // (images - mean) / stddev, a new tensor; the defaults are the training split's statistics.
 Tensor normalize(const Tensor& images, double mean = kFashionMnistMean, double stddev = kFashionMnistStd);
 
+// The samples whose label is one of `classes`, in their original order, labels unchanged (a model
+// trained on them keeps all its outputs). ValueError for an empty list or a duplicate.
+Dataset select_classes(const Dataset& ds, const std::vector<int64_t>& classes);
+
 }  // namespace mn::data
