@@ -8,8 +8,9 @@
 // --resume continues the run in --out from its checkpoint: the options that define the run (target,
 // strategy, latent dim, batch size, optimizer, lr, seed, limit, loss and its weights, scheduler, the
 // mapper's alpha, clipping, accumulation, early stopping, weight decay, augmentation, validation
-// split) and its --epochs come from the checkpoint, so `mn-train --out DIR --resume` is enough; a flag given with --resume must agree with
-// the run (--epochs may differ: the run then continues to that many epochs in total). A checkpoint
+// split) and its --epochs come from the checkpoint, so `mn-train --out DIR --resume` is enough; a flag
+// given with --resume must agree with the run (--epochs may differ: the run then continues to that
+// many epochs in total). A checkpoint
 // written before an option existed ran with its default.
 // Every epoch writes DIR/metrics.csv and DIR/checkpoint.safetensors (atomically); the end of the run
 // draws DIR/curves.png (loss and accuracy per epoch, through DIR/curves.gp) with gnuplot, or warns on
@@ -143,7 +144,7 @@ struct Options {
   std::string write_config;           // --write-config
   // Augmentation and the validation split (issue 19).
   std::vector<std::string> augment;   // --augment: "crop" (RandomCrop 28, padding 2), "flip" (p 0.5); empty: off
-  double val_split = 0;               // --val-split F: validate on a stratified F of the training set; 0: on the test set
+  double val_split = 0;               // --val-split F: validate on a stratified F of the training set (0: test set)
   bool direct() const { return strategy == "direct"; }
 };
 

@@ -89,7 +89,8 @@ Tensor Modulation::modulate(const Tensor& w, const Tensor& v) const {
 
 Tensor Modulation::column_mean(const Tensor& w_column_mean, const Tensor& v, int64_t out) const {
   MN_CHECK(w_column_mean.dim() == 1 && v.dim() == 1, ValueError, name(),
-           " modulation: column_mean expects 1D colmean(W) and latent, got ", w_column_mean.sizes(), " and ", v.sizes());
+           " modulation: column_mean expects 1D colmean(W) and latent, got ", w_column_mean.sizes(), " and ",
+           v.sizes());
   MN_CHECK(out > 0, ValueError, "column_mean: W must have at least one row, got ", out);
   const int64_t in = w_column_mean.size(0);
   if (kind == Kind::None) return w_column_mean;

@@ -74,7 +74,8 @@ TEST_CASE("transforms: RandomCrop is a padded window at one offset per sample, t
   }
   CHECK(origins.size() > 1);  // the offsets differ between samples
   // Without padding and with the full size, the crop is the identity.
-  CHECK(RandomCrop(std::pair<int64_t, int64_t>{H, W})(x, context({0, 1, 2, 3, 4, 5})).to_vector<float>() == x.to_vector<float>());
+  const RandomCrop full(std::pair<int64_t, int64_t>{H, W});
+  CHECK(full(x, context({0, 1, 2, 3, 4, 5})).to_vector<float>() == x.to_vector<float>());
   // x itself is untouched.
   CHECK(x.to_vector<float>() == labelled_images(N, C, H, W).to_vector<float>());
 }
@@ -132,8 +133,8 @@ TEST_CASE("transforms: draws depend only on (seed, epoch, sample index), not on 
 
 TEST_CASE("transforms: bad input names what was expected") {
   const Tensor x = labelled_images(2, 1, 4, 4);
-  CHECK_THROWS_WITH_AS(RandomCrop(7, 1)(x, context({0, 1})), doctest::Contains("does not fit the padded image of 6 x 6"),
-                       ValueError);
+  CHECK_THROWS_WITH_AS(RandomCrop(7, 1)(x, context({0, 1})),
+                       doctest::Contains("does not fit the padded image of 6 x 6"), ValueError);
   CHECK_THROWS_WITH_AS(RandomCrop(0), doctest::Contains("positive"), ValueError);
   CHECK_THROWS_WITH_AS(RandomCrop(3, -1), doctest::Contains("padding"), ValueError);
   CHECK_THROWS_WITH_AS(RandomHorizontalFlip(1.5), doctest::Contains("[0, 1]"), ValueError);
