@@ -7,10 +7,11 @@
 //
 // --resume continues the run in --out from its checkpoint: the options that define the run (target,
 // strategy, latent dim, batch size, optimizer, lr, seed, limit, loss and its weights, scheduler, the
-// mapper's alpha, clipping, accumulation, early stopping, weight decay, --rank, --prune) and its
-// --epochs come from the checkpoint, so `mn-train --out DIR --resume` is enough; a flag given with
-// --resume must agree with the run (--epochs may differ: the run then continues to that many epochs
-// in total). A checkpoint written before an option existed ran with its default.
+// mapper's alpha, clipping, accumulation, early stopping, weight decay, --mapper, --rank, --prune, the
+// fine-tuning options, --classes, augmentation, validation split) and its --epochs come from the
+// checkpoint, so `mn-train --out DIR --resume` is enough; a flag given with --resume must agree with the
+// run (--epochs may differ: the run then continues to that many epochs in total). A checkpoint written
+// before an option existed ran with its default.
 // Every epoch writes DIR/metrics.csv and DIR/checkpoint.safetensors (atomically); the end of the run
 // draws DIR/curves.png (loss and accuracy per epoch, through DIR/curves.gp) with gnuplot, or warns on
 // stderr that gnuplot is missing. --resume continues from the checkpoint's epoch with the stored latents,
@@ -20,6 +21,16 @@
 // target_params, compression_ratio, epochs (completed in total), seconds and steps_per_second (of
 // this invocation's training, validation included), cpu_threads (see --threads), interrupted,
 // stopped_early (--early-stopping-patience), weights and curves (the files written).
+//
+// Validation: by default the trainer's validation pass runs on the test set (metrics.csv's test_*
+// columns are its val_* metrics), so --early-stopping-patience and --scheduler plateau then select on
+// the test set. --val-split F holds out a stratified fraction F of the (--limit'ed) training images
+// instead (nn/data/split.h, fixed by --seed): metrics.csv then has val_loss and val_accuracy, early
+// stopping and the plateau schedule read them, and the test set is evaluated once after training
+// (test_accuracy, test_loss; --json adds val_accuracy, val_loss and their per-epoch lists).
+// --augment crop,flip transforms every training batch anew each epoch (nn/data/transforms.h): crop =
+// RandomCrop(28, padding 2, fill black), flip = RandomHorizontalFlip(0.5), both pure functions of
+// (--seed, epoch, image), so --resume and data-parallel runs see the same augmented images.
 //
 // --write-config FILE saves the options (defaults, --config's, the command line's) as TOML and exits;
 // --config FILE runs them, flags given overriding the file. --version prints the version.
@@ -86,6 +97,8 @@
 #include "nn/data/dataloader.h"
 #include "nn/data/fashion_mnist.h"
 #include "nn/reparametrize.h"
+#include "nn/data/split.h"
+#include "nn/data/transforms.h"
 #include "nn/safetensors.h"
 #include "nn/serialize.h"
 #include "nn/train/interrupt.h"
@@ -152,6 +165,9 @@ struct Options {
   std::string init_from;              // direct: the target's starting weights (a safetensors state dict)
   std::string classes;                // "0-4", "5,7,9", "0-2,8"; empty: all ten
   bool finetuning() const { return strategy == "finetuning"; }
+  // Augmentation and the validation split (issue 19).
+  std::vector<std::string> augment;   // --augment: "crop" (RandomCrop 28, padding 2), "flip" (p 0.5); empty: off
+  double val_split = 0;               // --val-split F: validate on a stratified F of the training set (0: test set)
   bool direct() const { return strategy == "direct"; }
 };
 
@@ -260,6 +276,9 @@ const RunOption kRunOptions[] = {
        o.classes = text;
      },
      true},
+    // Augmentation and the validation split (issue 19).
+    {"augment", "--augment", [](Options& o, const json& v) { o.augment = v.get<std::vector<std::string>>(); }, true},
+    {"val_split", "--val-split", [](Options& o, const json& v) { o.val_split = v.get<double>(); }, true},
 };
 
 // --classes: "a-b" ranges and single labels, comma-separated, each in 0..9; sorted, without repeats.
@@ -338,7 +357,9 @@ json run_config(const Options& o, int world_size) {
           {"block_size", o.finetuning() ? json(o.block_size) : json(nullptr)},
           {"finetune_alpha", o.finetuning() ? json(o.finetune_alpha) : json(nullptr)},
           {"init_from", o.direct() ? json(o.init_from) : json(nullptr)},
-          {"classes", parse_classes(o.classes)}};
+          {"classes", parse_classes(o.classes)},
+          {"augment", o.augment},
+          {"val_split", o.val_split}};
 }
 
 // What run_config records for `key` when the knob has its default, for the run `o` describes (the
@@ -521,7 +542,10 @@ std::string plot(const fs::path& out_dir) {
     std::string name;
     for (int i = 1; std::getline(names, name, ','); ++i) column[name] = i;
   }
-  for (const char* name : {"epoch", "train_loss", "test_loss", "train_accuracy", "test_accuracy"})
+  // The held-out columns: val_* with --val-split, else test_*.
+  const std::string held = column.count("val_loss") > 0 ? "val" : "test";
+  const std::string held_loss = held + "_loss", held_accuracy = held + "_accuracy";
+  for (const char* name : {"epoch", "train_loss", held_loss.c_str(), "train_accuracy", held_accuracy.c_str()})
     if (column.count(name) == 0) {
       std::fprintf(stderr, "mn-train: warning: no curves.png: %s lacks the column '%s'\n",
                    (out_dir / "metrics.csv").c_str(), name);
@@ -540,9 +564,10 @@ std::string plot(const fs::path& out_dir) {
        << "set multiplot layout 1,2\n"
        << "set xlabel 'epoch'\nset xtics " << std::max<int64_t>(1, rows / 10) << "\nset grid\nset key top right\n"
        << "set ylabel 'loss'\nset title 'loss'\n"
-       << "plot " << series("train_loss", "", "train") << ", " << series("test_loss", "", "test") << "\n"
+       << "plot " << series("train_loss", "", "train") << ", " << series(held_loss.c_str(), "", held.c_str()) << "\n"
        << "set key bottom right\nset ylabel 'accuracy (%)'\nset title 'accuracy'\n"
-       << "plot " << series("train_accuracy", "*100", "train") << ", " << series("test_accuracy", "*100", "test")
+       << "plot " << series("train_accuracy", "*100", "train") << ", "
+       << series(held_accuracy.c_str(), "*100", held.c_str())
        << "\n"
        << "unset multiplot\n";
   }
@@ -577,6 +602,9 @@ struct Summary {
   bool stopped_early = false;  // --early-stopping-patience ended the run before --epochs
   std::string exported;        // where the weights went ("" when they were not written)
   int64_t fixed_bytes = 0;     // mapped runs: the generator's fixed tensors (mappers, scales, pretrained)
+  // --val-split: the validation part's last-epoch and per-epoch figures, and the test loss at the end.
+  double val_accuracy = NAN, val_loss = NAN, test_loss = NAN;
+  std::vector<double> val_accuracy_per_epoch, val_loss_per_epoch;
 };
 
 std::vector<std::pair<std::string, std::vector<std::string>>> weight_bias_groups(const nn::Module& target) {
@@ -630,10 +658,33 @@ mapping::MappingLossOptions mapping_loss_options(const Options& o) {
   return m;
 }
 
+// --augment: the training batches' transforms in a fixed order (crop, then flip), or null. The crop pads
+// with the normalised value of a black pixel, as torchvision's fill 0 does before Normalize.
+std::shared_ptr<const data::Transform> make_augmentation(const Options& o) {
+  std::vector<std::shared_ptr<data::Transform>> transforms;
+  const auto has = [&o](const char* name) { return std::count(o.augment.begin(), o.augment.end(), name) > 0; };
+  if (has("crop"))
+    transforms.push_back(std::make_shared<data::RandomCrop>(
+        28, 2, (0.0 - data::kFashionMnistMean) / data::kFashionMnistStd));
+  if (has("flip")) transforms.push_back(std::make_shared<data::RandomHorizontalFlip>(0.5));
+  if (transforms.empty()) return nullptr;
+  return std::make_shared<data::Compose>(std::move(transforms));
+}
+
+// --augment as the run records it: each name once, in the order applied (crop, flip).
+void canonicalize_augment(Options& o) {
+  std::vector<std::string> canonical;
+  for (const char* name : {"crop", "flip"})
+    if (std::count(o.augment.begin(), o.augment.end(), name) > 0) canonical.push_back(name);
+  o.augment = canonical;
+}
+
 // Builds the model (the target, or a MappingModel around it), its trainer and the callbacks, resumes,
 // wraps for data parallel, trains, and says what happened.
-Summary run(const Options& o, Device device, const data::Dataset& train_set, const data::Dataset& test,
-              const fs::path& out_dir, bool tty, const DistInfo& dist) {
+// val_set: the --val-split part (the trainer validates on it and the test set is evaluated once at the
+// end), or null (the trainer validates on the test set, as before --val-split existed).
+Summary run(const Options& o, Device device, const data::Dataset& train_set, const data::Dataset* val_set,
+            const data::Dataset& test, const fs::path& out_dir, bool tty, const DistInfo& dist) {
   const std::string checkpoint = (out_dir / "checkpoint.safetensors").string();
 
   manual_seed(o.seed);
@@ -684,6 +735,7 @@ Summary run(const Options& o, Device device, const data::Dataset& train_set, con
   // rank's shard of every epoch (the same permutation, split over the ranks); the trainer's set_epoch
   // reaches the sampler through the loader.
   data::DataLoaderOptions train_options{.batch_size = o.batch_size, .shuffle = true, .seed = o.seed};
+  train_options.transform = make_augmentation(o);
   if (dist.active) {
     train_options.shuffle = false;
     train_options.sampler =
@@ -692,17 +744,30 @@ Summary run(const Options& o, Device device, const data::Dataset& train_set, con
   data::DataLoader train_loader(train_set, train_options);
   const data::Dataset my_test = test_shard(test, dist);
   data::DataLoader test_loader(my_test, {.batch_size = 1000, .shuffle = false});
+  // --val-split: the trainer's validation pass (early stopping, the plateau schedule, metrics.csv's val_*)
+  // sees only the held-out training images; the test set is evaluated once, after training.
+  std::optional<data::Dataset> my_val;
+  std::optional<data::DataLoader> val_loader;
+  if (val_set != nullptr) {
+    my_val = test_shard(*val_set, dist);
+    val_loader.emplace(*my_val, data::DataLoaderOptions{.batch_size = 1000, .shuffle = false});
+  }
+  data::DataLoader* validation = val_loader ? &*val_loader : &test_loader;
+  const char* held_out = val_loader ? "val" : "test";
 
   // Only rank 0 writes files and stdout; Ctrl-C stops a single-process run (the launcher stops ranks).
   std::vector<std::shared_ptr<train::Callback>> callbacks;
   auto sigint = std::make_shared<train::StopOnSigint>();
   if (!dist.active) callbacks.push_back(sigint);
   if (dist.main()) {
-    callbacks.push_back(std::make_shared<train::CsvLogger>((out_dir / "metrics.csv").string()));
+    train::CsvLogger::Columns columns = train::CsvLogger::default_columns();
+    for (auto& [column, key] : columns)
+      if (column.rfind("test_", 0) == 0) column = held_out + column.substr(4);
+    callbacks.push_back(std::make_shared<train::CsvLogger>((out_dir / "metrics.csv").string(), columns));
     // A bar on a terminal; in logs plain progress lines, except with --json (stdout for programs: a
     // line per epoch, then the summary).
     if (tty || !o.json) callbacks.push_back(std::make_shared<train::ProgressCallback>());
-    if (!tty) callbacks.push_back(std::make_shared<train::EpochSummary>());
+    if (!tty) callbacks.push_back(std::make_shared<train::EpochSummary>(stdout, held_out));
   }
   // On every rank: the ranks see the same (all-reduced) validation loss, so they stop together.
   if (o.early_stopping_patience > 0)
@@ -715,12 +780,12 @@ Summary run(const Options& o, Device device, const data::Dataset& train_set, con
   std::unique_ptr<train::Trainer> trainer;
   nn::Module& direct_module = reparametrized ? static_cast<nn::Module&>(*reparametrized) : *target;
   if (o.direct()) {
-    trainer = std::make_unique<train::Trainer>(direct_module, train_loader, &test_loader, train::classification(),
+    trainer = std::make_unique<train::Trainer>(direct_module, train_loader, validation, train::classification(),
                                                trainer_config(o), callbacks);
   } else {
     std::shared_ptr<mapping::Loss> loss = std::make_shared<mapping::ClassificationLoss>();
     if (o.mapping_loss) loss = std::make_shared<mapping::MappingLoss>(loss, mapping_loss_options(o));
-    trainer = std::make_unique<mapping::MappingTrainer>(*model, train_loader, &test_loader, loss, trainer_config(o),
+    trainer = std::make_unique<mapping::MappingTrainer>(*model, train_loader, validation, loss, trainer_config(o),
                                                         callbacks);
   }
   if (o.resume) {
@@ -777,13 +842,23 @@ Summary run(const Options& o, Device device, const data::Dataset& train_set, con
   if (model) s.fixed_bytes = static_cast<int64_t>(model->generator().fixed_bytes());
   s.interrupted = sigint->interrupted() && trainer->epoch() < o.epochs;
   s.stopped_early = !s.interrupted && trainer->epoch() < o.epochs;
-  if (trainer->epoch() == first_epoch && !s.interrupted) {
-    // Nothing trained in this invocation (--epochs 0, or the run already has them all): the test
-    // accuracy is measured now instead of read from a history that may be empty.
+  if (val_loader) {
+    s.val_accuracy = history.last(train::history_keys::kValAccuracy);
+    s.val_loss = history.last(train::history_keys::kValTaskLoss);
+    if (history.contains(train::history_keys::kValAccuracy))
+      s.val_accuracy_per_epoch = history.at(train::history_keys::kValAccuracy);
+    if (history.contains(train::history_keys::kValTaskLoss))
+      s.val_loss_per_epoch = history.at(train::history_keys::kValTaskLoss);
+    s.test_accuracy = NAN;  // the history's val_* are the split's; the test set is measured below
+  }
+  if ((trainer->epoch() == first_epoch || val_loader) && !s.interrupted) {
+    // Nothing trained in this invocation (--epochs 0, or the run already has them all), or --val-split
+    // (the epochs validated on the split): the test accuracy is measured now, once.
     train::Metrics m = trainer->evaluate(test_loader);
     if (ddp) m = ddp->average_metrics(m, my_test.size());
     s.test_accuracy = m.at(train::history_keys::kValAccuracy);
-    s.evaluated_only = true;
+    s.test_loss = m.at(train::history_keys::kValTaskLoss);
+    s.evaluated_only = trainer->epoch() == first_epoch;
   }
   // The target's weights alone, under its own names (what torch's load_state_dict(strict=True) takes):
   // generated from the latents for a mapped run. Not after an interrupt, whose weights are those of
@@ -843,7 +918,8 @@ int main(int argc, char** argv) {
       ->check(whole_number_at_least(1))
       ->capture_default_str();
   app.add_option("--early-stopping-patience", o.early_stopping_patience,
-                 "stop when the test loss (val_total_loss) has not improved for this many epochs (0: never)")
+                 "stop when the validation loss (val_total_loss: the --val-split part, else the test set) has not "
+                 "improved for this many epochs (0: never)")
       ->check(whole_number_at_least(0))
       ->capture_default_str();
   app.add_option("--alpha", o.alpha, "mapped runs: modulation of the fixed mappers by the latents (W + alpha 1 z^T)")
@@ -933,6 +1009,18 @@ int main(int argc, char** argv) {
   app.add_option("--classes", o.classes,
                  "train and test on these labels only: ranges and lists such as 0-4 or 5,7,9 (the model "
                  "keeps 10 outputs; default all)");
+  // Augmentation and the validation split (issue 19).
+  app.add_option("--augment", o.augment,
+                 "augment the training images each epoch: crop (RandomCrop 28, padding 2), flip (horizontal, p 0.5); "
+                 "e.g. --augment crop,flip (default: none)")
+      ->check(CLI::IsMember({"crop", "flip"}))
+      ->delimiter(',');
+  app.add_option("--val-split", o.val_split,
+                 "hold out this fraction of the training images (stratified by class, by --seed) for validation: "
+                 "metrics.csv's val_*, early stopping and the plateau schedule use it, the test set is measured "
+                 "once at the end (default 0: validate on the test set)")
+      ->check(CLI::Range(0.0, 1.0))
+      ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
 
   DistInfo dist;
@@ -970,6 +1058,8 @@ int main(int argc, char** argv) {
       dist.world_size = env.world_size;
       dist.backend = o.backend;
     }
+    canonicalize_augment(o);
+    MN_CHECK(o.val_split >= 0 && o.val_split < 1, ValueError, "--val-split must be in [0, 1), got ", o.val_split);
     if (o.resume) {
       const std::string checkpoint = (fs::path(o.out) / "checkpoint.safetensors").string();
       adopt_saved_run(o, app, saved_run_config(checkpoint), dist.world_size, checkpoint);
@@ -982,10 +1072,18 @@ int main(int argc, char** argv) {
     const fs::path out_dir(o.out);
     check_writable_directory(out_dir);
     if (dist.active) dist::setup_ddp(dist.rank, dist.world_size, dist.backend);
-    const data::Dataset train_set = prepare(data::load_fashion_mnist("train", o.data), o.classes, o.limit, device);
+    data::Dataset train_set = prepare(data::load_fashion_mnist("train", o.data), o.classes, o.limit, device);
     const data::Dataset test = prepare(data::load_fashion_mnist("test", o.data), o.classes, o.limit, device);
+    // --val-split: carved from the (--classes and --limit'ed) training images; the same split on every rank
+    // and resume.
+    std::optional<data::Dataset> val_set;
+    if (o.val_split > 0) {
+      const data::SplitIndices split = data::stratified_split(train_set.labels, o.val_split, o.seed);
+      val_set = train_set.select(split.val);
+      train_set = train_set.select(split.train);
+    }
 
-    const Summary s = run(o, device, train_set, test, out_dir, tty, dist);
+    const Summary s = run(o, device, train_set, val_set ? &*val_set : nullptr, test, out_dir, tty, dist);
     if (dist.active) dist::cleanup_ddp();
     if (!dist.main()) return 0;  // rank 0 reports for the job
     const std::string curves = plot(out_dir);
@@ -1009,6 +1107,17 @@ int main(int argc, char** argv) {
         j["fixed_bytes"] = s.fixed_bytes;
       }
       if (!curves.empty()) j["curves"] = curves;
+      if (o.val_split > 0) {
+        j["val_accuracy"] = num(s.val_accuracy);
+        j["val_loss"] = num(s.val_loss);
+        j["test_loss"] = num(s.test_loss);
+        json per_epoch_accuracy = json::array(), per_epoch_loss = json::array();
+        for (double v : s.val_accuracy_per_epoch) per_epoch_accuracy.push_back(num(v));
+        for (double v : s.val_loss_per_epoch) per_epoch_loss.push_back(num(v));
+        j["val_accuracy_per_epoch"] = per_epoch_accuracy;
+        j["val_loss_per_epoch"] = per_epoch_loss;
+      }
+      if (!o.augment.empty()) j["augment"] = o.augment;
       if (!s.compile_report.empty()) j["compiled"] = s.compile_report;
       if (!s.exported.empty()) j["weights"] = s.exported;
       if (!o.direct()) j["fixed_bytes"] = s.fixed_bytes;
@@ -1025,7 +1134,9 @@ int main(int argc, char** argv) {
       if (s.stopped_early)
         std::printf("stopped early: the test loss did not improve for %s\n",
                     count_of(o.early_stopping_patience, "epoch").c_str());
-      std::printf("test %.2f%%, train %.2f%% accuracy after %s, %.1f s; %s\n", 100.0 * s.test_accuracy,
+      char val[32] = "";
+      if (o.val_split > 0) std::snprintf(val, sizeof val, ", val %.2f%%", 100.0 * s.val_accuracy);
+      std::printf("test %.2f%%%s, train %.2f%% accuracy after %s, %.1f s; %s\n", 100.0 * s.test_accuracy, val,
                   100.0 * s.train_accuracy, count_of(s.epochs, "epoch").c_str(), s.seconds,
                   (out_dir / "metrics.csv").c_str());
       if (!s.exported.empty()) std::printf("weights: %s\n", s.exported.c_str());

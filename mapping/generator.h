@@ -83,7 +83,7 @@ class ParameterGenerator {
   virtual void set_scales(const std::vector<float>& per_entry_scales);  // one per spec entry (checkpoints)
   std::vector<float> per_entry_scales() const;                   // empty if scaling is off
   bool scaling_initialized() const { return scaling_; }
-  // Alignment summaries colmean(W'_g) per group (single-layer mappers).
+  // Alignment summaries colmean(W'_g) per group (the first mapper layer's: Mapper::modulated_column_mean).
   std::map<std::string, Tensor> modulated_column_means(const LatentOverrides& latents = {}) const;
   int64_t trainable_parameter_count() const;
   // Bytes of the fixed mapper factors as stored, and as explicit matrices (sum_g L_g n_g * 4).

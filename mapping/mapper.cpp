@@ -87,6 +87,27 @@ Tensor Modulation::modulate(const Tensor& w, const Tensor& v) const {
   return w;
 }
 
+Tensor Modulation::column_mean(const Tensor& w_column_mean, const Tensor& v, int64_t out) const {
+  MN_CHECK(w_column_mean.dim() == 1 && v.dim() == 1, ValueError, name(),
+           " modulation: column_mean expects 1D colmean(W) and latent, got ", w_column_mean.sizes(), " and ",
+           v.sizes());
+  MN_CHECK(out > 0, ValueError, "column_mean: W must have at least one row, got ", out);
+  const int64_t in = w_column_mean.size(0);
+  if (kind == Kind::None) return w_column_mean;
+  if (kind == Kind::LowRank) {
+    MN_CHECK(v.size(0) == latent_dim_for(out, in), ValueError, "Expected a 1D latent vector with ",
+             latent_dim_for(out, in), " values, got ", v.size(0));
+    // 1^T W' / out = cm + (alpha / r) (1^T A / out) B.
+    Tensor a_mean = mean(v.narrow(0, 0, out * rank).reshape({out, rank}), {0});
+    Tensor b = v.narrow(0, out * rank, rank * in).reshape({rank, in});
+    return add(w_column_mean, mul(matmul(a_mean.unsqueeze(0), b).reshape({in}), alpha / static_cast<double>(rank)));
+  }
+  MN_CHECK(v.size(0) == in, ValueError, "Latent length ", v.size(0), " does not match weight input width ", in);
+  if (kind == Kind::Additive) return add(w_column_mean, mul(v, alpha));
+  // Affine: every row of W is scaled by the same (1 + s tanh v), so the mean is too.
+  return add(mul(w_column_mean, add(mul(tanh(v), scale), 1.0)), mul(v, shift));
+}
+
 Mapper::Mapper(int64_t latent_dim, int64_t output_dim) : latent_dim_(latent_dim), output_dim_(output_dim) {
   MN_CHECK(latent_dim > 0 && output_dim > 0, ValueError, "latent_dim and output_dim must be positive, got ", latent_dim,
            " and ", output_dim);
@@ -102,7 +123,8 @@ Tensor Mapper::forward(const Tensor& z) const {
 }
 
 Tensor Mapper::modulated_column_mean(const Tensor&) const {
-  throw NotImplementedError(describe() + " has no alignment summary (only single-layer MLP mappers do)");
+  throw NotImplementedError(describe() + " has no alignment summary: a custom mapper must override "
+                            "modulated_column_mean (MLPMapper and ResidualMLPMapper define it by their first layer)");
 }
 
 namespace {
@@ -132,7 +154,7 @@ MLPMapper::MLPMapper(int64_t latent_dim, int64_t output_dim, uint64_t seed, cons
   for (size_t i = 0; i + 1 < dims.size(); ++i)
     layers_.push_back(OrthogonalMatrix::build(seed, key + "/weight_" + std::to_string(i), dims[i + 1], dims[i],
                                               /*expand=*/i + 2 == dims.size(), kCPU, matrices));
-  last_column_mean_ = layers_.back().column_mean();
+  first_column_mean_ = layers_.front().column_mean();
 }
 
 Tensor MLPMapper::compute(const Tensor& z) const {
@@ -145,14 +167,7 @@ Tensor MLPMapper::compute(const Tensor& z) const {
 }
 
 Tensor MLPMapper::modulated_column_mean(const Tensor& z) const {
-  MN_CHECK(layers_.size() == 1, NotImplementedError,
-           "the alignment summary is defined for single-layer MLP mappers; this one has ", layers_.size(), " layers");
-  switch (modulation_.kind) {
-    case Modulation::Kind::Additive: return add(last_column_mean_, mul(z, modulation_.alpha));
-    case Modulation::Kind::Affine:
-      return add(mul(last_column_mean_, add(mul(tanh(z), modulation_.scale), 1.0)), mul(z, modulation_.shift));
-    default: return last_column_mean_;
-  }
+  return modulation_.column_mean(first_column_mean_, z, layers_.front().rows());
 }
 
 size_t MLPMapper::fixed_bytes() const {
@@ -176,7 +191,7 @@ std::vector<Tensor> MLPMapper::buffers() const {
 
 void MLPMapper::to(Device device) {
   for (auto& l : layers_) l.to(device);
-  last_column_mean_ = last_column_mean_.to(device);
+  first_column_mean_ = first_column_mean_.to(device);
 }
 
 std::string MLPMapper::describe() const {
@@ -207,6 +222,11 @@ ResidualMLPMapper::ResidualMLPMapper(int64_t latent_dim, int64_t output_dim, uin
     blocks_.push_back(OrthogonalMatrix::build(seed, key + "/block_weight_" + std::to_string(k), hidden_dim, hidden_dim,
                                               false, kCPU, matrices));
   output_ = OrthogonalMatrix::build(seed, key + "/output_weight", output_dim, hidden_dim, true, kCPU, matrices);
+  input_column_mean_ = input_.column_mean();
+}
+
+Tensor ResidualMLPMapper::modulated_column_mean(const Tensor& z) const {
+  return modulation_.column_mean(input_column_mean_, z, input_.rows());
 }
 
 Tensor ResidualMLPMapper::compute(const Tensor& z) const {
@@ -239,6 +259,7 @@ std::vector<Tensor> ResidualMLPMapper::buffers() const {
 void ResidualMLPMapper::to(Device device) {
   input_.to(device);
   output_.to(device);
+  input_column_mean_ = input_column_mean_.to(device);
   for (auto& l : blocks_) l.to(device);
 }
 

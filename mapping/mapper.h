@@ -34,6 +34,15 @@ struct Modulation {
   Tensor modulate(const Tensor& w, const Tensor& v) const;
   // Latent length a low-rank modulation needs for W [out, in]; ValueError when it does not fit int64.
   int64_t latent_dim_for(int64_t out, int64_t in) const;
+  // colmean(W') (the mean over the rows of modulate(W, v), length in) from colmean(W) [in], v and W's
+  // row count `out`, without forming W'. Closed forms (1 the ones vector, cm = colmean(W)):
+  //   none      cm;
+  //   additive  W' = W + alpha 1 v^T                        -> cm + alpha v;
+  //   affine    W' = W diag(1 + s tanh v) + t 1 v^T         -> cm (1 + s tanh v) + t v;
+  //   low-rank  W' = W + (alpha / r) A B, A [out, r], B [r, in] read from v as in modulate()
+  //                                                         -> cm + (alpha / r) colmean(A) B.
+  // Differentiable in v.
+  Tensor column_mean(const Tensor& w_column_mean, const Tensor& v, int64_t out) const;
 };
 
 class Mapper {
@@ -44,8 +53,13 @@ class Mapper {
   int64_t output_dim() const { return output_dim_; }
   // z [L] -> [output_dim]; validates z.
   Tensor forward(const Tensor& z) const;
-  // Mean over rows of the last layer's modulated weight for input v (alignment summary):
-  // colmean(W') = colmean(W) + alpha v for additive modulation. Defined for single-layer mappers.
+  // The alignment summary W_m compared with z by AlignmentLoss: the mean over the rows of the modulated
+  // weight of the layer whose input is z (Modulation::column_mean), a vector of z's length L. For a
+  // single-layer mapper that is its only layer (the paper's W_m); for a deeper mapper it is the FIRST
+  // layer (MLPMapper's W_1 [h_1, L], ResidualMLPMapper's input layer): the only weight whose columns
+  // index the latent's coordinates, so the only one whose column mean is comparable with z (the last
+  // layer's columns index the last hidden units). Differentiable in z. The base class has no layer
+  // structure to read and throws NotImplementedError; mappers with a first layer override it.
   virtual Tensor modulated_column_mean(const Tensor& z) const;
   virtual size_t fixed_bytes() const = 0;
   virtual size_t dense_bytes() const = 0;  // bytes if the matrices were stored explicitly
@@ -87,7 +101,7 @@ class MLPMapper : public Mapper {
   std::vector<OrthogonalMatrix> layers_;
   Modulation modulation_;
   Activation output_activation_, activation_;
-  Tensor last_column_mean_;  // colmean of the last W, fixed
+  Tensor first_column_mean_;  // colmean of the first W [dims[1], L], fixed (the alignment summary's base)
 };
 
 // h0 = act(W_in' z); h_{k+1} = h_k + act(W_k' h_k) for k < depth; y = W_out' h_depth (act: `activation`,
@@ -97,6 +111,9 @@ class ResidualMLPMapper : public Mapper {
   ResidualMLPMapper(int64_t latent_dim, int64_t output_dim, uint64_t seed, const std::string& key, int64_t hidden_dim,
                     int64_t depth = 2, Modulation modulation = Modulation::additive(), Activation activation = nullptr,
                     MapperMatrixOptions matrices = {});
+  const OrthogonalMatrix& input_layer() const { return input_; }
+  // colmean(W_in') for input z: the input layer's (see Mapper::modulated_column_mean).
+  Tensor modulated_column_mean(const Tensor& z) const override;
   size_t fixed_bytes() const override;
   size_t dense_bytes() const override;
   std::vector<Tensor> buffers() const override;
@@ -112,6 +129,7 @@ class ResidualMLPMapper : public Mapper {
   Modulation modulation_;
   Activation activation_;
   MapperFamily family_;
+  Tensor input_column_mean_;  // colmean of W_in [hidden, L], fixed
 };
 
 // Builds the mapper of one group: (latent_dim, output_dim, seed, group key) -> mapper.

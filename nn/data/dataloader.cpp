@@ -7,17 +7,14 @@
 #include "core/random.h"
 #include "kernels/factories.h"
 #include "nn/data/fashion_mnist.h"
+#include "nn/data/transforms.h"
 
 namespace mn::data {
 
-std::vector<int64_t> shuffled_indices(int64_t n, uint64_t seed, uint64_t epoch) {
-  MN_CHECK(n >= 0, ValueError, "shuffled_indices: n must be >= 0, got ", n);
+std::vector<int64_t> philox_permutation(int64_t n, uint64_t seed, uint64_t stream) {
+  MN_CHECK(n >= 0, ValueError, "philox_permutation: n must be >= 0, got ", n);
   std::vector<int64_t> order(static_cast<size_t>(n));
   std::iota(order.begin(), order.end(), int64_t{0});
-  // One stream per epoch, offset from a name's hash so that (seed, epoch) never reuses the words that
-  // Generator(seed, stream) hands to initialisers or dropout for small stream numbers.
-  static const uint64_t kShuffleStream = stream_key("mn::data::shuffled_indices");
-  const uint64_t stream = kShuffleStream + epoch;
   // Draw k takes two lanes of counter block k / 2 as one 64-bit word. The index below it is
   // floor(word * (i + 1) / 2^64), whose bias is at most (i + 1) / 2^64 per draw: invisible for any data
   // set that fits in memory, and without rejection loops the number of draws is fixed.
@@ -30,6 +27,14 @@ std::vector<int64_t> shuffled_indices(int64_t n, uint64_t seed, uint64_t epoch) 
     std::swap(order[static_cast<size_t>(i)], order[static_cast<size_t>(j)]);
   }
   return order;
+}
+
+std::vector<int64_t> shuffled_indices(int64_t n, uint64_t seed, uint64_t epoch) {
+  MN_CHECK(n >= 0, ValueError, "shuffled_indices: n must be >= 0, got ", n);
+  // One stream per epoch, offset from a name's hash so that (seed, epoch) never reuses the words that
+  // Generator(seed, stream) hands to initialisers or dropout for small stream numbers.
+  static const uint64_t kShuffleStream = stream_key("mn::data::shuffled_indices");
+  return philox_permutation(n, seed, kShuffleStream + epoch);
 }
 
 DataLoader::DataLoader(Tensor inputs, Tensor targets, DataLoaderOptions options)
@@ -113,6 +118,14 @@ Batch DataLoader::batch(int64_t i) const {
   b.inputs = inputs_.index_select(0, order_inputs_.narrow(0, start, length));
   b.targets = targets_.index_select(0, order_targets_.narrow(0, start, length));
   b.index = i;
+  if (options_.transform) {
+    TransformContext ctx;
+    ctx.seed = options_.seed;
+    ctx.epoch = epoch();
+    const int64_t* ids = order_.data<int64_t>() + start;
+    ctx.samples.assign(ids, ids + length);
+    b.inputs = options_.transform->apply(b.inputs, ctx);
+  }
   return b;
 }
 

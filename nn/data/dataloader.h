@@ -36,6 +36,7 @@
 namespace mn::data {
 
 struct Dataset;
+class Transform;
 
 struct Batch {
   Tensor inputs;      // inputs[order[start:start + len]]
@@ -61,12 +62,19 @@ struct DataLoaderOptions {
   uint64_t seed = 0;
   bool drop_last = false;  // drop a final batch smaller than batch_size
   std::shared_ptr<Sampler> sampler;  // when set, the order of each epoch (num_samples() = the data set's)
+  // Applied to every batch's inputs after gathering (nn/data/transforms.h: RandomCrop,
+  // RandomHorizontalFlip, Compose, or any Transform subclass), with this loader's seed, its epoch and
+  // the batch's data-set indices, so augmentation is a pure function of (seed, epoch, sample).
+  std::shared_ptr<const Transform> transform;
 };
 
 // A permutation of 0..n-1 that depends only on (n, seed, epoch): a Fisher-Yates shuffle driven by
 // Philox words of a stream reserved for data shuffling, so it shares no random numbers with weight
 // initialisation from the same seed. Shared with the distributed sampler, which splits it over ranks.
 std::vector<int64_t> shuffled_indices(int64_t n, uint64_t seed, uint64_t epoch);
+// The Fisher-Yates permutation of 0..n-1 behind shuffled_indices, drawn from Philox stream `stream` of
+// `seed` (other deterministic orders, e.g. stratified_split, use their own streams).
+std::vector<int64_t> philox_permutation(int64_t n, uint64_t seed, uint64_t stream);
 
 class DataLoader {
  public:

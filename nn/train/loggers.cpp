@@ -138,7 +138,8 @@ void EpochSummary::on_epoch_end(Trainer& trainer, int64_t epoch, const Metrics& 
   };
   std::string line = str("epoch ", epoch + 1, "/", trainer.config().max_epochs, ": ",
                          part("train", k::kTrainAccuracy, k::kTrainTaskLoss));
-  if (m.count(k::kValAccuracy) || m.count(k::kValTaskLoss)) line += ", " + part("test", k::kValAccuracy, k::kValTaskLoss);
+  if (m.count(k::kValAccuracy) || m.count(k::kValTaskLoss))
+    line += ", " + part(val_label_.c_str(), k::kValAccuracy, k::kValTaskLoss);
   std::fprintf(out_, "%s, %.1f s\n", line.c_str(), seconds_since(start_));
   std::fflush(out_);
 }

@@ -88,16 +88,19 @@ class ModelCheckpoint : public Callback {
 
 // "epoch e/E: train 84.50% (loss 0.4321), test 85.12% (loss 0.4012), 3.2 s" after every epoch: accuracy
 // in percent and the task loss, test values when the epoch validated, "train loss 0.4321" for a task
-// without accuracy; flushed, on a C stream (stdout by default).
+// without accuracy; flushed, on a C stream (stdout by default). `val_label` names the validation pass
+// ("test" by default; "val" when it runs on a split of the training set).
 class EpochSummary : public Callback {
  public:
-  explicit EpochSummary(std::FILE* out = stdout) : out_(out) {}
+  explicit EpochSummary(std::FILE* out = stdout, std::string val_label = "test")
+      : out_(out), val_label_(std::move(val_label)) {}
   std::string name() const override { return "EpochSummary"; }
   void on_epoch_start(Trainer& trainer, int64_t epoch) override;
   void on_epoch_end(Trainer& trainer, int64_t epoch, const Metrics& metrics) override;
 
  private:
   std::FILE* out_;
+  std::string val_label_;
   std::chrono::steady_clock::time_point start_;
 };
 
