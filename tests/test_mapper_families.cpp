@@ -172,6 +172,8 @@ TEST_CASE("mapper families: the dense family states the bytes it would need and 
   o.allow_large = false;
   o.max_dense_mapper_bytes = 1 << 20;
   CHECK_THROWS_WITH_AS(MappingModel(make_target("cnn2"), o), doctest::Contains("max_dense_bytes"), MemoryError);
+  // The biggest group is refused before any group is built, and named.
+  CHECK_THROWS_WITH_AS(MappingModel(make_target("cnn2"), o), doctest::Contains("'mapper/"), MemoryError);
   o.mapper = "circulant";
   CHECK_THROWS_WITH_AS(MappingModel(make_target("cnn2"), o), doctest::Contains("choose from: block, dense, srht"),
                        ValueError);
