@@ -115,6 +115,14 @@ ParameterGenerator::ParameterGenerator(ParameterSpec spec,
     MN_CHECK(it->second > 0, ValueError, "latent_dim must be positive, got ", it->second, " for group '", gname, "'");
   }
 
+  // The dense family refuses an oversized group before any group's QR runs: the default mapper's one
+  // [n_g, L_g] matrix per group is checked for every group first.
+  if (matrices.family == MapperFamily::Dense)
+    for (const auto& [gname, names] : groups) {
+      int64_t n = 0;
+      for (const auto& name : names) n += spec_.entry(name).numel;
+      check_dense_size("mapper/" + gname + "/weight_0", n, latent_dims.at(gname), matrices);
+    }
   size_t position = 0;
   groups_in_spec_order_ = true;
   for (const auto& [gname, names] : groups) {

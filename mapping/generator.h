@@ -50,7 +50,8 @@ struct GeneratorOptions {
   bool allow_large = false;
   // The default mapper's fixed-matrix family: "block", "dense" or "srht" (mapping/orthogonal.h), and
   // the dense family's cap on one explicit matrix, in bytes (allow_large raises it). Checked even when
-  // mapper_factory is given (then the factory decides the matrices, and this only names them).
+  // mapper_factory is given (then the factory decides the matrices, and this names them; with "dense"
+  // every group's [n_g, L_g] matrix is checked against the cap before any mapper is built).
   std::string mapper = "block";
   int64_t max_dense_mapper_bytes = int64_t{1} << 30;
   // strategy "lrd" (make_generator): the rank of the factored 2-D weights (mapping/lrd.h); 0 elsewhere.

@@ -70,7 +70,6 @@ const char* mapper_construction(MapperFamily family) {
   return "?";
 }
 
-namespace {
 // The dense family's guard, before anything is allocated.
 void check_dense_size(const std::string& key, int64_t rows, int64_t cols, const MapperMatrixOptions& options) {
   int64_t elements = 0, bytes = 0;
@@ -87,7 +86,6 @@ void check_dense_size(const std::string& key, int64_t rows, int64_t cols, const 
                           " bytes as an explicit f32 matrix, above the cap of ", thousands(cap), " bytes (",
                           cap_name, "); use the block or srht mapper family, which never store it"));
 }
-}  // namespace
 
 OrthogonalMatrix OrthogonalMatrix::build(uint64_t seed, const std::string& key, int64_t rows, int64_t cols,
                                          bool expand, Device device, const MapperMatrixOptions& options) {

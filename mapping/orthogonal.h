@@ -55,6 +55,10 @@ struct MapperMatrixOptions {
   bool allow_large = false;
 };
 
+// The dense family's cap: MemoryError stating the bytes a rows x cols explicit matrix would need and
+// the cap (build() calls it; generators call it for every group first, so nothing is built in vain).
+void check_dense_size(const std::string& key, int64_t rows, int64_t cols, const MapperMatrixOptions& options);
+
 class OrthogonalMatrix {
  public:
   OrthogonalMatrix() = default;

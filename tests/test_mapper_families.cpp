@@ -164,14 +164,16 @@ TEST_CASE("mapper families: the dense family states the bytes it would need and 
   CHECK_NOTHROW(OrthogonalMatrix::build(0, "big", 100, 8, true, kCPU, dense));
   CHECK_THROWS_WITH_AS(OrthogonalMatrix::build(0, "huge", int64_t{1} << 40, 1024, true, kCPU, dense),
                        doctest::Contains("would need 4,503,599,627,370,496 bytes"), MemoryError);
-  // Through MappingOptions: the default cap (1 GiB) refuses resnet18 slvt at L = 2048.
+  // Through MappingOptions: a 1 MiB cap refuses CNN2's layer-wise groups at L = 256.
   MappingOptions o;
-  o.strategy = "slvt";
-  o.latent_dim = 2048;
+  o.strategy = "layerwise";
+  o.latent_dim = 256;
   o.mapper = "dense";
   o.allow_large = false;
   o.max_dense_mapper_bytes = 1 << 20;
   CHECK_THROWS_WITH_AS(MappingModel(make_target("cnn2"), o), doctest::Contains("max_dense_bytes"), MemoryError);
+  // The biggest group is refused before any group is built, and named.
+  CHECK_THROWS_WITH_AS(MappingModel(make_target("cnn2"), o), doctest::Contains("'mapper/"), MemoryError);
   o.mapper = "circulant";
   CHECK_THROWS_WITH_AS(MappingModel(make_target("cnn2"), o), doctest::Contains("choose from: block, dense, srht"),
                        ValueError);
