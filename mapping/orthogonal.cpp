@@ -12,6 +12,7 @@
 #include "autograd/ops.h"
 #include "core/random.h"
 #include "kernels/kernels.h"
+#include "kernels/srht_math.h"
 #include "mapping/srht.h"
 
 namespace mn::mapping {
@@ -102,7 +103,7 @@ OrthogonalMatrix OrthogonalMatrix::build(uint64_t seed, const std::string& key, 
     const bool transposed = rows < cols;
     auto plan = srht_plan(seed, stream ^ 0x5a47ULL, std::max(rows, cols), std::min(rows, cols), expansion);
     if (plan) {
-      m.srht_ = std::make_shared<const kernels::SrhtPlan>(*plan);
+      m.srht_ = std::move(plan);
       m.srht_transposed_ = transposed;
       return m;  // nothing to move: the map is regenerated on whatever device its input lives
     }

@@ -32,7 +32,10 @@
 #include <vector>
 
 #include "core/tensor.h"
-#include "kernels/srht_math.h"
+
+namespace mn::kernels {
+struct SrhtPlan;  // kernels/srht_math.h (internal: not installed)
+}
 
 namespace mn::mapping {
 

@@ -5,16 +5,17 @@
 #include "autograd/function.h"
 #include "autograd/ops.h"
 #include "kernels/kernels.h"
+#include "kernels/srht_math.h"
 
 namespace mn::mapping {
 
-std::optional<kernels::SrhtPlan> srht_plan(uint64_t seed, uint64_t stream, int64_t rows, int64_t cols,
+std::shared_ptr<const kernels::SrhtPlan> srht_plan(uint64_t seed, uint64_t stream, int64_t rows, int64_t cols,
                                            double expansion) {
   MN_CHECK(rows > 0 && cols > 0 && rows >= cols, ValueError, "srht_plan: need rows >= cols > 0, got ", rows, "x",
            cols);
   int64_t pow2 = 1;
   while (pow2 < cols) pow2 <<= 1;
-  if (rows < pow2) return std::nullopt;
+  if (rows < pow2) return nullptr;
   kernels::SrhtPlan p;
   p.rows = rows;
   p.cols = cols;
@@ -30,7 +31,7 @@ std::optional<kernels::SrhtPlan> srht_plan(uint64_t seed, uint64_t stream, int64
   p.tail_head = static_cast<float>(scale * std::sqrt(P / (P + r)));
   p.tail_mix = static_cast<float>(scale / std::sqrt(P));
   p.split = static_cast<float>(std::sqrt(r / (P + r)));
-  return p;
+  return std::make_shared<const kernels::SrhtPlan>(p);
 }
 
 namespace {

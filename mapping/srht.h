@@ -1,16 +1,19 @@
 #pragma once
 // The srht mapper family's differentiable pieces (the kernels and the math: kernels/srht_math.h).
 #include <cstdint>
-#include <optional>
+#include <memory>
 
 #include "core/tensor.h"
-#include "kernels/srht_math.h"
+
+namespace mn::kernels {
+struct SrhtPlan;  // kernels/srht_math.h (internal: not installed)
+}
 
 namespace mn::mapping {
 
 // The plan of a rows x cols map with orthonormal columns times `expansion` (W^T W = expansion^2 I), or
-// nullopt when rows < P (the power of two >= cols): the Hadamard blocks do not fit.
-std::optional<kernels::SrhtPlan> srht_plan(uint64_t seed, uint64_t stream, int64_t rows, int64_t cols,
+// null when rows < P (the power of two >= cols): the Hadamard blocks do not fit.
+std::shared_ptr<const kernels::SrhtPlan> srht_plan(uint64_t seed, uint64_t stream, int64_t rows, int64_t cols,
                                            double expansion);
 
 // W z (z [cols] -> [rows]) and W^T u (u [rows] -> [cols]); each one's gradient is the other, so both
