@@ -8,7 +8,8 @@
 //   $ mn-strategies --spec guide --latent-dim 64   (--config FILE / --write-config FILE: the options as TOML)
 //   slvt                  peak=   0.62 MB  time= 53.81 ms  (617,984 B)  fixed=342.8 kB vs dense-equivalent 19.7 MB
 //   ...
-// slvt refuses L x N above 1e8 as the reference does; --allow-large builds it anyway.
+// slvt refuses a mapper matrix that would store more than 1e8 elements (the block family at a latent
+// above ~10,000; the dense family at L x N > 1e8); --allow-large builds it anyway.
 #include <CLI/CLI.hpp>
 
 #include <cstdio>
@@ -53,7 +54,7 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--device", device_name, "cpu, cuda[:N] or auto")->capture_default_str();
   app.add_flag("--allow-large", allow_large,
-               "build slvt even when L x N exceeds the reference's 1e8 guard (our mapper never stores L x N)");
+               "build slvt even when its mapper matrix would store more than 1e8 elements (the block family above L ~ 10,000, dense above L x N = 1e8)");
   app.add_flag("--details", details, "also print the layout, the groups and each generator's fixed bytes");
   app.add_option("--mapper", mapper, "the mapper family of the fixed matrices: block, dense or srht")
       ->check(CLI::IsMember({"block", "dense", "srht"}))

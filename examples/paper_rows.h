@@ -9,7 +9,6 @@
 // - LWT is mn-train's layerwise strategy, an equal latent per parameter-owning layer: CNN2 has 4
 //   (1,872 = 4 x 468, 2,688 = 4 x 672), CNN1 has 6, and 4,078 is not a multiple of 6: CNN1 runs 6 x 680
 //   = 4,080 and the count column flags the difference.
-// - SLVT rows pass --allow-large: mn-train's block mapper never stores the d x P matrix its guard counts.
 // - LRD: the paper says "rank 16", but its count CNN2 + LRD = 35,914 is rank 32 on FC1 (108,618 -
 //   102,400 + 32 (800 + 128)); every LRD row uses rank 32. The mapped LRD strategy is layer-wise as in the
 //   reference library (trainable = latent x 4 layers), so "Ours* + LRD" 1,456 = 4 x 364 and
@@ -43,7 +42,6 @@ constexpr int64_t kCnn2Params = 108'618, kCnn1Params = 537'994;
 
 inline std::vector<std::string> mapped_args(const std::string& target, const std::string& strategy, int64_t latent) {
   std::vector<std::string> a{"--target", target, "--strategy", strategy, "--latent-dim", std::to_string(latent)};
-  if (strategy == "slvt") a.push_back("--allow-large");
   return a;
 }
 

@@ -281,22 +281,33 @@ std::vector<std::pair<std::string, std::vector<std::string>>> single_group(const
 }  // namespace
 
 namespace {
-// The reference's guard on the one L x N projection of slvt, checked before anything is allocated. (Our
-// mapper never stores that matrix, but the option keeps the reference's contract; layerwise and grouped
-// generation are not guarded, as in the reference.)
+// The guard on slvt's one N x L mapper matrix, checked before anything is allocated. The reference
+// guards L * N because it stores that matrix; here it guards what the chosen family stores (the block
+// family an L x L block and a tail, srht nothing, dense L * N), so a large latent over a block or srht
+// map is not refused for a matrix that is never built. A custom mapper_factory stores what it likes, so
+// it keeps the reference's L * N count. Layerwise and grouped generation are not guarded (as in the
+// reference); the dense family's own cap (max_dense_mapper_bytes) covers every group.
 const ParameterSpec& check_projection(const ParameterSpec& spec, int64_t latent_dim, const GeneratorOptions& options) {
   MN_CHECK(latent_dim > 0, ValueError, "latent_dim must be positive, got ", latent_dim);
   int64_t projection = 0, bytes = 0;
   const bool overflow = mul_overflows(latent_dim, spec.total_numel(), &projection);
   MN_CHECK(!overflow, ValueError, "fixed projection of latent_dim ", latent_dim, " x ", spec.total_numel(),
            " parameters has more elements than int64 can count; use a smaller latent_dim");
-  if (projection > options.max_projection_elements && !options.allow_large) {
-    const bool huge = mul_overflows(projection, 4, &bytes);
-    throw MemoryError(str("fixed projection would contain ", thousands(projection), " elements (",
+  const bool custom = static_cast<bool>(options.mapper_factory);
+  const int64_t stored =
+      custom ? projection
+             : stored_matrix_elements(parse_mapper_family(options.mapper), spec.total_numel(), latent_dim);
+  if (stored > options.max_projection_elements && !options.allow_large) {
+    const bool huge = mul_overflows(stored, 4, &bytes);
+    const std::string what =
+        custom ? std::string("the fixed projection (a custom mapper_factory)")
+               : str("the slvt mapper's fixed matrix (the '", options.mapper, "' family, ", thousands(projection),
+                     " elements as a dense L x N matrix)");
+    throw MemoryError(str(what, " would store ", thousands(stored), " elements (",
                           huge ? std::string("more than int64 can count in") : thousands(bytes),
-                          " bytes as a dense matrix, more than max_projection_elements = ",
-                          thousands(options.max_projection_elements),
-                          "); use layerwise/grouped generation or set allow_large=true explicitly"));
+                          " bytes), more than max_projection_elements = ", thousands(options.max_projection_elements),
+                          "; use layerwise/grouped generation, the srht mapper family (which stores nothing), or "
+                          "set allow_large=true explicitly"));
   }
   return spec;
 }

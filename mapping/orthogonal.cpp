@@ -5,6 +5,7 @@
 #include <Eigen/Dense>
 #include <cmath>
 #include <exception>
+#include <limits>
 #include <new>
 #include <unistd.h>
 
@@ -86,6 +87,27 @@ void check_dense_size(const std::string& key, int64_t rows, int64_t cols, const 
                           huge ? std::string("more than int64 can count") : thousands(bytes),
                           " bytes as an explicit f32 matrix, above the cap of ", thousands(cap), " bytes (",
                           cap_name, "); use the block or srht mapper family, which never store it"));
+}
+
+int64_t stored_matrix_elements(MapperFamily family, int64_t rows, int64_t cols) {
+  MN_CHECK(rows > 0 && cols > 0, ValueError, "mapper matrix must have positive dimensions, got ", rows, "x", cols);
+  if (family == MapperFamily::Srht) {
+    const int64_t tall = std::max(rows, cols), short_side = std::min(rows, cols);
+    int64_t pow2 = 1;
+    while (pow2 < short_side) pow2 *= 2;
+    if (tall >= pow2) return 0;
+  }
+  int64_t whole = 0;
+  MN_CHECK(!mul_overflows(rows, cols, &whole), ValueError, "a ", rows, " x ", cols,
+           " mapper matrix has more elements than int64 can count");
+  const int64_t k = rows / cols;
+  if (family == MapperFamily::Dense || rows < cols || k < 2) return whole;
+  // block [L, L] + signs [k - 1, L] + tail [rows - (k - 1) L, L]: at most 1.5 rows * cols, so counted wide.
+  const __int128 L = cols;
+  const __int128 count = L * L + (k - 1) * L + (rows - (k - 1) * L) * L;
+  MN_CHECK(count <= std::numeric_limits<int64_t>::max(), ValueError, "a ", rows, " x ", cols,
+           " mapper matrix has more elements than int64 can count");
+  return static_cast<int64_t>(count);
 }
 
 OrthogonalMatrix OrthogonalMatrix::build(uint64_t seed, const std::string& key, int64_t rows, int64_t cols,

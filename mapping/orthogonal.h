@@ -62,6 +62,14 @@ struct MapperMatrixOptions {
 // the cap (build() calls it; generators call it for every group first, so nothing is built in vain).
 void check_dense_size(const std::string& key, int64_t rows, int64_t cols, const MapperMatrixOptions& options);
 
+// The elements a family's rows x cols matrix stores once built (what build() allocates, known before it):
+// block  an L x L block, k - 1 rows of signs and a tail of L + rows mod L rows (L = cols, k = rows / L;
+//        the whole matrix when k < 2 or rows < cols);
+// dense  rows x cols;
+// srht   0 where the Hadamard blocks fit (see above), else the block family's count.
+// ValueError when the count does not fit int64.
+int64_t stored_matrix_elements(MapperFamily family, int64_t rows, int64_t cols);
+
 class OrthogonalMatrix {
  public:
   OrthogonalMatrix() = default;

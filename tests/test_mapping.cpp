@@ -233,6 +233,24 @@ TEST_CASE("mapping: generator strategies, groups, guard and overrides") {
   CHECK_NOTHROW(LayerwiseGenerator(big, 10, small_limit));
   small_limit.allow_large = true;
   CHECK_NOTHROW(SingleVectorGenerator(big, 10, small_limit));
+  // The guard counts what the family stores, not L x N: Linear(100, 100) (N = 10,100) at L = 20 is 202,000
+  // elements as a dense matrix, but the block family stores 20 x 20 + 504 x 20 signs + a 40 x 20 tail =
+  // 10,880 and srht nothing; only dense is refused.
+  ParameterSpec wide = ParameterSpec::from_module(nn::Linear(100, 100));
+  GeneratorOptions limit;
+  limit.max_projection_elements = 100'000;
+  CHECK(stored_matrix_elements(MapperFamily::Block, 10'100, 20) == 10'880);
+  CHECK(stored_matrix_elements(MapperFamily::Srht, 10'100, 20) == 0);
+  CHECK(stored_matrix_elements(MapperFamily::Dense, 10'100, 20) == 202'000);
+  CHECK_NOTHROW(SingleVectorGenerator(wide, 20, limit));
+  limit.mapper = "srht";
+  CHECK_NOTHROW(SingleVectorGenerator(wide, 20, limit));
+  limit.mapper = "dense";
+  CHECK_THROWS_WITH_AS(SingleVectorGenerator(wide, 20, limit), doctest::Contains("'dense' family"), MemoryError);
+  // A custom mapper stores what it likes: the reference's L x N count applies.
+  limit.mapper = "block";
+  limit.mapper_factory = default_mapper_factory();
+  CHECK_THROWS_WITH_AS(SingleVectorGenerator(wide, 20, limit), doctest::Contains("202,000"), MemoryError);
   // L * N overflowing int64 used to wrap negative and pass the guard; a latent of 2^62 floats wrapped to a
   // 0-byte tensor (a bare std::bad_alloc from Eigen followed). Both are clear errors naming the size now.
   CHECK_THROWS_WITH_AS(SingleVectorGenerator(big, 84914745327985664, GeneratorOptions{}),

@@ -93,7 +93,7 @@ TEST_CASE("mn-paper --dry-run lists one mn-train command per configuration and s
   CHECK(count(r.out, "/x/mn-train --target cnn2 --strategy direct --prune 0.9" + base) == 1);
   CHECK(count(r.out, "--target cnn2 --strategy lrd --latent-dim 364 --rank 32 --mapping-loss --seed 1") == 1);
   CHECK(count(r.out, "--target cnn2 --strategy lrd --latent-dim 672 --rank 32 --mapping-loss --seed 0") == 1);
-  CHECK(count(r.out, "--strategy slvt --latent-dim 2048 --allow-large --prune 0.9 --mapping-loss --seed 0") == 1);
+  CHECK(count(r.out, "--strategy slvt --latent-dim 2048 --prune 0.9 --mapping-loss --seed 0") == 1);
   CHECK(count(r.out, "--strategy layerwise --latent-dim 672 --prune 0.9 --mapping-loss --seed 1") == 1);
   CHECK(count(r.out, " --json") == 18);
   CHECK(!fs::exists(dir.path() / "runs"));  // a dry run starts nothing
