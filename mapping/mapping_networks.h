@@ -27,6 +27,8 @@
 #include "nn/data/dataloader.h"
 #include "nn/data/fashion_mnist.h"  // Dataset, load_fashion_mnist, normalize
 #include "nn/data/idx.h"            // the IDX (MNIST) file readers
+#include "nn/data/split.h"          // stratified_split (a validation split)
+#include "nn/data/transforms.h"     // RandomCrop, RandomHorizontalFlip, Compose
 #include "nn/functional.h"
 #include "nn/functional_call.h"
 #include "nn/init.h"

@@ -380,6 +380,46 @@ void dist_api() {
   };
 }
 
+
+// The paper's modes through the umbrella include: mapper families, LRD, pruning, fine-tuning from an
+// exported file, direct LRD and pruning, augmentation and the validation split.
+void paper_modes_api(const fs::path& dir) {
+  mn::manual_seed(6);
+  const mn::Tensor x = mn::randn({2, 4});
+  for (const char* family : {"block", "dense", "srht"}) {
+    mn::mapping::MappingOptions o{.latent_dim = 4, .strategy = "layerwise"};
+    o.mapper = family;
+    mn::mapping::MappingModel model(small_net(), o);
+    CHECK(model.run(x).predictions.sizes() == mn::Shape({2, 3}));
+  }
+  CHECK(mn::mapping::stored_matrix_elements(mn::mapping::MapperFamily::Srht, 1024, 16) == 0);
+  mn::mapping::MappingOptions lrd{.latent_dim = 4, .strategy = "lrd"};
+  lrd.lrd_rank = 2;
+  lrd.prune_fraction = 0.5;
+  mn::mapping::MappingModel factored(small_net(), lrd);
+  CHECK(factored.run(x).predictions.sizes() == mn::Shape({2, 3}));
+
+  const std::string pretrained = (dir / "pretrained.safetensors").string();
+  mn::nn::save(*small_net(), pretrained);
+  mn::mapping::MappingOptions ft{.latent_dim = 4, .strategy = "finetuning"};
+  ft.pretrained = pretrained;
+  ft.finetune_block_size = 2;
+  mn::mapping::MappingModel tuned(small_net(), ft);
+  CHECK(tuned.trainable_parameter_count() == 2 * 4);
+  CHECK(tuned.run(x).predictions.sizes() == mn::Shape({2, 3}));
+
+  mn::nn::Reparametrized direct(small_net(), {.lrd_rank = 2, .prune_fraction = 0.5});
+  CHECK(direct.forward(x).sizes() == mn::Shape({2, 3}));
+  CHECK(direct.trainable_parameter_count() < small_net()->parameter_count());
+
+  const mn::data::Compose augment({std::make_shared<mn::data::RandomCrop>(4, 1),
+                                   std::make_shared<mn::data::RandomHorizontalFlip>()});
+  mn::data::TransformContext ctx;
+  ctx.samples = {0, 1};
+  CHECK(augment(mn::randn({2, 1, 4, 4}), ctx).sizes() == mn::Shape({2, 1, 4, 4}));
+  const auto split = mn::data::stratified_split(mn::from_vector(std::vector<int64_t>{0, 0, 1, 1}, {4}), 0.5, 0);
+  CHECK(split.train.numel() == 2 && split.val.numel() == 2);
+}
 }  // namespace
 
 int main() {
@@ -391,6 +431,7 @@ int main() {
     data_api(scratch.path);
     compile_api();
     mapping_api(scratch.path);
+    paper_modes_api(scratch.path);
     train_api(scratch.path / "train");
     dist_api();
   } catch (const std::exception& e) {
