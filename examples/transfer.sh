@@ -11,7 +11,8 @@
 #   EPOCHS=1 EXTRA="--limit 4000" examples/transfer.sh
 #
 # Environment: BUILD (build directory, default build), OUT (default runs/transfer), TARGET (cnn2),
-# EPOCHS (3), LATENT (latent length per group, 256), BLOCK (--block-size, 250), FT_ALPHA
+# EPOCHS (3), LATENT (latent length per group, 256), BLOCK (--block-size, 1: the generator's default of
+# 250, the reference's, leaves cnn2 too few modulation elements to move to new classes), FT_ALPHA
 # (--finetune-alpha, 0.01), FT_LR (learning rate of the fine-tuning latents, default mn-train's 1e-2),
 # SEED (0), EXTRA (more mn-train flags for every run, e.g. --threads 2 or --limit N).
 # Prints a Markdown table and writes it to OUT/table.md; each run's files are in OUT/<name>.
@@ -22,7 +23,7 @@ OUT=${OUT:-runs/transfer}
 TARGET=${TARGET:-cnn2}
 EPOCHS=${EPOCHS:-3}
 LATENT=${LATENT:-256}
-BLOCK=${BLOCK:-250}
+BLOCK=${BLOCK:-1}
 FT_ALPHA=${FT_ALPHA:-0.01}
 FT_LR=${FT_LR:-}
 SEED=${SEED:-0}
