@@ -276,6 +276,12 @@ TEST_CASE("mn-train: --classes, --strategy finetuning --pretrained, --init-from 
   const auto unseen = json_summary(mn_train(
       exe, str(small, " --strategy direct --classes 5,6,7-9 --epochs 0 --init-from ", weights, " --out ", dir / "a1")));
   CHECK(unseen.at("test_accuracy").get<double>() < 0.2);
+  // --rank would replace the loaded weights it factors by freshly drawn factors: refused, not ignored.
+  const auto factored = mn_train(exe, str(small, " --strategy direct --rank 4 --epochs 0 --init-from ", weights,
+                                          " --out ", dir / "a2"));
+  CHECK(factored.status != 0);
+  CHECK(contains(factored.all(), "--init-from"));
+  CHECK(contains(factored.all(), "--rank"));
 
   const auto b = json_summary(mn_train(exe, str(small, " --strategy finetuning --pretrained ", weights,
                                                 " --block-size 100 --finetune-alpha 0.02 --latent-dim 16 --classes "
