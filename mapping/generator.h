@@ -97,13 +97,14 @@ class ParameterGenerator {
 
  protected:
   // output_dims: the mapper output length of the named groups when it is not the group's parameter
-  // count (lrd maps to factors, finetuning to one value per block); a group not named maps to its n_g values.
+  // count (lrd maps to factors, finetuning to one value per block); a group not named maps to its n_g
+  // values.
   ParameterGenerator(ParameterSpec spec, std::vector<std::pair<std::string, std::vector<std::string>>> groups,
                      std::map<std::string, int64_t> latent_dims, GeneratorOptions options,
                      const std::map<std::string, int64_t>& output_dims = {});
   // theta_g for one group (scaled): the group's n_g values in its local_spec layout. Virtual so that a
-  // generator whose mapper output is not theta_g itself (lrd, finetuning) turns it into theta_g here, and every
-  // caller (generate_parameters, generate_group_parameters, streaming) sees the same values.
+  // generator whose mapper output is not theta_g itself (lrd, finetuning) turns it into theta_g here,
+  // and every caller (generate_parameters, generate_group_parameters, streaming) sees the same values.
   virtual Tensor generate_group(const Group& g, const LatentOverrides& latents) const;
 
   ParameterSpec spec_;
