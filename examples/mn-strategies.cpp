@@ -54,7 +54,8 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--device", device_name, "cpu, cuda[:N] or auto")->capture_default_str();
   app.add_flag("--allow-large", allow_large,
-               "build slvt even when its mapper matrix would store more than 1e8 elements (the block family above L ~ 10,000, dense above L x N = 1e8)");
+               "build slvt even when its mapper matrix would store more than 1e8 elements (the block family "
+               "above L ~ 10,000, dense above L x N = 1e8)");
   app.add_flag("--details", details, "also print the layout, the groups and each generator's fixed bytes");
   app.add_option("--mapper", mapper, "the mapper family of the fixed matrices: block, dense or srht")
       ->check(CLI::IsMember({"block", "dense", "srht"}))

@@ -475,9 +475,9 @@ void check_knobs_apply(const Options& o) {
   MN_CHECK(o.direct() || o.init_from.empty(), ValueError,
            "--init-from sets the starting weights of --strategy direct; a mapped run generates them "
            "(--strategy finetuning --pretrained FILE starts from a file)");
-  MN_CHECK(o.init_from.empty() || o.rank == 0, ValueError, "--init-from ", o.init_from, " holds whole weights, and --rank ",
-           o.rank, " would train freshly drawn factors U, V in place of the 2-D ones: drop --rank, or start the "
-           "factored run from its own init");
+  MN_CHECK(o.init_from.empty() || o.rank == 0, ValueError, "--init-from ", o.init_from,
+           " holds whole weights, and --rank ", o.rank, " would train freshly drawn factors U, V in place of "
+           "the 2-D ones: drop --rank, or start the factored run from its own init");
   parse_classes(o.classes);  // checks the syntax before any data is read
 }
 
