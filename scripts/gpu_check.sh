@@ -6,11 +6,12 @@
 #
 #   1. nvidia-smi; configure $MN_GPU_BUILD_DIR (default build-gpu) with CUDA on, Gloo when found
 #      (else off, and NCCL only where found), CMAKE_PREFIX_PATH=.deps when present, Ninja if there
-#   2. build only mn_gpu_tests, mn_bench_cuda_runtime, mn_bench_cuda_train_step and mn-train
+#   2. build only mn_gpu_tests, mn_bench_cuda_runtime, mn_bench_cuda_train_step, mn-train and mn-run
 #   3. ctest -L gpu (skipped, not passed, without a device)
 #   4. the CUDA benchmarks (short: --benchmark_min_time), PyTorch's same steps on the same GPU
 #      (bench/torch_cuda_step.py), and mn-train --device cuda for one epoch of CNN2 layerwise 4 x 672
-#      when the data set is there
+#      when the data set is there, then the same under mn-run with --backend nccl, one rank per GPU
+#      (at most 2): setup_ddp("nccl") through the TCP store, DDP's all-reduce on NCCL's stream
 #   5. Nsight Compute's per-kernel times of a few eager training steps (when ncu is there)
 #   6. with the time left before the deadline, compute-sanitizer: memcheck over the GPU tests but
 #      NCCL's, then racecheck, synccheck and initcheck over the op tests
@@ -108,19 +109,20 @@ if command -v ninja >/dev/null 2>&1 && [[ ! -f $BUILD/Makefile ]]; then
 fi
 # shellcheck disable=SC2206
 [[ -n ${MN_GPU_CMAKE_ARGS:-} ]] && cmake_args+=(${MN_GPU_CMAKE_ARGS})
-TARGETS=(mn_gpu_tests mn_bench_cuda_runtime mn_bench_cuda_train_step mn-train)
+TARGETS=(mn_gpu_tests mn_bench_cuda_runtime mn_bench_cuda_train_step mn-train mn-run)
 build_ok=0
 built() { [[ -f $BUILD/$1 && -x $BUILD/$1 ]]; }
 # No stale programs (a failed configure or build must not run an earlier build's), and keep going past
 # a failing target: whatever links still runs below.
-rm -f "$BUILD"/{tests/mn_gpu_tests,bench/mn_bench_cuda_runtime,bench/mn_bench_cuda_train_step,examples/mn-train}
+rm -f "$BUILD"/{tests/mn_gpu_tests,bench/mn_bench_cuda_runtime,bench/mn_bench_cuda_train_step,examples/mn-train,examples/mn-run}
 if phase configure 300 cmake "${cmake_args[@]}"; then
   keep_going=(-- -k)
   [[ -f $BUILD/build.ninja ]] && keep_going=(-- -k 0)
   phase build 600 cmake --build "$BUILD" -j "$JOBS" --target "${TARGETS[@]}" "${keep_going[@]}" && build_ok=1
 fi
 ((build_ok)) || log "configure or build FAILED; running what was built:" \
-  $(for t in tests/mn_gpu_tests bench/mn_bench_cuda_runtime bench/mn_bench_cuda_train_step examples/mn-train; do
+  $(for t in tests/mn_gpu_tests bench/mn_bench_cuda_runtime bench/mn_bench_cuda_train_step examples/mn-train \
+      examples/mn-run; do
       built "$t" && echo "${t##*/}"; done)
 
 have_gpu=0
@@ -170,6 +172,22 @@ else
   built examples/mn-train || why='mn-train not built'
   ((have_gpu)) || why='no CUDA device'
   log "mn-train on cuda skipped: $why"
+fi
+
+# ---- data parallel over NCCL: setup_ddp("nccl") through mn-run's TCP store ----
+# One rank per GPU (NCCL refuses two ranks on one device), at most 2: rank 0 publishes the NCCL unique
+# id in the store, every rank builds its communicator on cuda:LOCAL_RANK, DDP all-reduces the latents'
+# gradients on the group's stream. A short epoch (--limit) keeps it to seconds.
+gpus=0
+((have_gpu)) && command -v nvidia-smi >/dev/null 2>&1 && gpus=$(timeout 30 nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+((gpus > 2)) && gpus=2
+if ((gpus >= 1)) && built examples/mn-train && built examples/mn-run && [[ -n $data ]]; then
+  rm -rf "$BUILD/gpu-check-ddp"
+  MN_FASHION_MNIST_DIR=$data phase ddp_nccl 120 "$BUILD/examples/mn-run" \
+    --nproc-per-node "$gpus" "$BUILD/examples/mn-train" --backend nccl --device cuda --target cnn2 \
+    --strategy layerwise --latent-dim 672 --epochs 1 --limit 8192 --batch-size 256 --out "$BUILD/gpu-check-ddp"
+else
+  log "mn-train --backend nccl skipped: $( ((gpus >= 1)) || echo 'no CUDA device'; [[ -n $data ]] || echo 'no data')"
 fi
 
 # ---- where a mapped step's GPU time goes ----
@@ -228,7 +246,7 @@ fi
 
 rc=0
 ((build_ok)) || rc=1
-for k in tests bench_runtime bench_train_step torch_step train; do
+for k in tests bench_runtime bench_train_step torch_step train ddp_nccl; do
   [[ -n ${RCS[$k]:-} && ${RCS[$k]} != 0 ]] && rc=1 && log "$k failed (exit ${RCS[$k]})"
 done
 # A sanitizer fails the check only when it reports errors (its exit 3). A test that fails only under

@@ -16,7 +16,8 @@ def verdict(ok):
     return "n/a" if ok is None else ("PASS" if ok else "FAIL")
 
 
-PHASE_ORDER = ["configure", "build", "tests", "bench_runtime", "bench_train_step", "torch_step", "train", "profile",
+PHASE_ORDER = ["configure", "build", "tests", "bench_runtime", "bench_train_step", "torch_step", "train", "ddp_nccl",
+               "profile",
                "memcheck", "racecheck", "synccheck", "initcheck", "total"]
 
 
