@@ -17,17 +17,27 @@
 // only while the gradients it writes are where it left them: none (the usual zero_grad()) or the same
 // tensors (accumulation); otherwise another graph is captured.
 //
+// Outputs that require grad (a compiled model's forward under training) capture the backward too,
+// AOTAutograd's way: right after the forward is recorded, autograd::grad over its history is recorded
+// as a second graph, from the outputs' gradients to the gradients of every leaf the outputs reach (the
+// parameters). Each call's outputs are fresh tensors with one node of their own; backward through
+// them replays that graph and hands the leaves' gradients to the engine, so .grad accumulation, hooks
+// and DDP behave as after an eager forward. The forward's activations live in the graph's pool and
+// are rewritten by the next call of the same signature: run backward before calling again (a stale
+// output's backward throws RuntimeError, as does one after the parameters changed in place).
+// Double backward through a compiled output is not supported.
+//
 // What a replay cannot repeat breaks the capture: reading values on the host (item(), to_vector(),
 // Tensor::data outside a kernel; so loss metrics are read after the call), optimizer steps (host step
-// counts), empty_cache, collectives called directly, outputs that require grad (a replay has no
-// history: call backward inside the function and return detached tensors), inputs that require
-// grad. Without fullgraph the call finishes eagerly and the signature stays eager (explain() says
-// why); with fullgraph it throws RuntimeError naming the cause. The DDP wrapper's all-reduce is
-// captured: it is recorded as a step that runs the collective to completion in order. BatchNorm in training mode and dropout are captured: running
-// statistics update in place and every replay draws new random numbers from the same generator.
-// Outputs are fresh tensors at every call; the gradients a replay leaves on the parameters are the
-// graph's own tensors, rewritten by the next replay (clone one to keep it). Not thread-safe: one caller
-// at a time, on the thread that captured.
+// counts), empty_cache, collectives called directly, inputs that require grad. Without fullgraph the
+// call finishes eagerly and the signature stays eager (explain() says why); with fullgraph it throws
+// RuntimeError naming the cause. The DDP wrapper's all-reduce is captured: it is recorded as a step
+// that runs the collective to completion in order. BatchNorm in training mode and dropout are
+// captured: running statistics update in place and every replay draws new random numbers from the
+// same generator. Outputs are fresh tensors at every call; the gradients a replay of a step function
+// (one that calls backward itself) leaves on the parameters are the graph's own tensors, rewritten by
+// the next replay (clone one to keep it). Not thread-safe: one caller at a time, on the thread that
+// captured.
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -97,6 +107,8 @@ class CompiledFunction {
 
   std::vector<uint64_t> key_of(const std::vector<Tensor>& inputs) const;
   std::vector<Tensor> capture(Entry& entry, const std::vector<Tensor>& inputs);
+  // Fresh copies of the entry's outputs; with a captured backward, attached to a node that replays it.
+  static std::vector<Tensor> outputs_of(Entry& entry);
 };
 
 CompiledFunction compile(CompiledFunction::Function fn, Guard guard = {}, CompileOptions options = {});
@@ -107,8 +119,10 @@ namespace nn {
 // submodule's Module::append_guard_words adds. The module must outlive the guard.
 Guard module_guard(const Module& module);
 
-// A module's single-input forward, compiled (inference: under grad mode with trainable parameters
-// the forward's output requires grad, so it runs eagerly; compile the training step instead).
+// A module's single-input forward, compiled: torch.compile(model). In inference (NoGradGuard, or no
+// trainable parameter) only the forward is recorded; under grad mode with trainable parameters the
+// backward is recorded too and replayed by loss.backward() (see above). Training mode, dropout and
+// BatchNorm's batch statistics are part of what is replayed.
 class CompiledModule {
  public:
   explicit CompiledModule(Module& module, CompileOptions options = {});
