@@ -79,7 +79,7 @@ Tensor make_view(const std::shared_ptr<Storage>& storage, const Shape& sizes, co
   return Tensor(std::move(impl));
 }
 
-Tensor empty_like(const Tensor& t) { return empty(t.sizes(), TensorOptions(t.dtype()).with_device(t.device())); }
+Tensor empty_like(const Tensor& t) { return empty(t.sizes(), t.options()); }
 
 int64_t Tensor::size(int64_t dim) const { return sizes()[wrap_dim(dim, this->dim())]; }
 int64_t Tensor::stride(int64_t dim) const { return strides()[wrap_dim(dim, this->dim())]; }

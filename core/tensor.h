@@ -24,6 +24,7 @@ namespace mn {
 
 class Tensor;
 class Generator;
+struct TensorOptions;
 namespace capture {  // core/capture.h
 class Recording;
 namespace detail {
@@ -130,6 +131,9 @@ class Tensor {
   Tensor index_select(int64_t dim, const Tensor& index) const;
   Tensor to(DType dtype) const;
   Tensor to(Device device) const;
+  // This tensor's dtype and device (requires_grad false), for making tensors like it: libtorch's
+  // Tensor::options().
+  TensorOptions options() const;
   // In-place; bump the version counter. Refused on tensors that need gradients
   // (use the out-of-place forms there), like PyTorch refuses them on leaves.
   Tensor& copy_(const Tensor& src);
@@ -164,6 +168,8 @@ struct TensorOptions {
   TensorOptions& with_device(Device d) { device = d; return *this; }
   TensorOptions& with_requires_grad(bool r = true) { requires_grad = r; return *this; }
 };
+
+inline TensorOptions Tensor::options() const { return TensorOptions(dtype()).with_device(device()); }
 
 // Uninitialised memory (from the caching allocator).
 Tensor empty(const Shape& shape, TensorOptions opts = {});

@@ -19,10 +19,10 @@ Tensor full(const Shape& shape, double value, TensorOptions opts) {
 }
 Tensor zeros(const Shape& shape, TensorOptions opts) { return full(shape, 0.0, opts); }
 Tensor ones(const Shape& shape, TensorOptions opts) { return full(shape, 1.0, opts); }
-Tensor zeros_like(const Tensor& t) { return zeros(t.sizes(), TensorOptions(t.dtype()).with_device(t.device())); }
-Tensor ones_like(const Tensor& t) { return ones(t.sizes(), TensorOptions(t.dtype()).with_device(t.device())); }
+Tensor zeros_like(const Tensor& t) { return zeros(t.sizes(), t.options()); }
+Tensor ones_like(const Tensor& t) { return ones(t.sizes(), t.options()); }
 Tensor full_like(const Tensor& t, double value) {
-  return full(t.sizes(), value, TensorOptions(t.dtype()).with_device(t.device()));
+  return full(t.sizes(), value, t.options());
 }
 Tensor scalar_tensor(double value, TensorOptions opts) { return full({}, value, opts); }
 

@@ -160,7 +160,7 @@ LossOutput SmoothnessLoss::compute(const TrainingContext& c) const {
       // theta . v over all generated tensors without concatenating them.
       Tensor projected;
       for (const Tensor& theta : generated) {
-        Tensor v = rademacher(theta.sizes(), TensorOptions(theta.dtype()).with_device(theta.device()), c.generator);
+        Tensor v = rademacher(theta.sizes(), theta.options(), c.generator);
         Tensor term = sum(mul(theta, v));
         projected = projected.defined() ? add(projected, term) : term;
       }
@@ -177,7 +177,7 @@ LossOutput SmoothnessLoss::compute(const TrainingContext& c) const {
       for (int64_t i = 0; i < theta.numel(); ++i) {
         std::vector<float> basis(static_cast<size_t>(theta.numel()), 0.0f);
         basis[static_cast<size_t>(i)] = 1.0f;
-        Tensor e_i = from_vector(basis, theta.sizes(), TensorOptions(theta.dtype()).with_device(theta.device()));
+        Tensor e_i = from_vector(basis, theta.sizes(), theta.options());
         std::vector<Tensor> grads = autograd::grad({theta}, latents, {e_i}, /*retain_graph=*/true,
                                                    /*create_graph=*/true, /*allow_unused=*/true);
         Tensor row = squared_norm_sum(grads);
@@ -214,7 +214,7 @@ LossOutput AlignmentLoss::compute(const TrainingContext& c) const {
     Tensor w = it->second;
     const int64_t L = z.size(0), n = w.size(0);
     if (n > L) w = narrow(w, 0, 0, L);
-    if (n < L) w = cat({w, zeros({L - n}, TensorOptions(w.dtype()).with_device(w.device()))});
+    if (n < L) w = cat({w, zeros({L - n}, w.options())});
     // cos = z.w / max(|z| |w|, eps), with one sqrt of a clamped product so a zero vector gives a
     // finite gradient.
     Tensor norm_product = sqrt(clamp(mul(sum(square(z)), sum(square(w))), eps * eps, std::nullopt));

@@ -83,7 +83,7 @@ TrainingContext MappingTrainer::build_context(const Batch& batch, const ForwardR
     for (int64_t s = 0; s < stability->num_samples(); ++s) {
       LatentOverrides nudged;
       for (const auto& [name, z] : result.latent_vectors) {
-        Tensor noise = randn(z.sizes(), TensorOptions(z.dtype()).with_device(z.device()), &generator());
+        Tensor noise = randn(z.sizes(), z.options(), &generator());
         nudged[name] = add(z, mul(noise, stability->epsilon()));  // gradients flow through z as well
       }
       // The same batch through the same forward function: only the latents differ.

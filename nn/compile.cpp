@@ -144,7 +144,7 @@ std::string record_backward(CompiledBackward& b, const std::vector<Tensor>& outp
   capture::Recording recording(*b.graph);
   recording.set_throw_on_break(fullgraph);
   for (const Tensor& out : b.outputs) {
-    Tensor buffer = empty(out.sizes(), TensorOptions(out.dtype()).with_device(out.device()));
+    Tensor buffer = empty(out.sizes(), out.options());
     {
       capture::Pause pause;  // not a step: each replay copies its gradients in first
       buffer.fill_(0.0);
@@ -251,7 +251,7 @@ std::vector<Tensor> CompiledFunction::capture(Entry& entry, const std::vector<Te
         entry.inputs.push_back(in);
         continue;
       }
-      Tensor t = empty(in.sizes(), TensorOptions(in.dtype()).with_device(in.device()));
+      Tensor t = empty(in.sizes(), in.options());
       {
         capture::Pause pause;
         kernels::copy(t.device(), in, t);

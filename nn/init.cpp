@@ -23,10 +23,10 @@ void assign(Tensor& t, const Tensor& values) {
 }  // namespace
 
 void uniform_(Tensor& t, double lo, double hi, Generator* gen) {
-  assign(t, uniform(t.sizes(), lo, hi, TensorOptions(t.dtype()).with_device(t.device()), gen));
+  assign(t, uniform(t.sizes(), lo, hi, t.options(), gen));
 }
 void normal_(Tensor& t, double mean, double std, Generator* gen) {
-  assign(t, normal(t.sizes(), mean, std, TensorOptions(t.dtype()).with_device(t.device()), gen));
+  assign(t, normal(t.sizes(), mean, std, t.options(), gen));
 }
 void constant_(Tensor& t, double value) {
   autograd::NoGradGuard no_grad;

@@ -160,7 +160,7 @@ Tensor Optimizer::dense_grad(const Tensor& p) {
 
 Tensor& Optimizer::state_tensor(std::map<std::string, Tensor>& s, const std::string& key, const Tensor& like) {
   auto it = s.find(key);
-  if (it == s.end()) it = s.emplace(key, zeros(like.sizes(), TensorOptions(like.dtype()).with_device(like.device()))).first;
+  if (it == s.end()) it = s.emplace(key, zeros(like.sizes(), like.options())).first;
   return it->second;
 }
 

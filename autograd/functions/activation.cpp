@@ -21,14 +21,14 @@ namespace {
 Tensor activation_forward(const char* name, UnaryOp op, const Tensor& x, double alpha = 0, double beta = 0) {
   detail::check_defined(name, x, "input");
   detail::check_float(name, x, "input");
-  Tensor out = empty(x.sizes(), TensorOptions(x.dtype()).with_device(x.device()));
+  Tensor out = empty(x.sizes(), x.options());
   kernels::unary(x.device(), op, x, out, alpha, beta);
   return out;
 }
 
 // grad * f'(x) in one kernel; the ops math::binary_takes_params lists get alpha and beta.
 Tensor fused_derivative(BinaryOp op, const Tensor& grad, const Tensor& x, double alpha = 0, double beta = 0) {
-  Tensor out = empty(x.sizes(), TensorOptions(x.dtype()).with_device(x.device()));
+  Tensor out = empty(x.sizes(), x.options());
   const Tensor g = detail::expand_view(grad, x.sizes());
   if (kernels::math::binary_takes_params(op))
     kernels::binary_params(x.device(), op, g, x, out, alpha, beta);

@@ -48,7 +48,7 @@ Tensor expand_view(const Tensor& t, const Shape& shape) {
 
 Tensor raw_contiguous(const Tensor& t) {
   if (t.is_contiguous()) return t;
-  Tensor out = empty(t.sizes(), TensorOptions(t.dtype()).with_device(t.device()));
+  Tensor out = empty(t.sizes(), t.options());
   kernels::copy(t.device(), t, out);
   return out;
 }

@@ -30,14 +30,14 @@ Tensor binary_raw(BinaryOp op, const Tensor& a, const Tensor& b, const char* nam
 
 Tensor unary_raw(UnaryOp op, const Tensor& x, double alpha = 0, double beta = 0) {
   detail::check_defined("unary op", x, "x");
-  Tensor out = empty(x.sizes(), TensorOptions(x.dtype()).with_device(x.device()));
+  Tensor out = empty(x.sizes(), x.options());
   kernels::unary(x.device(), op, x, out, alpha, beta);
   return out;
 }
 
 // Fused first-order backward kernel, e.g. grad * (1 - y^2).
 Tensor fused_backward(BinaryOp op, const Tensor& g, const Tensor& saved) {
-  Tensor out = empty(saved.sizes(), TensorOptions(saved.dtype()).with_device(saved.device()));
+  Tensor out = empty(saved.sizes(), saved.options());
   kernels::binary(saved.device(), op, detail::expand_view(g, saved.sizes()), saved, out);
   return out;
 }
@@ -368,7 +368,7 @@ Tensor clamp(const Tensor& x, std::optional<double> lo, std::optional<double> hi
   const double a = lo.value_or(-inf), b = hi.value_or(inf);
   MN_CHECK(!std::isnan(a) && !std::isnan(b), ValueError, "clamp: a bound is NaN (min ", a, ", max ", b, ")");
   MN_CHECK(a <= b, ValueError, "clamp: lower bound ", a, " is greater than upper bound ", b);
-  Tensor out = empty(x.sizes(), TensorOptions(x.dtype()).with_device(x.device()));
+  Tensor out = empty(x.sizes(), x.options());
   if (x.dtype() == DType::i64)
     kernels::unary(x.device(), UnaryOp::Clamp, x, out, lo ? a : double(std::numeric_limits<int64_t>::min()),
                    hi ? b : double(std::numeric_limits<int64_t>::max()));
@@ -393,7 +393,7 @@ Tensor ge(const Tensor& a, const Tensor& b) { return binary_raw(BinaryOp::Ge, a,
 
 namespace {
 Tensor scalar_like(const Tensor& a, double v) {
-  return full({}, v, TensorOptions(a.dtype()).with_device(a.device()));
+  return full({}, v, a.options());
 }
 }  // namespace
 
@@ -411,14 +411,14 @@ Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b) {
   detail::check_same_device("where", a, b);
   detail::check_same_dtype("where", a, b);
   const Shape shape = broadcast_shapes(cond.sizes(), broadcast_shapes(a.sizes(), b.sizes()));
-  Tensor out = empty(shape, TensorOptions(a.dtype()).with_device(a.device()));
+  Tensor out = empty(shape, a.options());
   kernels::where(a.device(), detail::expand_view(cond, shape), detail::expand_view(a, shape),
                  detail::expand_view(b, shape), out);
   if (autograd::needs_grad({&a, &b}))
     autograd::record("WhereBackward", {&a, &b}, {&out},
                      [sc = SavedTensor::input(cond), sa = a.sizes(), sb = b.sizes()](const GradContext& c) -> TensorList {
                        Tensor cond = sc.unpack("WhereBackward");
-                       Tensor zero = zeros({}, TensorOptions(c.grad().dtype()).with_device(c.grad().device()));
+                       Tensor zero = zeros({}, c.grad().options());
                        Tensor ga, gb;
                        if (c.needs(0)) ga = sum_to(where(cond, c.grad(), zero), sa);
                        if (c.needs(1)) gb = sum_to(where(cond, zero, c.grad()), sb);

@@ -13,7 +13,6 @@ using autograd::TensorList;
 
 namespace {
 
-TensorOptions options_of(const Tensor& t) { return TensorOptions(t.dtype()).with_device(t.device()); }
 
 void check_index(const char* op, const Tensor& x, const Tensor& index) {
   detail::check_defined(op, x, "input");
@@ -30,7 +29,7 @@ Tensor pad_end_to(Tensor t, const Shape& shape) {
     if (t.size(d) == shape[d]) continue;
     Shape part = t.sizes();
     part[d] = shape[d] - t.size(d);
-    t = cat({t, zeros(part, options_of(t))}, d);
+    t = cat({t, zeros(part, t.options())}, d);
   }
   return t;
 }
@@ -38,18 +37,18 @@ Tensor pad_end_to(Tensor t, const Shape& shape) {
 Tensor scatter_add_impl(const Tensor& x, int d, const Tensor& index, const Tensor& src);
 
 Tensor gather_impl(const Tensor& x, int d, const Tensor& index) {
-  Tensor out = empty(index.sizes(), options_of(x));
+  Tensor out = empty(index.sizes(), x.options());
   kernels::gather(x.device(), x, d, index, out);
   if (autograd::needs_grad({&x}))
     autograd::record("GatherBackward", {&x}, {&out},
                      [in = x.sizes(), d, si = SavedTensor::input(index)](const GradContext& c) -> TensorList {
-                       return {scatter_add_impl(zeros(in, options_of(c.grad())), d, si.unpack(), c.grad())};
+                       return {scatter_add_impl(zeros(in, c.grad().options()), d, si.unpack(), c.grad())};
                      });
   return out;
 }
 
 Tensor scatter_add_impl(const Tensor& x, int d, const Tensor& index, const Tensor& src) {
-  Tensor out = empty(x.sizes(), options_of(x));
+  Tensor out = empty(x.sizes(), x.options());
   kernels::copy(x.device(), x, out);
   kernels::scatter_add(x.device(), out, d, index, src);
   if (autograd::needs_grad({&x, &src}))
@@ -96,7 +95,7 @@ Tensor masked_fill(const Tensor& x, const Tensor& mask, double value) {
   detail::check_same_device("masked_fill", x, mask);
   // Comparison ops give f32 0/1 masks; an i64 mask selects where it is non-zero.
   const Tensor cond = mask.dtype() == DType::i64 ? ne(mask, 0.0) : mask;
-  return where(cond, full({}, value, options_of(x)), x);
+  return where(cond, full({}, value, x.options()), x);
 }
 
 // ---------------- argmax / argmin over all elements ----------------
@@ -124,7 +123,7 @@ Tensor extreme_over(const Tensor& x, const std::vector<int64_t>& dims, bool keep
   for (int d = 0; d < x.dim(); ++d)
     MN_CHECK(!(mask & (1u << d)) || x.size(d) > 0, ValueError, name, ": cannot reduce dimension ", d,
              " of size 0 (input shape ", x.sizes(), "; there is no identity for ", name, ")");
-  Tensor kept = empty(detail::reduced_shape(x.sizes(), mask, true), options_of(x));
+  Tensor kept = empty(detail::reduced_shape(x.sizes(), mask, true), x.options());
   kernels::reduce(x.device(), is_max ? kernels::ReduceOp::Max : kernels::ReduceOp::Min, x, mask, kept, 0.0);
   const Shape out_shape = detail::reduced_shape(x.sizes(), mask, keepdim);
   Tensor out = keepdim ? kept : detail::raw_view(kept, out_shape, contiguous_strides(out_shape), kept.storage_offset());
@@ -160,7 +159,7 @@ Tensor amin(const Tensor& x, const std::vector<int64_t>& dims, bool keepdim) {
 namespace {
 
 Tensor cumsum_impl(const Tensor& x, int d, bool reverse) {
-  Tensor out = empty(x.sizes(), options_of(x));
+  Tensor out = empty(x.sizes(), x.options());
   kernels::cumsum(x.device(), x, d, reverse, out);
   if (autograd::needs_grad({&x}))
     autograd::record(reverse ? "ReverseCumsumBackward" : "CumsumBackward", {&x}, {&out},
@@ -189,13 +188,13 @@ std::pair<Tensor, Tensor> topk(const Tensor& x, int64_t k, int64_t dim, bool lar
            " (input shape ", x.sizes(), ")");
   Shape shape = x.sizes();
   if (x.dim() > 0) shape[d] = k;
-  Tensor values = empty(shape, options_of(x));
+  Tensor values = empty(shape, x.options());
   Tensor indices = empty(shape, TensorOptions(DType::i64).with_device(x.device()));
   kernels::topk(x.device(), x, d, k, largest, values, indices);
   if (autograd::needs_grad({&x}))
     autograd::record("TopkBackward", {&x}, {&values},
                      [in = x.sizes(), d, si = SavedTensor::input(indices)](const GradContext& c) -> TensorList {
-                       return {scatter_add(zeros(in, options_of(c.grad())), d, si.unpack(), c.grad())};
+                       return {scatter_add(zeros(in, c.grad().options()), d, si.unpack(), c.grad())};
                      });
   return {values, indices};
 }

@@ -16,10 +16,9 @@ using kernels::ReduceOp;
 
 namespace {
 
-TensorOptions options_of(const Tensor& t) { return TensorOptions(t.dtype()).with_device(t.device()); }
 
 Tensor reduce_keepdim(ReduceOp op, const Tensor& x, uint32_t mask, double param = 0.0) {
-  Tensor out = empty(detail::reduced_shape(x.sizes(), mask, true), options_of(x));
+  Tensor out = empty(detail::reduced_shape(x.sizes(), mask, true), x.options());
   kernels::reduce(x.device(), op, x, mask, out, param);
   return out;
 }
@@ -118,11 +117,11 @@ Tensor prod(const Tensor& x, const std::vector<int64_t>& dims, bool keepdim) {
           Tensor x = sx.unpack("ProdBackward");
           const std::vector<int64_t> dims = dims_of(mask, x.dim());
           Tensor is_zero = eq(x, 0.0);
-          Tensor x_safe = where(is_zero, ones({}, options_of(x)), x);
+          Tensor x_safe = where(is_zero, ones({}, x.options()), x);
           Tensor product = keepdim_form(c.output(), x.sizes(), mask, keepdim);
           Tensor nonzero_product = dims.empty() ? x_safe : prod(x_safe, dims, true);
           Tensor lone_zero = eq(dims.empty() ? is_zero : sum(is_zero, dims, true), 1.0);
-          Tensor zero = zeros({}, options_of(x));
+          Tensor zero = zeros({}, x.options());
           Tensor others = where(is_zero, where(lone_zero, nonzero_product, zero), div(product, x_safe));
           return {mul(broadcast_grad(c.grad(), x.sizes(), mask, keepdim), others)};
         },
@@ -168,7 +167,7 @@ std::pair<Tensor, Tensor> extreme_along(const Tensor& x, int64_t dim, bool keepd
            x.sizes(), ")");
   const uint32_t mask = 1u << d;
   const Shape kept_shape = detail::reduced_shape(x.sizes(), mask, true);
-  Tensor values = empty(kept_shape, options_of(x));
+  Tensor values = empty(kept_shape, x.options());
   Tensor indices = empty(kept_shape, TensorOptions(DType::i64).with_device(x.device()));
   kernels::arg_reduce(x.device(), is_max ? ReduceOp::Max : ReduceOp::Min, x, d, values, indices);
   values = drop_reduced(values, x.sizes(), mask, keepdim);
@@ -210,7 +209,7 @@ Tensor var(const Tensor& x, const std::vector<int64_t>& dims, double correction,
   check_reducible("var", x, true);
   MN_CHECK(correction >= 0, ValueError, "var: correction must be non-negative, got ", correction);
   const uint32_t mask = detail::dim_mask(dims, x.dim());
-  Tensor kept = empty(detail::reduced_shape(x.sizes(), mask, true), options_of(x));
+  Tensor kept = empty(detail::reduced_shape(x.sizes(), mask, true), x.options());
   kernels::var(x.device(), x, mask, correction, kept);
   Tensor out = drop_reduced(kept, x.sizes(), mask, keepdim);
   if (autograd::needs_grad({&x}))
@@ -256,7 +255,7 @@ Tensor norm(const Tensor& x, double p, const std::vector<int64_t>& dims, bool ke
             return {mul(g, div(mul(sign(x), winners), count))};
           }
           // d ||x||_p / d x_i = sign(x_i) |x_i|^(p-1) / ||x||^(p-1), taken as 0 where the norm is 0.
-          Tensor safe_total = where(eq(total, 0.0), ones({}, options_of(x)), total);
+          Tensor safe_total = where(eq(total, 0.0), ones({}, x.options()), total);
           if (p == 2.0) return {mul(g, div(x, safe_total))};
           return {mul(g, div(mul(sign(x), pow(abs(x), p - 1.0)), pow(safe_total, p - 1.0)))};
         },
@@ -275,7 +274,7 @@ Tensor logsumexp(const Tensor& x, int64_t dim, bool keepdim) {
     // Subtract the max for stability; an infinite max (all -inf, or a +inf) is replaced by 0 so the
     // result is -inf / +inf instead of NaN.
     Tensor peak = reduce_keepdim(ReduceOp::Max, input, mask);
-    peak = where(eq(abs(peak), INFINITY), zeros({}, options_of(x)), peak);
+    peak = where(eq(abs(peak), INFINITY), zeros({}, x.options()), peak);
     Tensor kept = add(log(sum(exp(sub(input, peak)), dims_of(mask, x.dim()), true)), peak);
     out = drop_reduced(kept, x.sizes(), mask, keepdim);
   }

@@ -16,7 +16,7 @@ Tensor softmax_op(const Tensor& x, int64_t dim, bool log) {
   detail::check_defined(name, x, "x");
   detail::check_float(name, x, "x");
   const int d = wrap_dim(dim, x.dim());
-  Tensor out = empty(x.sizes(), TensorOptions(x.dtype()).with_device(x.device()));
+  Tensor out = empty(x.sizes(), x.options());
   kernels::softmax(x.device(), x, d, log, out);
   if (autograd::needs_grad({&x}))
     autograd::record(
@@ -25,7 +25,7 @@ Tensor softmax_op(const Tensor& x, int64_t dim, bool log) {
           Tensor y = c.output();
           const Tensor& g = c.grad();
           if (!autograd::grad_mode_enabled()) {
-            Tensor grad_in = empty(y.sizes(), TensorOptions(y.dtype()).with_device(y.device()));
+            Tensor grad_in = empty(y.sizes(), y.options());
             kernels::softmax_backward(y.device(), g, y, d, log, grad_in);
             return {grad_in};
           }

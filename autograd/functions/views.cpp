@@ -143,7 +143,7 @@ Tensor slice(const Tensor& x, int64_t dim, int64_t start, int64_t end, int64_t s
   strides[d] *= step;
   Tensor out = make_alias(x, sizes, strides, x.storage_offset() + start * x.strides()[d]);
   return record_view("SliceBackward", x, out, [in = x.sizes(), d, start, end, step](const Tensor& g) {
-    const TensorOptions options = TensorOptions(g.dtype()).with_device(g.device());
+    const TensorOptions options = g.options();
     // Scatter g into the sliced positions with a differentiable path: zeros around g, joined by cat,
     // when step == 1 (one pass over the input's size).
     if (step == 1) {
@@ -235,7 +235,7 @@ Tensor flatten(const Tensor& x, int64_t start_dim, int64_t end_dim) {
 // ---- copies ----
 
 Tensor clone(const Tensor& x) {
-  Tensor out = empty(x.sizes(), TensorOptions(x.dtype()).with_device(x.device()));
+  Tensor out = empty(x.sizes(), x.options());
   kernels::copy(x.device(), x, out);
   return record_view("CloneBackward", x, out, [](const Tensor& g) { return g; });
 }
@@ -280,7 +280,7 @@ Tensor cat(const std::vector<Tensor>& tensors, int64_t dim) {
     total += t.sizes()[d];
   }
   out_shape[d] = total;
-  Tensor out = empty(out_shape, TensorOptions(first.dtype()).with_device(first.device()));
+  Tensor out = empty(out_shape, first.options());
   std::vector<int64_t> sizes;
   int64_t pos = 0;
   for (const Tensor& t : tensors) {
@@ -384,12 +384,12 @@ Tensor index_select(const Tensor& x, int64_t dim, const Tensor& index) {
   Tensor idx = index.dim() == 0 ? index.reshape({1}) : index;
   Shape shape = x.sizes();
   shape[d] = idx.numel();
-  Tensor out = empty(shape, TensorOptions(x.dtype()).with_device(x.device()));
+  Tensor out = empty(shape, x.options());
   kernels::index_select(x.device(), x, d, idx, out);
   if (autograd::needs_grad({&x}))
     autograd::record("IndexSelectBackward", {&x}, {&out},
                      [in = x.sizes(), d, si = SavedTensor::input(idx)](const GradContext& c) -> TensorList {
-                       Tensor g = zeros(in, TensorOptions(c.grad().dtype()).with_device(c.grad().device()));
+                       Tensor g = zeros(in, c.grad().options());
                        kernels::index_add(g.device(), g, d, si.unpack(), detail::raw_contiguous(c.grad()));
                        return {g};
                      });

@@ -17,7 +17,7 @@ namespace mn::kernels::cpu {
 // t itself when contiguous, else a contiguous copy (no autograd history).
 inline Tensor dense(const Tensor& t) {
   if (t.is_contiguous()) return t;
-  Tensor out = empty(t.sizes(), TensorOptions(t.dtype()).with_device(t.device()));
+  Tensor out = empty(t.sizes(), t.options());
   copy(t.device(), t, out);
   return out;
 }

@@ -122,7 +122,7 @@ Tensor dense_as(const Tensor& src, DType dtype) {
 
 void host_to_device(const Tensor& src, Tensor& dst) {
   const Tensor host = dense_as(src, dst.dtype());
-  Tensor target = dst.is_contiguous() ? dst : empty(dst.sizes(), TensorOptions(dst.dtype()).with_device(dst.device()));
+  Tensor target = dst.is_contiguous() ? dst : empty(dst.sizes(), dst.options());
   cudaStream_t stream = cuda::stream_of(dst);
   MN_CUDA_CHECK(cudaMemcpyAsync(target.raw_data(), host.raw_data(), dst.nbytes(), cudaMemcpyHostToDevice, stream));
   MN_CUDA_CHECK(cudaStreamSynchronize(stream));  // `host` may be a temporary, and the caller reuses src
@@ -142,7 +142,7 @@ void device_to_device(const Tensor& src, Tensor& dst) {
   const Tensor staged = dense_as(src, dst.dtype());
   // The peer copy runs on dst's stream: everything queued on src's stream so far must be done first.
   MN_CUDA_CHECK(cudaStreamSynchronize(cuda::stream_of(src)));
-  Tensor target = dst.is_contiguous() ? dst : empty(dst.sizes(), TensorOptions(dst.dtype()).with_device(dst.device()));
+  Tensor target = dst.is_contiguous() ? dst : empty(dst.sizes(), dst.options());
   cudaStream_t stream = cuda::stream_of(dst);
   MN_CUDA_CHECK(cudaMemcpyPeerAsync(target.raw_data(), dst.device().index, staged.raw_data(), src.device().index,
                                     dst.nbytes(), stream));

@@ -17,7 +17,6 @@ using autograd::TensorList;
 
 namespace {
 
-TensorOptions options_of(const Tensor& t) { return TensorOptions(t.dtype()).with_device(t.device()); }
 
 Shape adaptive_output_shape(const char* op, const Tensor& x, std::array<int64_t, 2> size) {
   detail::check_defined(op, x, "x");
@@ -43,7 +42,7 @@ auto batched(const Tensor& x, F&& pool) {
 Tensor adaptive_avg_grad(const Tensor& g, const Shape& x_shape);
 
 Tensor adaptive_avg_forward(const Tensor& x, const Shape& out_shape) {
-  Tensor out = empty(out_shape, options_of(x));
+  Tensor out = empty(out_shape, x.options());
   if (out.numel() > 0) kernels::adaptive_avg_pool2d_forward(x.device(), x, out);
   if (autograd::needs_grad({&x}))
     autograd::record("AdaptiveAvgPool2dBackward", {&x}, {&out}, [x_shape = x.sizes()](const GradContext& c) {
@@ -53,7 +52,7 @@ Tensor adaptive_avg_forward(const Tensor& x, const Shape& out_shape) {
 }
 
 Tensor adaptive_avg_grad(const Tensor& g, const Shape& x_shape) {
-  Tensor gx = g.numel() == 0 ? zeros(x_shape, options_of(g)) : empty(x_shape, options_of(g));
+  Tensor gx = g.numel() == 0 ? zeros(x_shape, g.options()) : empty(x_shape, g.options());
   if (g.numel() > 0) kernels::adaptive_avg_pool2d_backward(g.device(), g, gx);
   if (autograd::needs_grad({&g}))
     autograd::record("AdaptiveAvgPool2dGradBackward", {&g}, {&gx}, [g_shape = g.sizes()](const GradContext& c) {
@@ -63,13 +62,13 @@ Tensor adaptive_avg_grad(const Tensor& g, const Shape& x_shape) {
 }
 
 std::pair<Tensor, Tensor> adaptive_max_forward(const Tensor& x, const Shape& out_shape) {
-  Tensor out = empty(out_shape, options_of(x));
+  Tensor out = empty(out_shape, x.options());
   Tensor indices = empty(out_shape, TensorOptions(DType::i64).with_device(x.device()));
   if (out.numel() > 0) kernels::adaptive_max_pool2d_forward(x.device(), x, out, indices);
   if (autograd::needs_grad({&x}))
     autograd::record("AdaptiveMaxPool2dBackward", {&x}, {&out},
                      [si = SavedTensor::input(indices), x_shape = x.sizes()](const GradContext& c) {
-                       if (c.grad().numel() == 0) return TensorList{zeros(x_shape, options_of(c.grad()))};
+                       if (c.grad().numel() == 0) return TensorList{zeros(x_shape, c.grad().options())};
                        return TensorList{max_pool2d_grad(c.grad(), si.unpack("AdaptiveMaxPool2dBackward"), x_shape)};
                      });
   return {out, indices};

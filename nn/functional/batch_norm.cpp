@@ -19,7 +19,6 @@ using autograd::TensorList;
 
 namespace {
 
-TensorOptions options_of(const Tensor& t) { return TensorOptions(t.dtype()).with_device(t.device()); }
 
 void check_channel_vector(const Tensor& t, const char* name, const Tensor& x) {
   if (!t.defined()) return;
@@ -93,9 +92,9 @@ Tensor batch_norm(const Tensor& x, Tensor running_mean, Tensor running_var, cons
     MN_CHECK(!running_mean.requires_grad() && !running_var.requires_grad(), ValueError,
              "batch_norm: running statistics are buffers and must not require grad");
 
-  Tensor out = empty(x.sizes(), options_of(x));
-  Tensor save_mean = empty({x.size(1)}, options_of(x));
-  Tensor save_invstd = empty({x.size(1)}, options_of(x));
+  Tensor out = empty(x.sizes(), x.options());
+  Tensor save_mean = empty({x.size(1)}, x.options());
+  Tensor save_invstd = empty({x.size(1)}, x.options());
   kernels::batch_norm_forward(x.device(), x, weight, bias, running_mean, running_var, training, momentum, eps, out,
                               save_mean, save_invstd);
   if (training && running_mean.defined()) {
@@ -112,9 +111,9 @@ Tensor batch_norm(const Tensor& x, Tensor running_mean, Tensor running_var, cons
           const Tensor& g = c.grad();
           if (autograd::grad_mode_enabled())
             return recorded_backward(c, g, x, weight, save_mean, save_invstd, training, eps);
-          Tensor gx = c.needs(0) ? empty(x.sizes(), options_of(x)) : Tensor();
-          Tensor gw = c.needs(1) ? empty(weight.sizes(), options_of(x)) : Tensor();
-          Tensor gb = c.needs(2) ? empty({x.size(1)}, options_of(x)) : Tensor();
+          Tensor gx = c.needs(0) ? empty(x.sizes(), x.options()) : Tensor();
+          Tensor gw = c.needs(1) ? empty(weight.sizes(), x.options()) : Tensor();
+          Tensor gb = c.needs(2) ? empty({x.size(1)}, x.options()) : Tensor();
           kernels::batch_norm_backward(x.device(), g, x, weight, save_mean, save_invstd, training, gx, gw, gb);
           return {gx, gw, gb};
         });

@@ -16,7 +16,6 @@ using kernels::Conv2dParams;
 
 namespace {
 
-TensorOptions options_of(const Tensor& t) { return TensorOptions(t.dtype()).with_device(t.device()); }
 
 Shape conv_output_shape(const Shape& x, const Shape& w, const Conv2dParams& p) {
   const int64_t numer_h = x[2] + 2 * p.pad_h - p.dilation_h * (w[2] - 1) - 1;
@@ -32,7 +31,7 @@ Tensor conv_input_grad(const Tensor& g, const Tensor& w, const Shape& x_shape, c
 Tensor conv_weight_grad(const Tensor& g, const Tensor& x, const Shape& w_shape, const Conv2dParams& p);
 
 Tensor conv_forward(const Tensor& x, const Tensor& w, const Tensor& b, const Conv2dParams& p) {
-  Tensor out = empty(conv_output_shape(x.sizes(), w.sizes(), p), options_of(x));
+  Tensor out = empty(conv_output_shape(x.sizes(), w.sizes(), p), x.options());
   kernels::conv2d_forward(x.device(), x, w, b, p, out);
   if (autograd::needs_grad({&x, &w, &b})) {
     SavedTensor saved_x = w.requires_grad() ? SavedTensor::input(x) : SavedTensor();
@@ -48,8 +47,8 @@ Tensor conv_forward(const Tensor& x, const Tensor& w, const Tensor& b, const Con
                          if (c.needs(2)) gb = sum(g, {0, 2, 3});
                        } else if (c.needs(1) || c.needs(2)) {
                          // First order: weight and bias gradients from one kernel call.
-                         if (c.needs(1)) gw = empty(w_shape, options_of(g));
-                         if (c.needs(2)) gb = empty({w_shape[0]}, options_of(g));
+                         if (c.needs(1)) gw = empty(w_shape, g.options());
+                         if (c.needs(2)) gb = empty({w_shape[0]}, g.options());
                          const Tensor x = c.needs(1) ? saved_x.unpack("Conv2dBackward") : Tensor();
                          kernels::conv2d_backward_weight(g.device(), g, x, p, gw, gb);
                        }
@@ -60,7 +59,7 @@ Tensor conv_forward(const Tensor& x, const Tensor& w, const Tensor& b, const Con
 }
 
 Tensor conv_input_grad(const Tensor& g, const Tensor& w, const Shape& x_shape, const Conv2dParams& p) {
-  Tensor gx = empty(x_shape, options_of(g));
+  Tensor gx = empty(x_shape, g.options());
   kernels::conv2d_backward_input(g.device(), g, w, p, gx);
   if (autograd::needs_grad({&g, &w})) {
     SavedTensor saved_g = w.requires_grad() ? SavedTensor::input(g) : SavedTensor();
@@ -78,7 +77,7 @@ Tensor conv_input_grad(const Tensor& g, const Tensor& w, const Shape& x_shape, c
 }
 
 Tensor conv_weight_grad(const Tensor& g, const Tensor& x, const Shape& w_shape, const Conv2dParams& p) {
-  Tensor gw = empty(w_shape, options_of(g));
+  Tensor gw = empty(w_shape, g.options());
   Tensor no_bias;
   kernels::conv2d_backward_weight(g.device(), g, x, p, gw, no_bias);
   if (autograd::needs_grad({&g, &x})) {

@@ -55,7 +55,7 @@ Tensor embedding(const Tensor& indices, const Tensor& weight, std::optional<int6
                        Tensor g = c.grad().reshape({n, width});
                        const Tensor column = flat.reshape({n, 1});
                        if (pad >= 0) g = masked_fill(g, eq(column, static_cast<double>(pad)), 0.0);
-                       Tensor target = zeros({rows, width}, TensorOptions(g.dtype()).with_device(g.device()));
+                       Tensor target = zeros({rows, width}, g.options());
                        return {scatter_add(target, 0, column.expand({n, width}), g)};
                      });
   return out;

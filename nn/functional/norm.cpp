@@ -19,7 +19,6 @@ using kernels::RowNormLayout;
 
 namespace {
 
-TensorOptions options_of(const Tensor& t) { return TensorOptions(t.dtype()).with_device(t.device()); }
 
 void check_affine(const char* op, const Tensor& t, const char* name, const Tensor& x, const Shape& expected) {
   if (!t.defined()) return;
@@ -64,9 +63,9 @@ TensorList recorded_backward(const GradContext& c, const Tensor& g, const Tensor
 // Runs the row_norm kernels on x with `layout` and records the backward.
 Tensor row_norm(const char* node, const Tensor& x, const Tensor& weight, const Tensor& bias, const RowNormLayout& s,
                 double eps) {
-  Tensor out = empty(x.sizes(), options_of(x));
-  Tensor save_mean = empty({s.rows}, options_of(x));
-  Tensor save_rstd = empty({s.rows}, options_of(x));
+  Tensor out = empty(x.sizes(), x.options());
+  Tensor save_mean = empty({s.rows}, x.options());
+  Tensor save_rstd = empty({s.rows}, x.options());
   kernels::row_norm_forward(x.device(), x, weight, bias, s, eps, out, save_mean, save_rstd);
   const Shape bias_shape = bias.defined() ? bias.sizes() : Shape{};
   if (autograd::needs_grad({&x, &weight, &bias}))
@@ -77,9 +76,9 @@ Tensor row_norm(const char* node, const Tensor& x, const Tensor& weight, const T
           const Tensor x = sx.unpack(node), weight = sw.unpack(node);
           const Tensor& g = c.grad();
           if (autograd::grad_mode_enabled()) return recorded_backward(c, g, x, weight, bias_shape, s, eps);
-          Tensor gx = c.needs(0) ? empty(x.sizes(), options_of(x)) : Tensor();
-          Tensor gw = c.needs(1) ? empty(weight.sizes(), options_of(x)) : Tensor();
-          Tensor gb = c.needs(2) ? empty(bias_shape, options_of(x)) : Tensor();
+          Tensor gx = c.needs(0) ? empty(x.sizes(), x.options()) : Tensor();
+          Tensor gw = c.needs(1) ? empty(weight.sizes(), x.options()) : Tensor();
+          Tensor gb = c.needs(2) ? empty(bias_shape, x.options()) : Tensor();
           kernels::row_norm_backward(x.device(), g, x, weight, save_mean, save_rstd, s, gx, gw, gb);
           return {gx, gw, gb};
         });

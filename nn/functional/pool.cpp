@@ -17,7 +17,6 @@ using kernels::Pool2dParams;
 
 namespace {
 
-TensorOptions options_of(const Tensor& t) { return TensorOptions(t.dtype()).with_device(t.device()); }
 
 // PyTorch's rule: floor (or ceil) of (in + 2 pad - kernel) / stride + 1, where in ceil mode the last
 // window must start inside the input or the left padding.
@@ -73,7 +72,7 @@ Tensor batched(const Tensor& x, F&& pool) {
 Tensor avg_pool_grad(const Tensor& g, const Pool2dParams& p, const Shape& x_shape);
 
 Tensor avg_pool_forward(const Tensor& x, const Pool2dParams& p, const Shape& out_shape) {
-  Tensor out = empty(out_shape, options_of(x));
+  Tensor out = empty(out_shape, x.options());
   kernels::avg_pool2d_forward(x.device(), x, p, out);
   if (autograd::needs_grad({&x}))
     autograd::record("AvgPool2dBackward", {&x}, {&out}, [p, x_shape = x.sizes()](const GradContext& c) -> TensorList {
@@ -83,7 +82,7 @@ Tensor avg_pool_forward(const Tensor& x, const Pool2dParams& p, const Shape& out
 }
 
 Tensor avg_pool_grad(const Tensor& g, const Pool2dParams& p, const Shape& x_shape) {
-  Tensor gx = empty(x_shape, options_of(g));
+  Tensor gx = empty(x_shape, g.options());
   kernels::avg_pool2d_backward(g.device(), g, p, gx);
   if (autograd::needs_grad({&g}))
     autograd::record("AvgPool2dGradBackward", {&g}, {&gx}, [p, g_shape = g.sizes()](const GradContext& c) -> TensorList {
@@ -103,7 +102,7 @@ Tensor flat_positions(const Tensor& indices, const Shape& x_shape) {
 }
 
 Tensor max_pool_grad(const Tensor& g, const Tensor& indices, const Shape& x_shape) {
-  Tensor gx = empty(x_shape, options_of(g));
+  Tensor gx = empty(x_shape, g.options());
   kernels::max_pool2d_backward(g.device(), g, indices, gx);
   if (autograd::needs_grad({&g}))
     autograd::record("MaxPool2dGradBackward", {&g}, {&gx},
@@ -115,7 +114,7 @@ Tensor max_pool_grad(const Tensor& g, const Tensor& indices, const Shape& x_shap
 }
 
 Tensor max_pool_forward(const Tensor& x, const Pool2dParams& p, const Shape& out_shape) {
-  Tensor out = empty(out_shape, options_of(x));
+  Tensor out = empty(out_shape, x.options());
   Tensor indices = empty(out_shape, TensorOptions(DType::i64).with_device(x.device()));
   kernels::max_pool2d_forward(x.device(), x, p, out, indices);
   if (autograd::needs_grad({&x}))
