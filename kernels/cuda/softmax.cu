@@ -191,13 +191,16 @@ __global__ void cross_entropy_kernel(const float* x, const int64_t* target, int6
     float m = -INFINITY;
     for (int64_t k = threadIdx.x; k < classes; k += blockDim.x) m = max_f(m, row[k]);
     m = cuda::block_reduce(m, cuda::MaxOp{}, sh);
+    // The smoothing sums are taken relative to the row's max: sum_c w_c (lse - x_c) is then
+    // W log(total) - sum_c w_c (x_c - m), with no cancellation between two large terms when the
+    // logits are large (W lse - sum_c w_c x_c loses the float digits the CPU's double keeps).
     float total = 0.0f, row_sum = 0.0f, weight_sum = 0.0f;
     for (int64_t k = threadIdx.x; k < classes; k += blockDim.x) {
       total += expf(row[k] - m);
       if (weight == nullptr) {
-        row_sum += row[k];
+        row_sum += row[k] - m;
       } else {
-        row_sum += weight[k] * row[k];
+        row_sum += weight[k] * (row[k] - m);
         weight_sum += weight[k];
       }
     }
@@ -205,7 +208,8 @@ __global__ void cross_entropy_kernel(const float* x, const int64_t* target, int6
     if (smoothing != 0.0) row_sum = cuda::block_reduce(row_sum, cuda::AddOp{}, sh);
     if (smoothing != 0.0 && weight != nullptr) weight_sum = cuda::block_reduce(weight_sum, cuda::AddOp{}, sh);
     if (threadIdx.x == 0) {
-      const double log_sum_exp = static_cast<double>(m) + log(static_cast<double>(total));
+      const double log_total = log(static_cast<double>(total));  // lse - m
+      const double log_sum_exp = static_cast<double>(m) + log_total;
       lse[r] = static_cast<float>(log_sum_exp);
       const int64_t t = target[r * target_stride];
       if (t == ignore_index) {
@@ -213,14 +217,14 @@ __global__ void cross_entropy_kernel(const float* x, const int64_t* target, int6
       } else if (weight == nullptr) {
         double value = keep * (log_sum_exp - row[t]);
         if (smoothing != 0.0)
-          value += smoothing * (log_sum_exp - static_cast<double>(row_sum) / static_cast<double>(classes));
+          value += smoothing * (log_total - static_cast<double>(row_sum) / static_cast<double>(classes));
         loss[r] = static_cast<float>(value);
       } else {
-        // sum_c w_c (lse - x_c) = W lse - sum_c w_c x_c
+        // sum_c w_c (lse - x_c) = W (lse - m) - sum_c w_c (x_c - m)
         double value = keep * weight[t] * (log_sum_exp - row[t]);
         if (smoothing != 0.0)
           value += smoothing / static_cast<double>(classes) *
-                   (static_cast<double>(weight_sum) * log_sum_exp - static_cast<double>(row_sum));
+                   (static_cast<double>(weight_sum) * log_total - static_cast<double>(row_sum));
         loss[r] = static_cast<float>(value);
       }
     }

@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "autograd/ops.h"
@@ -44,9 +45,11 @@ void expect_close(const Tensor& gpu, const Tensor& cpu, double atol, double rtol
 }  // namespace
 
 TEST_CASE("cuda losses: class-weighted cross entropy kernels match the CPU") {
-  for (int64_t classes : {7, 1500}) {
+  // Large logits (offset 1e4): the smoothing term's sums must not cancel in float (the CPU sums in double).
+  for (auto [classes, offset] : {std::pair<int64_t, double>{7, 0.0}, {1500, 0.0}, {1500, 1e4}}) {
     const int64_t rows = 33;
-    const Tensor logits = uniform_cpu({classes, rows}, 1800 + classes).t();  // non-contiguous [rows, classes]
+    const Tensor logits = add(uniform_cpu({classes, rows}, 1800 + classes), offset).t();  // non-contiguous
+    CAPTURE(offset);
     std::vector<int64_t> t(rows);
     for (int64_t i = 0; i < rows; ++i) t[i] = (i * 11) % classes;
     t[5] = -100;
