@@ -332,7 +332,7 @@ TEST_CASE("store hardening: garbage, huge frames and silent clients are dropped;
   {
     StderrCapture log;
     TcpStoreOptions o = server_options("tok");
-    o.handshake_timeout = 400ms;
+    o.handshake_timeout = 1500ms;
     TcpStore server(o);
     const uint16_t port = server.port();
     TcpStore client(client_options(port, "tok"));
@@ -365,15 +365,15 @@ TEST_CASE("store hardening: garbage, huge frames and silent clients are dropped;
     net::send_exact(half.fd(), prefix, 2, net::Clock::now() + 2000ms, "server");
     const auto start = std::chrono::steady_clock::now();
     CHECK(client.get_string("k") == "v");
-    CHECK(std::chrono::steady_clock::now() - start < 300ms);
-    CHECK(closed_by_server(silent, 3000ms));
-    CHECK(closed_by_server(half, 3000ms));
+    CHECK(std::chrono::steady_clock::now() - start < 1000ms);  // not held up until their deadline
+    CHECK(closed_by_server(silent, 5000ms));
+    CHECK(closed_by_server(half, 5000ms));
     CHECK(client.add("n", 2) == 2);
     const std::string text = log.text();
     CHECK(contains(text, "not the store's handshake"));
     CHECK(contains(text, "a frame of 4294967280 bytes during the handshake (limit 128)"));
     CHECK(contains(text, "a malformed authentication message"));
-    CHECK(contains(text, "no complete handshake within 400 ms"));
+    CHECK(contains(text, "no complete handshake within 1500 ms"));
   }
   CHECK(eventually([&] { return open_descriptors() == fds_before; }));
 }
@@ -451,7 +451,7 @@ TEST_CASE("store hardening: a flood of idle connections; the connection limit") 
   StderrCapture flood_log;
   {
     TcpStoreOptions o = server_options("tok");
-    o.handshake_timeout = 2000ms;
+    o.handshake_timeout = 3000ms;
     TcpStore server(o);
     const uint16_t port = server.port();
     const size_t fds_serving = open_descriptors();
@@ -463,9 +463,9 @@ TEST_CASE("store hardening: a flood of idle connections; the connection limit") 
     client.set("k", std::string("v"));
     CHECK(client.get_string("k") == "v");
     const auto took = std::chrono::steady_clock::now() - start;
-    CHECK(took < 1000ms);
+    CHECK(took < 1500ms);  // served long before the flood's handshake deadline
     // The idle ones are dropped at the handshake deadline (the server's side of them is closed).
-    CHECK(eventually([&] { return server.server_connections() == 2; }, 5000ms));
+    CHECK(eventually([&] { return server.server_connections() == 2; }, 8000ms));
     flood.clear();
     CHECK(eventually([&] { return open_descriptors() == fds_serving + 2; }));  // + the client, both ends
     CHECK(client.get_string("k") == "v");
