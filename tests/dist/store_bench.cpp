@@ -1,11 +1,12 @@
 // Store benchmark (a program, not a test): the cost of the job token's handshake and the latency of
 // set/get, with the server in this process on 127.0.0.1 (its thread and the client share the machine).
 //
-//   mn_store_bench [--repeats 100] [--ops 2000]
+//   mn_store_bench [--repeats 100] [--ops 2000] [--flood 300]
 //
 // Prints the median (and 10th / 90th percentile) of: connect + handshake of a new client without a token
 // and with one (MN_STORE_BENCH_NO_TOKEN builds leave the token out, to time an older store the same way),
-// then set and get of a 64-byte value on one connection.
+// the same with --flood idle connections held open to the server, then set and get of a 64-byte value on
+// one connection.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -14,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "dist/socket.h"
 #include "dist/store.h"
 
 using namespace mn::dist;
@@ -47,8 +49,11 @@ TcpStoreOptions options(uint16_t port, bool server, [[maybe_unused]] const char*
   return o;
 }
 
-Summary time_handshakes(const char* token, int repeats) {
+Summary time_handshakes(const char* token, int repeats, int flood = 0) {
   TcpStore server(options(0, true, token));
+  std::vector<net::Socket> idle;  // connected, never a byte sent
+  for (int i = 0; i < flood; ++i)
+    idle.push_back(net::connect_with_retry("127.0.0.1", server.port(), Clock::now() + std::chrono::seconds(5)));
   std::vector<double> us;
   for (int i = 0; i < repeats + 5; ++i) {
     const auto start = Clock::now();
@@ -62,14 +67,17 @@ Summary time_handshakes(const char* token, int repeats) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  int repeats = 100, ops = 2000;
+  int repeats = 100, ops = 2000, flood = 300;
   for (int i = 1; i + 1 < argc; i += 2) {
+    if (std::strcmp(argv[i], "--flood") == 0) flood = std::atoi(argv[i + 1]);
     if (std::strcmp(argv[i], "--repeats") == 0) repeats = std::atoi(argv[i + 1]);
     if (std::strcmp(argv[i], "--ops") == 0) ops = std::atoi(argv[i + 1]);
   }
   print("connect + handshake, no token", time_handshakes(nullptr, repeats));
 #ifndef MN_STORE_BENCH_NO_TOKEN
   print("connect + handshake, job token", time_handshakes("a-job-token-of-32-bytes-length!!", repeats));
+  const std::string flooded = "  ... with " + std::to_string(flood) + " idle connections";
+  print(flooded.c_str(), time_handshakes("a-job-token-of-32-bytes-length!!", repeats, flood));
 #endif
   TcpStore server(options(0, true, nullptr));
   TcpStore client(options(server.port(), false, nullptr));
