@@ -40,8 +40,10 @@ std::string hmac_hex(const std::string& key, const std::string& data) {
   return hex_of(crypto::hmac_sha256(key.data(), key.size(), data.data(), data.size()));
 }
 
-TcpStoreOptions server_options(std::optional<std::string> token) {
+TcpStoreOptions server_options(std::optional<std::string> token,
+                               Milliseconds handshake_timeout = kDefaultStoreHandshakeTimeout) {
   TcpStoreOptions o;
+  o.handshake_timeout = handshake_timeout;
   o.port = 0;
   o.is_server = true;
   o.timeout = 5000ms;
@@ -331,9 +333,7 @@ TEST_CASE("store hardening: garbage, huge frames and silent clients are dropped;
   const size_t fds_before = open_descriptors();
   {
     StderrCapture log;
-    TcpStoreOptions o = server_options("tok");
-    o.handshake_timeout = 1500ms;
-    TcpStore server(o);
+    TcpStore server(server_options("tok", 1500ms));
     const uint16_t port = server.port();
     TcpStore client(client_options(port, "tok"));
     client.set("k", std::string("v"));
@@ -450,9 +450,7 @@ TEST_CASE("store hardening: a flood of idle connections; the connection limit") 
   const size_t threads_before = threads();
   StderrCapture flood_log;
   {
-    TcpStoreOptions o = server_options("tok");
-    o.handshake_timeout = 3000ms;
-    TcpStore server(o);
+    TcpStore server(server_options("tok", 3000ms));
     const uint16_t port = server.port();
     const size_t fds_serving = open_descriptors();
     std::vector<net::Socket> flood;
@@ -482,9 +480,8 @@ TEST_CASE("store hardening: a flood of idle connections; the connection limit") 
   }
   {
     // At the limit, new connections are told "busy"; a client retries until a slot frees or its time is up.
-    TcpStoreOptions o = server_options(std::nullopt);
+    TcpStoreOptions o = server_options(std::nullopt, 600ms);
     o.max_connections = 4;
-    o.handshake_timeout = 600ms;
     TcpStore server(o);  // its own client takes one slot
     std::vector<net::Socket> idle;
     for (int i = 0; i < 3; ++i) idle.push_back(raw_connect(server.port()));
