@@ -5,8 +5,8 @@
 //   MN_JOB_TOKEN=SECRET           the token itself;
 //   MN_JOB_TOKEN_FILE=PATH        a file holding it (mn-run --job-token-file PATH sets this): trailing
 //                                 newlines are stripped, the rest must not be empty, at most
-//                                 kMaxJobTokenBytes bytes, and the file must not be readable by group or
-//                                 others (chmod 600), like ssh's private keys;
+//                                 kMaxJobTokenBytes bytes, and the file must give group and others no
+//                                 access at all (chmod 600 or 400): refused otherwise, as ssh does with keys;
 //   neither                       no token: the store accepts any client that speaks its protocol.
 // Setting both is refused (which one was meant?), as is an empty MN_JOB_TOKEN.
 //
