@@ -1,5 +1,6 @@
 #pragma once
-// The TcpStore wire protocol (internal to dist/: store.cpp is the client, tcp_store_server.cpp the server).
+// The TcpStore wire protocol (internal to dist/: store.cpp is the client, tcp_store_server.cpp the server,
+// store_protocol.cpp decodes requests).
 //
 // Every message is a frame: u32 little-endian payload length, then the payload (dist/socket.h).
 // Handshake, version 2:
