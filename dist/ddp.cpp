@@ -148,7 +148,9 @@ Endpoint parse_init_method(const std::string& init_method) {
 
 void setup_ddp(int rank, int world_size, const std::string& backend, const std::string& init_method,
                Milliseconds timeout) {
-  check_backend(backend);
+  // With other ranks, a backend this build lacks is refused only after the ranks agree on it (below),
+  // so that error reaches every rank instead of stranding the others in the rendezvous.
+  if (world_size == 1) check_backend(backend);
   MN_CHECK(world_size >= 1, ValueError, "setup_ddp: world_size must be at least 1, got ", world_size);
   MN_CHECK(rank >= 0 && rank < world_size, ValueError, "setup_ddp: rank must be in [0, ", world_size - 1, "], got ",
            rank);
@@ -163,8 +165,12 @@ void setup_ddp(int rank, int world_size, const std::string& backend, const std::
   store_options.port = endpoint.port;
   store_options.is_server = rank == 0;
   store_options.timeout = timeout;
+  store_options.max_connections = kDefaultStoreMaxConnections + static_cast<size_t>(world_size);  // + the ranks
   auto store = std::make_shared<TcpStore>(store_options);
   check_world_size(*store, rank, world_size, timeout);
+  // ---- backend agreement (issue 20 section 4): every rank, before any backend's rendezvous ----
+  check_backend_agreement(*store, rank, world_size, backend, timeout);
+  check_backend(backend);
 
   ProcessGroupOptions group_options;
   group_options.timeout = timeout;

@@ -91,7 +91,7 @@ Socket listen_on(const std::string& host, uint16_t port, uint16_t* bound_port) {
     int one = 1;
     // A restarted job must be able to take the port back while old connections sit in TIME_WAIT.
     setsockopt(s.fd(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-    if (::bind(s.fd(), a->ai_addr, a->ai_addrlen) != 0 || ::listen(s.fd(), 128) != 0) {
+    if (::bind(s.fd(), a->ai_addr, a->ai_addrlen) != 0 || ::listen(s.fd(), SOMAXCONN) != 0) {
       last_error = errno_text(errno);
       continue;
     }
@@ -203,12 +203,12 @@ void send_frame(int fd, const std::vector<uint8_t>& payload, Deadline deadline, 
   send_exact(fd, payload.data(), payload.size(), deadline, peer);
 }
 
-std::vector<uint8_t> recv_frame(int fd, Deadline deadline, const std::string& peer) {
+std::vector<uint8_t> recv_frame(int fd, Deadline deadline, const std::string& peer, uint32_t max_size) {
   uint8_t header[4];
   recv_exact(fd, header, sizeof(header), deadline, peer);
   const uint32_t size =
       uint32_t(header[0]) | uint32_t(header[1]) << 8 | uint32_t(header[2]) << 16 | uint32_t(header[3]) << 24;
-  MN_CHECK(size <= kMaxFrameBytes, RuntimeError, peer, " sent a frame of ", size, " bytes (limit ", kMaxFrameBytes,
+  MN_CHECK(size <= max_size, RuntimeError, peer, " sent a frame of ", size, " bytes (limit ", max_size,
            "); is it really a store?");
   std::vector<uint8_t> payload(size);
   recv_exact(fd, payload.data(), size, deadline, peer);

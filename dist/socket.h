@@ -58,7 +58,9 @@ void recv_exact(int fd, void* data, size_t size, Deadline deadline, const std::s
 inline constexpr uint32_t kMaxFrameBytes = 1u << 30;
 
 void send_frame(int fd, const std::vector<uint8_t>& payload, Deadline deadline, const std::string& peer);
-std::vector<uint8_t> recv_frame(int fd, Deadline deadline, const std::string& peer);
+// A frame announcing more than max_size bytes is refused (RuntimeError) before anything is allocated.
+std::vector<uint8_t> recv_frame(int fd, Deadline deadline, const std::string& peer,
+                                uint32_t max_size = kMaxFrameBytes);
 
 // Little-endian encoding of the fields inside a frame.
 class Writer {

@@ -1,19 +1,16 @@
 #include "dist/store.h"
 
-#include <fcntl.h>
-#include <poll.h>
-#include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cerrno>
-#include <charconv>
 #include <cstring>
-#include <list>
 
 #include "core/error.h"
+#include "dist/job_token.h"
 #include "dist/socket.h"
+#include "dist/store_protocol.h"
+#include "dist/tcp_store_server.h"
 
 namespace mn::dist {
 
@@ -22,15 +19,14 @@ namespace {
 using net::Clock;
 using net::Deadline;
 
-// "MNST": a client that reaches some other service on MASTER_PORT fails at the handshake, clearly.
-constexpr uint32_t kMagic = 0x4D4E5354;
-constexpr uint32_t kProtocolVersion = 1;
+using protocol::counter_text;
+using protocol::Op;
+using protocol::parse_counter;
+
 // Extra time a client allows the server beyond a wait's own timeout before calling it unresponsive.
 constexpr Milliseconds kReplyGrace{10'000};
-// Bound on sending one reply to a client that does not read; it is then dropped.
-constexpr Milliseconds kServerSendTimeout{10'000};
-
-enum class Op : uint8_t { Set = 1, Get = 2, Add = 3, Check = 4, Wait = 5, Delete = 6 };
+// Pause between attempts while the server answers "busy" (at its connection limit).
+constexpr Milliseconds kBusyRetryPause{100};
 
 std::string seconds_text(Milliseconds ms) { return str(static_cast<double>(ms.count()) / 1000.0, " s"); }
 
@@ -40,20 +36,16 @@ std::string join_keys(const std::vector<std::string>& keys) {
   return out;
 }
 
-Bytes counter_text(int64_t value) {
-  std::string s = std::to_string(value);
-  return Bytes(s.begin(), s.end());
+// The TcpStore's limits (store.h), checked before anything is sent.
+void check_key(const std::string& key) {
+  MN_CHECK(key.size() <= kMaxStoreKeyBytes, ValueError, "a store key of ", key.size(), " bytes (limit ",
+           kMaxStoreKeyBytes, " bytes, kMaxStoreKeyBytes): '", key.substr(0, 40), "...'");
 }
 
-// The counter held by `value` (empty = 0); false when it is not decimal text.
-bool parse_counter(const Bytes& value, int64_t& out) {
-  if (value.empty()) {
-    out = 0;
-    return true;
-  }
-  const char* begin = reinterpret_cast<const char*>(value.data());
-  auto [end, ec] = std::from_chars(begin, begin + value.size(), out);
-  return ec == std::errc() && end == begin + value.size();
+void check_keys(const std::vector<std::string>& keys) {
+  MN_CHECK(keys.size() <= kMaxStoreKeysPerRequest, ValueError, keys.size(), " keys in one store request (limit ",
+           kMaxStoreKeysPerRequest, ")");
+  for (const auto& k : keys) check_key(k);
 }
 
 }  // namespace
@@ -120,263 +112,103 @@ bool HashStore::delete_key(const std::string& key) {
 }
 
 // ---------------------------------------------------------------------------------------------------
-// TcpStoreServer: one thread, poll() over the listening socket, a wake-up pipe and the clients. A WAIT
-// is answered when its keys exist or its deadline passes, so the thread itself never blocks on a client
-// (except for a bounded send of a reply).
-
-class TcpStoreServer {
- public:
-  TcpStoreServer(const std::string& host, uint16_t port) {
-    listener_ = net::listen_on(host, port, &port_);
-    int fds[2];
-    MN_CHECK(::pipe2(fds, O_CLOEXEC | O_NONBLOCK) == 0, RuntimeError, "pipe2 failed: ", std::strerror(errno));
-    wake_read_ = net::Socket(fds[0]);
-    wake_write_ = net::Socket(fds[1]);
-    thread_ = std::thread([this] { serve(); });
-  }
-
-  ~TcpStoreServer() {
-    stop_.store(true);
-    const char byte = 1;
-    [[maybe_unused]] ssize_t n = ::write(wake_write_.fd(), &byte, 1);
-    if (thread_.joinable()) thread_.join();
-  }
-
-  uint16_t port() const { return port_; }
-
- private:
-  struct Client {
-    net::Socket socket;
-    std::vector<uint8_t> input;
-    bool handshaken = false;
-  };
-  struct Waiter {
-    int fd;
-    std::vector<std::string> keys;
-    Deadline deadline;
-  };
-
-  void serve() {
-    while (!stop_.load()) {
-      std::vector<pollfd> fds{{listener_.fd(), POLLIN, 0}, {wake_read_.fd(), POLLIN, 0}};
-      for (const auto& [fd, client] : clients_) fds.push_back({fd, POLLIN, 0});
-      int timeout_ms = 1000;
-      for (const Waiter& w : waiters_) timeout_ms = std::min(timeout_ms, net::poll_timeout_ms(w.deadline));
-      int ready = ::poll(fds.data(), fds.size(), timeout_ms);
-      if (ready < 0 && errno != EINTR) break;  // cannot happen with valid descriptors; stop rather than spin
-      if (stop_.load()) break;
-      if (ready > 0) {
-        if (fds[0].revents & POLLIN) accept_clients();
-        for (size_t i = 2; i < fds.size(); ++i)
-          if (fds[i].revents & (POLLIN | POLLHUP | POLLERR)) read_client(fds[i].fd);
-      }
-      for (int fd : to_drop_) drop(fd);
-      to_drop_.clear();
-      expire_waiters();
-    }
-  }
-
-  void accept_clients() {
-    while (true) {
-      int fd = ::accept4(listener_.fd(), nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
-      if (fd < 0) return;  // EAGAIN: no more pending connections (errors leave the listener usable)
-      net::set_no_delay(fd);
-      clients_[fd].socket = net::Socket(fd);
-    }
-  }
-
-  void read_client(int fd) {
-    auto it = clients_.find(fd);
-    if (it == clients_.end()) return;
-    Client& client = it->second;
-    uint8_t chunk[65536];
-    while (true) {
-      ssize_t n = ::recv(fd, chunk, sizeof(chunk), MSG_DONTWAIT);
-      if (n > 0) {
-        client.input.insert(client.input.end(), chunk, chunk + n);
-        continue;
-      }
-      if (n < 0 && errno == EINTR) continue;
-      if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) break;
-      to_drop_.push_back(fd);  // closed by the client (a rank finished or died) or broken
-      return;
-    }
-    try {
-      while (client.input.size() >= 4) {
-        const uint32_t size = uint32_t(client.input[0]) | uint32_t(client.input[1]) << 8 |
-                              uint32_t(client.input[2]) << 16 | uint32_t(client.input[3]) << 24;
-        // Before the handshake only the 8-byte hello is acceptable; stray traffic is dropped early.
-        if ((!client.handshaken && size != 8) || size > net::kMaxFrameBytes) {
-          to_drop_.push_back(fd);
-          return;
-        }
-        if (client.input.size() < 4 + size) break;
-        std::vector<uint8_t> payload(client.input.begin() + 4, client.input.begin() + 4 + size);
-        client.input.erase(client.input.begin(), client.input.begin() + 4 + size);
-        if (!handle(fd, client, payload)) {
-          to_drop_.push_back(fd);
-          return;
-        }
-      }
-    } catch (const std::exception&) {
-      to_drop_.push_back(fd);  // malformed request or a client that does not read its replies
-    }
-  }
-
-  void reply(int fd, net::Writer& w) {
-    net::send_frame(fd, w.data(), Clock::now() + kServerSendTimeout, "a store client");
-  }
-
-  // False: drop the client.
-  bool handle(int fd, Client& client, const std::vector<uint8_t>& payload) {
-    net::Reader in(payload);
-    if (!client.handshaken) {
-      if (in.u32() != kMagic) return false;
-      const uint32_t version = in.u32();
-      net::Writer out;
-      out.u32(kMagic).u32(kProtocolVersion);
-      reply(fd, out);
-      client.handshaken = version == kProtocolVersion;
-      return client.handshaken;
-    }
-    net::Writer out;
-    switch (static_cast<Op>(in.u8())) {
-      case Op::Set: {
-        std::string key = in.str();
-        data_[key] = in.bytes();
-        out.u8(1);
-        reply(fd, out);
-        wake_waiters();
-        return true;
-      }
-      case Op::Get: {
-        auto it = data_.find(in.str());
-        out.u8(it != data_.end());
-        if (it != data_.end()) out.bytes(it->second);
-        reply(fd, out);
-        return true;
-      }
-      case Op::Add: {
-        std::string key = in.str();
-        const int64_t delta = in.i64();
-        Bytes& slot = data_[key];
-        int64_t value = 0;
-        if (!parse_counter(slot, value)) {
-          out.u8(0).str(str("store key '", key, "' holds a value that is not an integer counter"));
-        } else {
-          slot = counter_text(value + delta);
-          out.u8(1).i64(value + delta);
-        }
-        reply(fd, out);
-        wake_waiters();
-        return true;
-      }
-      case Op::Check: {
-        out.u8(all_present(read_keys(in)));
-        reply(fd, out);
-        return true;
-      }
-      case Op::Wait: {
-        const auto timeout = Milliseconds(static_cast<int64_t>(in.u64()));
-        std::vector<std::string> keys = read_keys(in);
-        if (all_present(keys)) {
-          out.u8(1);
-          reply(fd, out);
-        } else {
-          waiters_.push_back({fd, std::move(keys), Clock::now() + timeout});
-        }
-        return true;
-      }
-      case Op::Delete: {
-        out.u8(data_.erase(in.str()) > 0);
-        reply(fd, out);
-        return true;
-      }
-    }
-    return false;  // unknown request: not our protocol
-  }
-
-  static std::vector<std::string> read_keys(net::Reader& in) {
-    const uint32_t n = in.u32();
-    std::vector<std::string> keys;
-    for (uint32_t i = 0; i < n; ++i) keys.push_back(in.str());
-    return keys;
-  }
-
-  bool all_present(const std::vector<std::string>& keys) const {
-    return std::all_of(keys.begin(), keys.end(), [&](const std::string& k) { return data_.count(k) > 0; });
-  }
-
-  void answer_waiters(bool expired) {
-    const auto now = Clock::now();
-    for (auto it = waiters_.begin(); it != waiters_.end();) {
-      const bool ready = all_present(it->keys);
-      if (ready || (expired && now >= it->deadline)) {
-        net::Writer out;
-        out.u8(ready);
-        try {
-          reply(it->fd, out);
-        } catch (const std::exception&) {
-          to_drop_.push_back(it->fd);
-        }
-        it = waiters_.erase(it);
-      } else {
-        ++it;
-      }
-    }
-  }
-  void wake_waiters() { answer_waiters(false); }
-  void expire_waiters() { answer_waiters(true); }
-
-  void drop(int fd) {
-    waiters_.remove_if([fd](const Waiter& w) { return w.fd == fd; });
-    clients_.erase(fd);  // closes the socket
-  }
-
-  net::Socket listener_;
-  net::Socket wake_read_;
-  net::Socket wake_write_;
-  uint16_t port_ = 0;
-  std::atomic<bool> stop_{false};
-  std::thread thread_;
-  // Touched only by the server thread.
-  std::map<int, Client> clients_;
-  std::list<Waiter> waiters_;
-  std::vector<int> to_drop_;
-  std::map<std::string, Bytes> data_;
-};
-
-// ---------------------------------------------------------------------------------------------------
 // TcpStore (client side; rank 0 also owns the server)
 
 TcpStore::TcpStore(TcpStoreOptions options) : Store(options.timeout), options_(std::move(options)) {
+  token_ = options_.token;
+  if (!token_ && options_.token_from_env) token_ = job_token_from_env();
+  MN_CHECK(!token_ || (!token_->empty() && token_->size() <= kMaxJobTokenBytes), ValueError,
+           "TcpStoreOptions::token must be 1 to ", kMaxJobTokenBytes, " bytes, got ", token_->size());
   port_ = options_.port;
   if (options_.is_server) {
-    server_ = std::make_unique<TcpStoreServer>(options_.host, options_.port);
+    TcpStoreServer::Options server;
+    server.host = options_.host;
+    server.port = options_.port;
+    server.token = token_;
+    server.handshake_timeout = options_.handshake_timeout;
+    server.max_connections = options_.max_connections;
+    server_ = std::make_unique<TcpStoreServer>(std::move(server));
     port_ = server_->port();
   }
   MN_CHECK(port_ != 0, ValueError, "TcpStore client needs a port (got 0; only the server may pick one)");
+  connect_and_authenticate();
+}
+
+size_t TcpStore::server_connections() const { return server_ ? server_->connections() : 0; }
+
+// The client's half of the handshake (dist/store_protocol.h), retried while the server answers "busy".
+void TcpStore::connect_and_authenticate() {
   const Deadline deadline = Clock::now() + options_.timeout;
-  net::Socket s = net::connect_with_retry(options_.host, port_, deadline);
-  net::Writer hello;
-  hello.u32(kMagic).u32(kProtocolVersion);
-  net::send_frame(s.fd(), hello.data(), deadline, where());
-  std::vector<uint8_t> answer;
-  try {
-    answer = net::recv_frame(s.fd(), deadline, where());
-  } catch (const RuntimeError& e) {
-    throw RuntimeError(str("no store handshake from ", options_.host, ":", port_, " (", e.what(),
-                           "); is another service listening on MASTER_PORT?"));
+  const std::string address = str(options_.host, ":", port_);
+  const std::string token_hint =
+      "set MN_JOB_TOKEN, or MN_JOB_TOKEN_FILE (mn-run --job-token-file), to the same token on every node";
+  while (true) {
+    net::Socket s = net::connect_with_retry(options_.host, port_, deadline);
+    net::Writer hello;
+    hello.u32(protocol::kMagic).u32(protocol::kVersion);
+    std::vector<uint8_t> answer;
+    try {
+      net::send_frame(s.fd(), hello.data(), deadline, where());
+      answer = net::recv_frame(s.fd(), deadline, where(), protocol::kMaxHandshakeFrameBytes);
+    } catch (const RuntimeError& e) {
+      throw RuntimeError(str("no store handshake from ", address, " (", e.what(),
+                             "); is another service listening on MASTER_PORT?"));
+    }
+    net::Reader in(answer);
+    const uint32_t magic = answer.size() >= 8 ? in.u32() : 0;
+    MN_CHECK(magic == protocol::kMagic, RuntimeError, "the service at ", address,
+             " is not an mn store (bad handshake); is another service listening on MASTER_PORT?");
+    const uint32_t version = in.u32();
+    MN_CHECK(version == protocol::kVersion, RuntimeError, "store protocol version mismatch: the server at ", address,
+             " speaks version ", version, ", this client speaks ", protocol::kVersion,
+             " (are all ranks running the same build?)");
+    const uint8_t mode = answer.size() > 8 ? in.u8() : 0xff;
+    if (mode == protocol::kModeBusy && answer.size() == 9) {
+      MN_CHECK(Clock::now() + kBusyRetryPause < deadline, RuntimeError, "the store at ", address,
+               " kept refusing the connection: it serves its maximum number of connections (a flood of "
+               "connections, or more clients than it allows)");
+      std::this_thread::sleep_for(kBusyRetryPause);
+      continue;
+    }
+    MN_CHECK(answer.size() == protocol::kChallengeBytes && mode <= protocol::kModeToken, RuntimeError,
+             "the store at ", address, " sent a malformed handshake (", answer.size(), " bytes)");
+    const std::vector<uint8_t> server_nonce(answer.begin() + 9, answer.end());
+    // The auth frame goes out even when this side will refuse, so the server can log why.
+    net::Writer auth;
+    std::vector<uint8_t> client_nonce;
+    if (token_) {
+      client_nonce = crypto::random_bytes(kAuthNonceBytes);
+      const crypto::Digest proof = client_auth_proof(*token_, server_nonce, client_nonce);
+      auth.u8(1);
+      auth.data().insert(auth.data().end(), client_nonce.begin(), client_nonce.end());
+      auth.data().insert(auth.data().end(), proof.begin(), proof.end());
+    } else {
+      auth.u8(0);
+    }
+    net::send_frame(s.fd(), auth.data(), deadline, where());
+    MN_CHECK(mode == protocol::kModeToken || !token_, RuntimeError, "this rank has a job token but the store at ",
+             address, " does not ask for one: it was started without the token, or it is not this job's store; ",
+             token_hint);
+    MN_CHECK(mode == protocol::kModeOpen || token_, RuntimeError, "the store at ", address,
+             " requires a job token; ", token_hint);
+    if (token_) {
+      std::vector<uint8_t> verdict;
+      try {
+        verdict = net::recv_frame(s.fd(), deadline, where(), protocol::kMaxHandshakeFrameBytes);
+      } catch (const RuntimeError& e) {
+        throw RuntimeError(str("the store at ", address, " did not answer this rank's job token (", e.what(), ")"));
+      }
+      MN_CHECK(!verdict.empty() && verdict[0] == 1, RuntimeError, "the store at ", address,
+               " refused this rank's job token: the tokens differ; ", token_hint);
+      const crypto::Digest expected = server_auth_proof(*token_, server_nonce, client_nonce);
+      MN_CHECK(verdict.size() == 1 + expected.size() &&
+                   crypto::constant_time_equal(expected.data(), verdict.data() + 1, expected.size()),
+               RuntimeError, "the store at ", address,
+               " did not prove that it knows the job token: it is not this job's store; refusing to use it");
+    }
+    socket_ = s.release();
+    return;
   }
-  net::Reader in(answer);
-  const uint32_t magic = answer.size() == 8 ? in.u32() : 0;
-  MN_CHECK(magic == kMagic, RuntimeError, "the service at ", options_.host, ":", port_,
-           " is not an mn store (bad handshake); is another service listening on MASTER_PORT?");
-  const uint32_t version = in.u32();
-  MN_CHECK(version == kProtocolVersion, RuntimeError, "store protocol version mismatch: the server at ",
-           options_.host, ":", port_, " speaks version ", version, ", this client speaks ", kProtocolVersion,
-           " (are all ranks running the same build?)");
-  socket_ = s.release();
 }
 
 TcpStore::~TcpStore() {
@@ -392,7 +224,7 @@ Bytes TcpStore::round_trip(const Bytes& request, Deadline reply_deadline) {
            " was lost by an earlier failure; the store cannot be used any more");
   try {
     net::send_frame(socket_, request, Clock::now() + timeout(), where());
-    return net::recv_frame(socket_, reply_deadline, where());
+    return net::recv_frame(socket_, reply_deadline, where(), protocol::kMaxFrameBytes);
   } catch (const RuntimeError& e) {
     // A half-sent request or half-read reply leaves the stream out of step: never reuse it.
     ::close(socket_);
@@ -402,12 +234,16 @@ Bytes TcpStore::round_trip(const Bytes& request, Deadline reply_deadline) {
 }
 
 void TcpStore::set(const std::string& key, const Bytes& value) {
+  check_key(key);
+  MN_CHECK(value.size() <= kMaxStoreValueBytes, ValueError, "a store value of ", value.size(), " bytes for key '", key,
+           "' in the ", where(), " (limit ", kMaxStoreValueBytes, " bytes, kMaxStoreValueBytes)");
   net::Writer w;
   w.u8(static_cast<uint8_t>(Op::Set)).str(key).bytes(value);
   round_trip(w.data(), Clock::now() + timeout());
 }
 
 Bytes TcpStore::get(const std::string& key) {
+  check_key(key);
   wait({key}, timeout());
   net::Writer w;
   w.u8(static_cast<uint8_t>(Op::Get)).str(key);
@@ -418,6 +254,7 @@ Bytes TcpStore::get(const std::string& key) {
 }
 
 int64_t TcpStore::add(const std::string& key, int64_t delta) {
+  check_key(key);
   net::Writer w;
   w.u8(static_cast<uint8_t>(Op::Add)).str(key).i64(delta);
   Bytes answer = round_trip(w.data(), Clock::now() + timeout());
@@ -427,6 +264,8 @@ int64_t TcpStore::add(const std::string& key, int64_t delta) {
 }
 
 void TcpStore::wait(const std::vector<std::string>& keys, Milliseconds timeout) {
+  check_keys(keys);
+  timeout = std::min(timeout, kMaxStoreWaitTimeout);
   net::Writer w;
   w.u8(static_cast<uint8_t>(Op::Wait)).u64(static_cast<uint64_t>(std::max<int64_t>(timeout.count(), 0)));
   w.u32(static_cast<uint32_t>(keys.size()));
@@ -440,6 +279,7 @@ void TcpStore::wait(const std::vector<std::string>& keys, Milliseconds timeout) 
 }
 
 bool TcpStore::check(const std::vector<std::string>& keys) {
+  check_keys(keys);
   net::Writer w;
   w.u8(static_cast<uint8_t>(Op::Check)).u32(static_cast<uint32_t>(keys.size()));
   for (const auto& k : keys) w.str(k);
@@ -447,6 +287,7 @@ bool TcpStore::check(const std::vector<std::string>& keys) {
 }
 
 bool TcpStore::delete_key(const std::string& key) {
+  check_key(key);
   net::Writer w;
   w.u8(static_cast<uint8_t>(Op::Delete)).str(key);
   return net::Reader(round_trip(w.data(), Clock::now() + timeout())).u8() == 1;
@@ -511,6 +352,60 @@ void check_world_size(Store& store, int rank, int world_size, Milliseconds timeo
   MN_CHECK(theirs == std::to_string(world_size), ValueError, "the ranks disagree on WORLD_SIZE: rank ", rank,
            " has ", world_size, " but rank 0 has ", theirs,
            "; start every rank with the same WORLD_SIZE (mn-run sets it for each rank it starts)");
+}
+
+}  // namespace mn::dist
+
+// ---------------------------------------------------------------------------------------------------
+// Backend agreement
+
+namespace mn::dist {
+
+namespace {
+std::string backend_key(int rank) { return str("mn/backend/rank", rank); }
+constexpr const char* kBackendVerdictKey = "mn/backend/verdict";
+std::string backend_ack_key(int rank) { return str("mn/backend/ack", rank); }
+// How long rank 0 keeps the store up for the others to read a negative verdict before it throws.
+constexpr Milliseconds kVerdictReadTime{10'000};
+}  // namespace
+
+void check_backend_agreement(Store& store, int rank, int world_size, const std::string& backend,
+                             Milliseconds timeout) {
+  MN_CHECK(world_size >= 1 && rank >= 0 && rank < world_size, ValueError, "check_backend_agreement: rank ", rank,
+           " is not in [0, ", world_size, ")");
+  if (world_size == 1) return;
+  store.set(backend_key(rank), backend);
+  if (rank == 0) {
+    std::vector<std::string> disagree;
+    for (int r = 1; r < world_size; ++r) {
+      store.wait({backend_key(r)}, timeout);
+      const std::string theirs = store.get_string(backend_key(r));
+      if (theirs == backend) continue;
+      if (disagree.size() == 8) {
+        disagree.push_back("...");
+        break;
+      }
+      disagree.push_back(str("rank ", r, " chose backend '", theirs, "'"));
+    }
+    const std::string verdict =
+        disagree.empty() ? std::string()
+                         : str("setup_ddp: ", joined(disagree), " but rank 0 chose '", backend,
+                               "'; every rank must use the same backend");
+    store.set(kBackendVerdictKey, verdict);
+    if (verdict.empty()) return;
+    // Rank 0 serves the store: stay until every rank has read the verdict (or a while, if one is gone).
+    std::vector<std::string> acks;
+    for (int r = 1; r < world_size; ++r) acks.push_back(backend_ack_key(r));
+    try {
+      store.wait(acks, std::min(timeout, kVerdictReadTime));
+    } catch (const Error&) {
+    }
+    throw ValueError(verdict);
+  }
+  store.wait({kBackendVerdictKey}, timeout);
+  const std::string verdict = store.get_string(kBackendVerdictKey);
+  store.set(backend_ack_key(rank), std::string("read"));
+  if (!verdict.empty()) throw ValueError(verdict);
 }
 
 }  // namespace mn::dist

@@ -14,6 +14,8 @@
 //   dist_worker kill          rank --kill-rank raises SIGKILL after --after-step steps; the others must stop
 //                             with a clear error within the collective timeout
 //   dist_worker env           reads the environment only (bad-variable tests)
+//   dist_worker backend_mismatch --backends B0,B1,...  rank r calls setup_ddp with backend Br: when they
+//                             differ, every rank must fail with the same message naming them
 //   dist_worker affinity      under mn-run --bind-cores: every rank runs on its own, equally large set of CPUs
 //                             and OMP_NUM_THREADS is that set's size
 //
@@ -674,13 +676,23 @@ int main(int argc, char** argv) {
       return run_kill(argc, argv);
     } else if (mode == "affinity") {
       run_affinity();
+    } else if (mode == "backend_mismatch") {
+      dist::EnvConfig env = dist::from_env();
+      g_rank = env.rank;
+      std::vector<std::string> backends;
+      std::string list = arg_value(argc, argv, "--backends", "gloo") + ",";
+      for (size_t start = 0, comma; (comma = list.find(',', start)) != std::string::npos; start = comma + 1)
+        backends.push_back(list.substr(start, comma - start));
+      const std::string& mine = backends[static_cast<size_t>(env.rank) % backends.size()];
+      dist::setup_ddp(env.rank, env.world_size, mine, "env://", 20000ms);
+      dist::cleanup_ddp();
     } else if (mode == "env") {
       dist::EnvConfig env = dist::from_env();
       std::printf("rank %d of %d at %s:%u\n", env.rank, env.world_size, env.master_addr.c_str(), env.master_port);
     } else {
       std::fprintf(stderr,
                    "usage: dist_worker collectives|equivalence|no_sync|module_equivalence|gradient_sync|buffer_mismatch|kill|"
-                   "affinity|env [options]\n");
+                   "affinity|env|backend_mismatch [options]\n");
       return 2;
     }
   } catch (const std::exception& e) {

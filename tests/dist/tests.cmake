@@ -12,6 +12,10 @@ target_link_libraries(mn_dist_bench PRIVATE mn::mapping_networks)
 target_compile_definitions(mn_dist_bench PRIVATE MN_RUN_EXE="$<TARGET_FILE:mn-run>")  # for `compare`
 add_dependencies(mn_dist_bench mn-run)
 
+# Benchmark program, not a test: mn_store_bench (the job token's handshake cost, set/get latency).
+add_executable(mn_store_bench ${CMAKE_CURRENT_SOURCE_DIR}/dist/store_bench.cpp)
+target_link_libraries(mn_store_bench PRIVATE mn::mapping_networks)
+
 set(MN_DIST_WORKER $<TARGET_FILE:mn_dist_worker>)
 set(MN_DIST_EXPECT_FAILURE ${CMAKE_CURRENT_SOURCE_DIR}/dist/expect_failure.cmake)
 set(MN_RUN $<TARGET_FILE:mn-run>)
@@ -122,6 +126,28 @@ add_test(NAME dist_env_bad_world_size
                  ${MN_DIST_WORKER} env)
 set_tests_properties(dist_env_bad_world_size PROPERTIES LABELS dist TIMEOUT 30
                      PASS_REGULAR_EXPRESSION "environment variable WORLD_SIZE='abc' is not a positive integer")
+
+# ---- store security and backend agreement (issue 20 sections 4 and 5) ----
+# Ranks that chose different backends: every rank fails with one message naming them, before any backend's
+# rendezvous (nccl is not in a CPU build: the disagreement must be found first).
+mn_dist_failure_test(dist_backend_mismatch_2 60
+  "${MN_RUN}@@--nproc-per-node@@2@@${MN_DIST_WORKER}@@backend_mismatch@@--backends@@gloo,nccl"
+  "rank 0: error: setup_ddp: rank 1 chose backend 'nccl' but rank 0 chose 'gloo'; every rank must use the same backend"
+  "rank 1: error: setup_ddp: rank 1 chose backend 'nccl' but rank 0 chose 'gloo'; every rank must use the same backend")
+mn_dist_failure_test(dist_backend_mismatch_3 60
+  "${MN_RUN}@@--nproc-per-node@@3@@${MN_DIST_WORKER}@@backend_mismatch@@--backends@@gloo,gloo,mpi"
+  "rank 0: error: setup_ddp: rank 2 chose backend 'mpi' but rank 0 chose 'gloo'"
+  "rank 1: error: setup_ddp: rank 2 chose backend 'mpi' but rank 0 chose 'gloo'"
+  "rank 2: error: setup_ddp: rank 2 chose backend 'mpi' but rank 0 chose 'gloo'")
+# The whole job with a job token (every rank proves it to rank 0's store), and a rank with another token.
+add_test(NAME dist_collectives_job_token_2
+         COMMAND ${CMAKE_COMMAND} -E env MN_JOB_TOKEN=dist-test-secret
+                 $<TARGET_FILE:mn-run> --nproc-per-node 2 ${MN_DIST_WORKER} collectives)
+set_tests_properties(dist_collectives_job_token_2 PROPERTIES LABELS dist TIMEOUT 120)
+mn_dist_failure_test(dist_job_token_mismatch_2 60
+  "${MN_RUN}@@--nproc-per-node@@2@@sh@@-c@@MN_JOB_TOKEN=secret-of-rank-$RANK exec ${MN_DIST_WORKER} collectives"
+  "rank 1: error: the store at 127.0.0.1:[0-9]+ refused this rank's job token"
+  "mn store \\(port [0-9]+\\): refused the connection from 127.0.0.1:[0-9]+: wrong job token")
 
 # mn-train under mn-run (examples/mn-train.cpp --backend): equivalence with one process, resume, errors.
 if(TARGET mn-train)
