@@ -352,7 +352,8 @@ class TcpStoreServer {
 TcpStore::TcpStore(TcpStoreOptions options) : Store(options.timeout), options_(std::move(options)) {
   port_ = options_.port;
   if (options_.is_server) {
-    server_ = std::make_unique<TcpStoreServer>(options_.host, options_.port);
+    server_ = std::make_unique<TcpStoreServer>(options_.listen_host.empty() ? options_.host : options_.listen_host,
+                                               options_.port);
     port_ = server_->port();
   }
   MN_CHECK(port_ != 0, ValueError, "TcpStore client needs a port (got 0; only the server may pick one)");

@@ -96,6 +96,9 @@ struct TcpStoreOptions {
   uint16_t port = 29500;   // the server binds it; 0 lets the system pick (see TcpStore::port())
   bool is_server = false;  // rank 0 serves
   Milliseconds timeout = kDefaultStoreTimeout;  // connecting, get, wait
+  // The server's bind address when it differs from `host` (which its own client connects to): "0.0.0.0"
+  // serves every interface, as mn-run's node 0 does for a job spanning nodes. Empty: `host`.
+  std::string listen_host;
 };
 
 class TcpStoreServer;
