@@ -151,4 +151,26 @@ std::vector<int> Coordinator::not_left(int round) {
   return out;
 }
 
+void Coordinator::beat(int round) { store_->add(key(round, "alive/" + std::to_string(config_.node_rank)), 1); }
+
+std::vector<int> Coordinator::silent_nodes(int round, Milliseconds limit) {
+  const auto now = Clock::now();
+  if (watched_round_ != round) {
+    watched_round_ = round;
+    last_beat_.assign(static_cast<size_t>(config_.nnodes), {-1, now});
+  }
+  std::vector<int> out;
+  for (int node = 1; node < config_.nnodes; ++node) {
+    auto& [count, changed] = last_beat_[static_cast<size_t>(node)];
+    const int64_t current = store_->add(key(round, "alive/" + std::to_string(node)), 0);
+    if (current != count) {
+      count = current;
+      changed = now;
+    } else if (now - changed >= limit) {
+      out.push_back(node);
+    }
+  }
+  return out;
+}
+
 }  // namespace mn::dist::launch

@@ -11,9 +11,12 @@
 //   failure         the round's first failure: node, rank, exit code, restartable, what happened
 //   done/<node>     every rank of the node exited 0
 //   left/<node>     the node's launcher has seen the end of the round and no longer needs the store
+//   alive/<node>    counter the node's launcher raises about once a second while its ranks run; node 0's
+//                   launcher ends the round when one stops rising (a launcher killed, its machine gone)
 //
 // Node 0's launcher waits for every other node's left/<node> (briefly) before it exits, so the others
 // read the end of the job instead of losing their connection.
+#include <chrono>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -78,12 +81,20 @@ class Coordinator {
   // The nodes other than node 0 that joined the round but have not marked left/<node>.
   std::vector<int> not_left(int round);
 
+  // Heartbeats: beat() raises this node's alive/<node>; silent_nodes() (node 0) lists the other nodes
+  // whose counter has not risen for `limit`, counted from the first call for the round.
+  void beat(int round);
+  std::vector<int> silent_nodes(int round, Milliseconds limit);
+
  private:
   std::string key(int round, const std::string& name) const;
   std::string settings_text() const;
 
   std::shared_ptr<Store> store_;
   NodeConfig config_;
+  // silent_nodes: the round it watches, and per node the last counter seen and when it changed.
+  int watched_round_ = -1;
+  std::vector<std::pair<int64_t, std::chrono::steady_clock::time_point>> last_beat_;
 };
 
 }  // namespace mn::dist::launch

@@ -23,9 +23,7 @@
 // --bind-cores pins local rank r to its own block of cores / K of those CPUs (r-th block, in CPU order)
 // before it starts: ranks then neither migrate nor share a core, which keeps the synchronised steps of data
 // parallel training in lock step on a machine the ranks fill (leftover CPUs stay unused).
-#include <sched.h>
 #include <signal.h>
-#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -44,20 +42,21 @@
 #include "cli_checks.h"
 #include "dist/launcher.h"
 #include "dist/store.h"
-
-extern char** environ;
+#include "run/processes.h"
 
 namespace {
 
 using Clock = std::chrono::steady_clock;
 using mn::dist::launch::Failure;
-using Env = std::vector<std::pair<std::string, std::string>>;
+using namespace mn::examples::run;
 
 // Bounds each call a launcher makes to node 0's store once connected: a node 0 that stops answering is
 // noticed within this time.
 constexpr std::chrono::milliseconds kStoreCallTimeout{10'000};
 // How often a launcher looks for failures published by the others (and for the end of the job).
 constexpr std::chrono::milliseconds kWatchInterval{100};
+// How often a launcher raises its heartbeat (nodes other than 0) or checks the others' (node 0).
+constexpr std::chrono::milliseconds kHeartbeatInterval{1000};
 // How long node 0's launcher stays up at the end for the others to read the outcome.
 constexpr std::chrono::milliseconds kLingerTimeout{10'000};
 
@@ -74,116 +73,8 @@ struct Options {
   std::vector<std::string> command;
 };
 
-struct Child {
-  int rank = 0;  // global
-  pid_t pid = -1;
-  bool running = false;
-  int status = 0;
-};
-
-std::string describe_status(int status) {
-  if (WIFEXITED(status)) return "exited with code " + std::to_string(WEXITSTATUS(status));
-  if (WIFSIGNALED(status)) {
-    const int sig = WTERMSIG(status);
-    return "was killed by signal " + std::to_string(sig) + " (" + strsignal(sig) + ")";
-  }
-  return "ended with status " + std::to_string(status);
-}
-
-bool failed(int status) { return !(WIFEXITED(status) && WEXITSTATUS(status) == 0); }
-
-// The shell convention: the child's exit code, or 128 + the signal that killed it.
-int exit_code_of(int status) {
-  if (WIFEXITED(status)) return WEXITSTATUS(status);
-  if (WIFSIGNALED(status)) return 128 + WTERMSIG(status);
-  return 1;
-}
-
 double ms_since(Clock::time_point t) { return std::chrono::duration<double, std::milli>(Clock::now() - t).count(); }
 
-// The CPUs this process may run on, in increasing order (all online CPUs when the mask cannot be read).
-std::vector<int> allowed_cpus() {
-  std::vector<int> cpus;
-  cpu_set_t set;
-  CPU_ZERO(&set);
-  if (sched_getaffinity(0, sizeof(set), &set) == 0)
-    for (int cpu = 0; cpu < CPU_SETSIZE; ++cpu)
-      if (CPU_ISSET(cpu, &set)) cpus.push_back(cpu);
-  if (cpus.empty())
-    for (unsigned cpu = 0; cpu < std::max(1u, std::thread::hardware_concurrency()); ++cpu)
-      cpus.push_back(static_cast<int>(cpu));
-  return cpus;
-}
-
-// "0-3,8,10-11"
-std::string cpu_list_text(const std::vector<int>& cpus) {
-  std::string out;
-  for (size_t i = 0; i < cpus.size();) {
-    size_t j = i;
-    while (j + 1 < cpus.size() && cpus[j + 1] == cpus[j] + 1) ++j;
-    if (!out.empty()) out += ",";
-    out += std::to_string(cpus[i]);
-    if (j > i) out += "-" + std::to_string(cpus[j]);
-    i = j + 1;
-  }
-  return out;
-}
-
-// Everything a child needs between fork and exec, built beforehand: node 0's store serves from a thread,
-// so the child may not allocate (that thread could hold the allocator's lock at the fork).
-struct ExecPlan {
-  std::vector<std::string> strings;  // owns the text argv and envp point into
-  std::vector<char*> argv, envp;
-  std::vector<int> cpus;  // the child's affinity mask when not empty
-};
-
-ExecPlan plan_exec(const std::vector<std::string>& command, const Env& env, std::vector<int> cpus) {
-  ExecPlan plan;
-  plan.cpus = std::move(cpus);
-  plan.strings = command;
-  for (char** e = environ; *e != nullptr; ++e) {
-    const std::string entry = *e;
-    const std::string name = entry.substr(0, entry.find('='));
-    if (std::none_of(env.begin(), env.end(), [&](const auto& kv) { return kv.first == name; }))
-      plan.strings.push_back(entry);
-  }
-  for (const auto& [name, value] : env) plan.strings.push_back(name + "=" + value);
-  for (size_t i = 0; i < plan.strings.size(); ++i)
-    (i < command.size() ? plan.argv : plan.envp).push_back(plan.strings[i].data());
-  plan.argv.push_back(nullptr);
-  plan.envp.push_back(nullptr);
-  return plan;
-}
-
-[[noreturn]] void fail_in_child(const char* what, const char* name) {
-  char message[512];
-  const int n = std::snprintf(message, sizeof(message), "mn-run: %s%s%s: %s\n", what, name ? " '" : "",
-                              name ? name : "", std::strerror(errno));
-  if (n > 0) [[maybe_unused]] ssize_t written = ::write(STDERR_FILENO, message, std::min<size_t>(n, sizeof(message)));
-  _exit(127);
-}
-
-// Runs in the child between fork and exec.
-[[noreturn]] void exec_rank(const ExecPlan& plan, pid_t launcher, const sigset_t& original_mask) {
-  setpgid(0, 0);
-  prctl(PR_SET_PDEATHSIG, SIGTERM);
-  if (getppid() != launcher) _exit(128 + SIGTERM);  // the launcher died before prctl took effect
-  signal(SIGPIPE, SIG_DFL);                         // the launcher ignores it; the program gets the default
-  sigprocmask(SIG_SETMASK, &original_mask, nullptr);
-  if (!plan.cpus.empty()) {
-    cpu_set_t set;
-    CPU_ZERO(&set);
-    for (int cpu : plan.cpus) CPU_SET(cpu, &set);
-    if (sched_setaffinity(0, sizeof(set), &set) != 0) fail_in_child("cannot bind to CPUs", nullptr);
-  }
-  execvpe(plan.argv[0], plan.argv.data(), plan.envp.data());
-  fail_in_child("cannot execute", plan.argv[0]);
-}
-
-void signal_all(std::vector<Child>& children, int sig) {
-  for (const Child& c : children)
-    if (c.running && kill(-c.pid, sig) != 0) kill(c.pid, sig);  // the group first (grandchildren too)
-}
 
 
 // CLI11's usage line with the program operand, which is split off before CLI11 parses the options.
@@ -420,13 +311,15 @@ RoundEnd Job::supervise(int round) {
   RoundEnd end;
   // A dead rank's peers often notice its closed sockets and exit before the kernel reports the death
   // itself, so failures are collected for a short while and a rank killed by a signal is named as the
-  // cause ahead of ranks that merely exited with an error.
+  // cause ahead of ranks that merely exited with an error. Across nodes the peers may sit on another node:
+  // a node whose ranks only exited with errors waits one more such while (watching the store) before it
+  // publishes, so another node's killed rank is named as the job's failure rather than its consequences.
   const auto settle = std::chrono::milliseconds(250);
   std::vector<size_t> failures;
   std::optional<Clock::time_point> settle_until;
   Clock::time_point first_death{};
   bool have_end = false, stopping = false, killed = false, done_marked = false;
-  Clock::time_point kill_deadline{}, next_watch = Clock::now();
+  Clock::time_point kill_deadline{}, next_watch = Clock::now(), next_beat = Clock::now();
   const auto grace = std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(o_.grace_seconds));
   size_t running = children_.size();
 
@@ -482,7 +375,11 @@ RoundEnd Job::supervise(int round) {
         }
       }
     }
-    if (settle_until && !have_end && (Clock::now() >= *settle_until || running == 0)) {
+    const bool any_killed = std::any_of(failures.begin(), failures.end(),
+                                        [&](size_t i) { return WIFSIGNALED(children_[i].status); });
+    const auto publish_at = settle_until ? *settle_until + (o_.nnodes > 1 && !any_killed ? settle : Clock::duration{})
+                                         : Clock::time_point{};
+    if (settle_until && !have_end && (Clock::now() >= publish_at || (running == 0 && o_.nnodes == 1))) {
       size_t first = failures.front();
       for (size_t i : failures)
         if (WIFSIGNALED(children_[i].status)) {
@@ -516,8 +413,26 @@ RoundEnd Job::supervise(int round) {
           begin_stop(SIGTERM);
         }
       });
+    // Heartbeats: a launcher that dies without a word (SIGKILL, its machine gone) is noticed by node 0.
+    if (o_.nnodes > 1 && !have_end && Clock::now() >= next_beat) {
+      next_beat = Clock::now() + kHeartbeatInterval;
+      store_call([&] {
+        if (o_.node_rank != 0) return coordinator.beat(round);
+        const std::vector<int> silent = coordinator.silent_nodes(round, kStoreCallTimeout);
+        if (silent.empty()) return;
+        const Failure f{silent.front(), -1, 1, false,
+                        mn::str("the mn-run of node(s) ", mn::dist::launch::node_list(silent),
+                                " stopped answering (no heartbeat for ", kStoreCallTimeout.count() / 1000,
+                                " s): its launcher or machine may be gone")};
+        std::fprintf(stderr, "mn-run: %s; stopping %s's %zu running rank(s)\n", f.what.c_str(),
+                     node_name().c_str(), running);
+        end_with(f, Clock::now());
+        coordinator.publish_failure(round, f);
+        begin_stop(SIGTERM);
+      });
+    }
     if (running == 0 && have_end) break;
-    if (running == 0 && !have_end && watch) {  // every local rank succeeded: wait for the other nodes' ranks
+    if (running == 0 && !have_end && failures.empty() && watch) {  // every local rank succeeded: wait for the other nodes' ranks
       bool all_done = false;
       store_call([&] {
         if (!done_marked) coordinator.mark_done(round);
