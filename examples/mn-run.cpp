@@ -158,7 +158,6 @@ struct RoundEnd {
   Failure failure;                // the job's first failure (kind == Failed)
   bool failed = false;            // false: every rank of every node exited 0
   int signal = 0;                 // a signal stopped this launcher
-  bool lost_store = false;        // the connection to node 0's store broke
   Clock::time_point seen;         // when this launcher learnt of the failure (a local rank's death: its reaping)
   Clock::time_point stopped;      // when the last local rank was gone
 };
@@ -181,6 +180,12 @@ class Job {
                           : "rank " + std::to_string(rank) + " on node " + std::to_string(rank / o_.nproc);
   }
   std::string node_name() const { return o_.nnodes == 1 ? "this node" : "node " + std::to_string(o_.node_rank); }
+  // What a signal to this launcher makes of the round: the other nodes stop too, and nobody restarts.
+  Failure stopped_by(int sig) const {
+    return Failure{o_.node_rank, -1, 128 + sig, false,
+                   mn::str(o_.nnodes == 1 ? std::string("mn-run") : "the mn-run of " + node_name(),
+                           " was stopped by signal ", sig, " (", strsignal(sig), ")")};
+  }
   // A signal forwarded to the ranks, or nullopt (waits up to `wait`).
   int next_signal(std::chrono::milliseconds wait) {
     timespec pause{0, static_cast<long>(wait.count()) * 1'000'000L};
@@ -197,6 +202,7 @@ class Job {
   std::vector<std::vector<int>> rank_cpus_;
   std::vector<Child> children_;
   int pending_signal_ = 0;  // received while waiting outside supervise()
+  std::vector<int> gone_;   // nodes whose launcher stopped answering
 };
 
 // Node 0 serves the store (and is its first client); the others connect, retrying until the rendezvous
@@ -345,7 +351,6 @@ RoundEnd Job::supervise(int round) {
       call();
     } catch (const std::exception& e) {
       if (have_end) return;
-      end.lost_store = true;
       end_with(Failure{0, -1, 1, false,
                        mn::str("lost the connection to node 0's store at ", o_.master_addr, ":", o_.master_port,
                                " (", e.what(), ")")},
@@ -420,6 +425,7 @@ RoundEnd Job::supervise(int round) {
         if (o_.node_rank != 0) return coordinator.beat(round);
         const std::vector<int> silent = coordinator.silent_nodes(round, kStoreCallTimeout);
         if (silent.empty()) return;
+        gone_ = silent;  // not waited for at the end
         const Failure f{silent.front(), -1, 1, false,
                         mn::str("the mn-run of node(s) ", mn::dist::launch::node_list(silent),
                                 " stopped answering (no heartbeat for ", kStoreCallTimeout.count() / 1000,
@@ -432,7 +438,8 @@ RoundEnd Job::supervise(int round) {
       });
     }
     if (running == 0 && have_end) break;
-    if (running == 0 && !have_end && failures.empty() && watch) {  // every local rank succeeded: wait for the other nodes' ranks
+    // Every local rank succeeded: wait for the other nodes' ranks.
+    if (running == 0 && !have_end && failures.empty() && watch) {
       bool all_done = false;
       store_call([&] {
         if (!done_marked) coordinator.mark_done(round);
@@ -454,9 +461,7 @@ RoundEnd Job::supervise(int round) {
       // Forward as-is first (the ranks may shut down cleanly on SIGINT), then escalate like a failure.
       begin_stop(sig);
       if (!have_end) {
-        const Failure f{o_.node_rank, -1, 128 + sig, false,
-                        mn::str(o_.nnodes == 1 ? "mn-run" : "the mn-run of " + node_name(), " was stopped by signal ",
-                                sig, " (", strsignal(sig), ")")};
+        const Failure f = stopped_by(sig);
         end_with(f, Clock::now());
         store_call([&] { coordinator.publish_failure(round, f); });  // the other nodes stop too
       }
@@ -470,7 +475,12 @@ RoundEnd Job::supervise(int round) {
 void Job::linger(int round) {
   const auto deadline = Clock::now() + kLingerTimeout;
   try {
-    while (!coordinator_->not_left(round).empty() && Clock::now() < deadline)
+    auto waiting = [&] {
+      for (int node : coordinator_->not_left(round))
+        if (std::find(gone_.begin(), gone_.end(), node) == gone_.end()) return true;
+      return false;
+    };
+    while (waiting() && Clock::now() < deadline)
       if (next_signal(std::chrono::milliseconds(50)) != 0) return;
   } catch (const std::exception&) {
   }
@@ -490,16 +500,15 @@ int Job::run() {
   for (int round = 0;; ++round) {
     std::optional<Failure> refused;
     try {
-      refused = coordinator_->rendezvous(round, rdzv_timeout, std::chrono::milliseconds(50),
+      refused = coordinator_->rendezvous(round, rdzv_timeout, std::chrono::milliseconds(20),
                                          [&]() -> std::optional<Failure> {
                                            pending_signal_ = next_signal(std::chrono::milliseconds(0));
                                            if (pending_signal_ == 0) return std::nullopt;
-                                           return Failure{o_.node_rank, -1, 128 + pending_signal_, false,
-                                                          mn::str("the mn-run of ", node_name(), " was stopped by signal ",
-                                                                  pending_signal_, " during the rendezvous")};
+                                           return stopped_by(pending_signal_);
                                          });
     } catch (const std::exception& e) {
-      std::fprintf(stderr, "mn-run: failed: lost the connection to node 0's store at %s:%d during the rendezvous (%s)\n",
+      std::fprintf(stderr,
+                   "mn-run: failed: lost the connection to node 0's store at %s:%d during the rendezvous (%s)\n",
                    o_.master_addr.c_str(), o_.master_port, e.what());
       return 1;
     }
@@ -523,9 +532,17 @@ int Job::run() {
       if (failed(c.status) && !(end.failure.node == o_.node_rank && end.failure.rank == c.rank))
         std::fprintf(stderr, "mn-run:   %s (pid %d) %s\n", rank_name(c.rank).c_str(), c.pid,
                      describe_status(c.status).c_str());
-    if (end.failure.restartable && round < o_.max_restarts && end.signal == 0) {
-      previous = end;
-      continue;
+    if (end.failure.restartable && round < o_.max_restarts) {
+      if (end.signal == 0) {
+        previous = end;
+        continue;
+      }
+      // Stopped by a signal while the job was about to restart: the others would wait for this node in the
+      // next round's rendezvous; tell them there instead.
+      try {
+        coordinator_->publish_failure(round + 1, stopped_by(end.signal));
+      } catch (const std::exception&) {
+      }
     }
     if (end.failure.rank < 0 && end.signal != 0 && end.failure.node == o_.node_rank) {
       std::fprintf(stderr, "mn-run: stopped by signal %d (%s)\n", end.signal, strsignal(end.signal));

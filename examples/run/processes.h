@@ -105,7 +105,9 @@ inline ExecPlan plan_exec(const std::vector<std::string>& command, const Env& en
   char message[512];
   const int n = std::snprintf(message, sizeof(message), "mn-run: %s%s%s%s: %s\n", what, name ? " '" : "",
                               name ? name : "", name ? "'" : "", std::strerror(errno));
-  if (n > 0) [[maybe_unused]] ssize_t written = ::write(STDERR_FILENO, message, std::min<size_t>(n, sizeof(message) - 1));
+  if (n > 0) {
+    [[maybe_unused]] ssize_t written = ::write(STDERR_FILENO, message, std::min<size_t>(n, sizeof(message) - 1));
+  }
   _exit(127);
 }
 

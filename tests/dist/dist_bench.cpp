@@ -309,8 +309,8 @@ void bench_compare(int argc, char** argv) {
   std::printf("%-22s %12.3f %22.2f %24.2f\n", "1 process", one * 1e3, one / b * 1e6, one / b * 1e6);
   std::printf("%-22s %12.3f %22.2f %24.2f\n", "2 processes, no DDP", side_by_side * 1e3, side_by_side / b * 1e6,
               side_by_side / (2 * b) * 1e6);
-  std::printf("%-22s %12.3f %22.2f %24.2f\n", nodes == 2 ? "2 nodes x 1 rank, DDP" : "2 ranks, DDP (Gloo)", two_ranks * 1e3, two_ranks / b * 1e6,
-              two_ranks / (2 * b) * 1e6);
+  std::printf("%-22s %12.3f %22.2f %24.2f\n", nodes == 2 ? "2 nodes x 1 rank, DDP" : "2 ranks, DDP (Gloo)",
+              two_ranks * 1e3, two_ranks / b * 1e6, two_ranks / (2 * b) * 1e6);
   std::printf("DDP / 1 process per-sample step time: %.3f (target <= 1.10); of which sharing the machine %.3f, "
               "communication and waiting %.3f\n", two_ranks / one, side_by_side / one, two_ranks / side_by_side);
   // A shared host's other tenants slow one core now and then: two processes without any communication
@@ -340,8 +340,8 @@ int main(int argc, char** argv) {
       bench_compare(argc, argv);
     } else {
       std::fprintf(stderr,
-                   "usage: mn_dist_bench allreduce [--max-bytes N] | ddp [--batch B] [--steps S] | compare [--batch B] [--steps S] "
-                   "[--repeats R] [--nodes 1|2] [--no-bind]\n");
+                   "usage: mn_dist_bench allreduce [--max-bytes N] | ddp [--batch B] [--steps S] | "
+                   "compare [--batch B] [--steps S] [--repeats R] [--nodes 1|2] [--no-bind]\n");
       return 2;
     }
   } catch (const std::exception& e) {

@@ -722,8 +722,8 @@ int main(int argc, char** argv) {
       std::printf("rank %d of %d at %s:%u\n", env.rank, env.world_size, env.master_addr.c_str(), env.master_port);
     } else {
       std::fprintf(stderr,
-                   "usage: dist_worker collectives|equivalence|no_sync|module_equivalence|gradient_sync|buffer_mismatch|kill|"
-                   "affinity|env|restart [options]\n");
+                   "usage: dist_worker collectives|equivalence|no_sync|module_equivalence|gradient_sync|"
+                   "buffer_mismatch|kill|affinity|env|restart [options]\n");
       return 2;
     }
   } catch (const std::exception& e) {

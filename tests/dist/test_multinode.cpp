@@ -54,7 +54,8 @@ std::vector<Outcome> run_together(const std::vector<std::string>& commands) {
 std::string free_port() { return std::to_string(dist::net::free_port("127.0.0.1")); }
 
 // The mn-run command line of one node of `nnodes` on 127.0.0.1:port.
-std::string node(int nnodes, int rank, const std::string& port, const std::string& options, const std::string& program) {
+std::string node(int nnodes, int rank, const std::string& port, const std::string& options,
+                 const std::string& program) {
   return str(kRun, " --nnodes ", nnodes, " --node-rank ", rank, " --master-addr 127.0.0.1 --master-port ", port, " ",
              options, " ", program);
 }
@@ -108,6 +109,19 @@ TEST_CASE("a rank killed on node 1 stops node 0's ranks within seconds, naming n
   CHECK(has(nodes[0], "mn-run: rank 3 on node 1 was killed by signal 9 (Killed); stopping node 0's 2 running rank(s)"));
   CHECK(has(nodes[0], "rank 0 on node 0 (pid"));
   CHECK(has(nodes[1], "mn-run:   rank 2 on node 1 (pid"));
+}
+
+TEST_CASE("a launcher killed on node 1: node 0 stops its ranks once node 1's heartbeat stops") {
+  const std::string port = free_port();
+  const auto nodes = run_together(
+      {node(2, 0, port, "", "sleep 60"),
+       str("sh -c '", node(2, 1, port, "", "sleep 60"),
+           " & launcher=$!; sleep 2; kill -9 $launcher; wait $launcher'")});
+  INFO("node 0:\n" << nodes[0].output << "node 1:\n" << nodes[1].output);
+  CHECK(nodes[0].status == 1);
+  CHECK(nodes[0].seconds < 20);  // 2 s, then 10 s without a heartbeat, then the ranks' SIGTERM
+  CHECK(has(nodes[0], "mn-run: failed: the mn-run of node(s) 1 stopped answering (no heartbeat for 10 s)"));
+  CHECK(has(nodes[0], "rank 0 on node 0 (pid"));
 }
 
 TEST_CASE("a rank killed in the middle of DDP training on node 1 is named on both nodes") {

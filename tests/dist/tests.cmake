@@ -164,7 +164,7 @@ target_compile_definitions(mn_dist_multinode_test PRIVATE MN_RUN_EXE="$<TARGET_F
                            MN_DIST_WORKER_EXE="$<TARGET_FILE:mn_dist_worker>" MN_SOURCE_DIR="${PROJECT_SOURCE_DIR}")
 add_dependencies(mn_dist_multinode_test mn-run mn_dist_worker)
 foreach(case "two nodes x 1 rank*" "two nodes x 2 ranks*" "a node that never arrives*" "a rank killed on node 1*"
-             "a rank killed in the middle*" "--max-restarts: both nodes*" "the Slurm recipe*")
+             "a rank killed in the middle*" "a launcher killed on node 1*" "--max-restarts: both nodes*" "the Slurm recipe*")
   string(TOLOWER "${case}" id)
   string(REGEX REPLACE "[^a-z0-9]+" "_" id "${id}")
   string(REGEX REPLACE "^_|_$" "" id "${id}")
