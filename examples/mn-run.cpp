@@ -172,7 +172,7 @@ class Job {
  private:
   std::optional<int> open_store();
   std::optional<int> plan_ranks();
-  bool start_ranks(int round, const Env& extra);
+  bool start_ranks(int round);
   RoundEnd supervise(int round);
   void linger(int round);
   std::string rank_name(int rank) const {
@@ -186,9 +186,9 @@ class Job {
                    mn::str(o_.nnodes == 1 ? std::string("mn-run") : "the mn-run of " + node_name(),
                            " was stopped by signal ", sig, " (", strsignal(sig), ")")};
   }
-  // A signal forwarded to the ranks, or nullopt (waits up to `wait`).
+  // SIGINT, SIGTERM or SIGHUP when one reached mn-run, else 0; waits up to `wait` (a SIGCHLD ends it early).
   int next_signal(std::chrono::milliseconds wait) {
-    timespec pause{0, static_cast<long>(wait.count()) * 1'000'000L};
+    timespec pause{static_cast<time_t>(wait.count() / 1000), static_cast<long>(wait.count() % 1000) * 1'000'000L};
     siginfo_t info;
     const int sig = sigtimedwait(&handled_, &info, &pause);
     return sig == SIGINT || sig == SIGTERM || sig == SIGHUP ? sig : 0;
@@ -283,13 +283,12 @@ std::optional<int> Job::plan_ranks() {
   return std::nullopt;
 }
 
-bool Job::start_ranks(int round, const Env& extra) {
+bool Job::start_ranks(int round) {
   const pid_t launcher = getpid();
   children_.assign(static_cast<size_t>(o_.nproc), Child{});
   for (int local = 0; local < o_.nproc; ++local) {
     const int rank = o_.node_rank * o_.nproc + local;
     Env env = common_;
-    env.insert(env.end(), extra.begin(), extra.end());
     env.push_back({"RANK", std::to_string(rank)});
     env.push_back({"LOCAL_RANK", std::to_string(local)});
     env.push_back({"TORCHELASTIC_RESTART_COUNT", std::to_string(round)});
@@ -439,7 +438,7 @@ RoundEnd Job::supervise(int round) {
     }
     if (running == 0 && have_end) break;
     // Every local rank succeeded: wait for the other nodes' ranks.
-    if (running == 0 && !have_end && failures.empty() && watch) {
+    if (running == 0 && !have_end && failures.empty() && (watch || o_.nnodes == 1)) {
       bool all_done = false;
       store_call([&] {
         if (!done_marked) coordinator.mark_done(round);
@@ -520,7 +519,14 @@ int Job::run() {
         }
       return leave(round, pending_signal_ ? 128 + pending_signal_ : std::max(1, refused->exit_code));
     }
-    if (!start_ranks(round, {})) return leave(round, 1);
+    if (!start_ranks(round)) {
+      try {  // the other nodes stop too
+        coordinator_->publish_failure(round, Failure{o_.node_rank, -1, 1, false,
+                                                     mn::str(node_name(), " could not start its ranks")});
+      } catch (const std::exception&) {
+      }
+      return leave(round, 1);
+    }
     if (previous)
       std::fprintf(stderr, "mn-run: restart %d/%d after %s (stopped the job in %.0f ms; ranks started again %.0f ms "
                    "after the failure)\n", round, o_.max_restarts, previous->failure.what.c_str(),

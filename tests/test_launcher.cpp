@@ -29,6 +29,15 @@ NodeConfig node(int rank, int nnodes = 2, int nproc = 1, int max_restarts = 0) {
 
 auto never = []() -> std::optional<Failure> { return std::nullopt; };
 
+// Two launchers' rendezvous of round 0, at the same time: both succeed.
+void meet(Coordinator& a, Coordinator& b) {
+  std::optional<Failure> from_b;
+  std::thread other([&] { from_b = b.rendezvous(0, 5s, 1ms, never); });
+  CHECK_FALSE(a.rendezvous(0, 5s, 1ms, never).has_value());
+  other.join();
+  CHECK_FALSE(from_b.has_value());
+}
+
 AgentStore agent(const std::map<std::string, std::string>& vars) {
   return parse_agent_store([&](const std::string& name) -> std::optional<std::string> {
     auto it = vars.find(name);
@@ -42,11 +51,7 @@ AgentStore agent(const std::map<std::string, std::string>& vars) {
 TEST_CASE("launch::Coordinator: every node joins, then each round's keys are its own") {
   auto store = std::make_shared<HashStore>(2000ms);
   Coordinator a(store, node(0)), b(store, node(1));
-  std::optional<Failure> from_b;
-  std::thread other([&] { from_b = b.rendezvous(0, 5s, 1ms, never); });
-  CHECK_FALSE(a.rendezvous(0, 5s, 1ms, never).has_value());
-  other.join();
-  CHECK_FALSE(from_b.has_value());
+  meet(a, b);
   CHECK(a.missing(0).empty());
   // Round 1 starts empty: nobody has joined it, and round 0's failure does not leak into it.
   CHECK(a.publish_failure(0, Failure{1, 1, 3, true, "rank 1 on node 1 exited with code 3"}));
@@ -155,11 +160,7 @@ TEST_CASE("launch::Coordinator over a TcpStore: the launcher's own store round t
   o.port = server->port();
   auto client = std::make_shared<TcpStore>(o);
   Coordinator a(server, node(0)), b(client, node(1));
-  std::optional<Failure> from_b;
-  std::thread other([&] { from_b = b.rendezvous(0, 5s, 2ms, never); });
-  CHECK_FALSE(a.rendezvous(0, 5s, 2ms, never).has_value());
-  other.join();
-  CHECK_FALSE(from_b.has_value());
+  meet(a, b);
   CHECK(b.publish_failure(0, Failure{1, 1, 1, true, "rank 1 on node 1 exited with code 1\nwith a second line"}));
   REQUIRE(a.failure(0).has_value());
   CHECK(a.failure(0)->what == "rank 1 on node 1 exited with code 1\nwith a second line");
