@@ -166,7 +166,20 @@ void setup_ddp(int rank, int world_size, const std::string& backend, const std::
   store_options.is_server = rank == 0;
   store_options.timeout = timeout;
   store_options.max_connections = kDefaultStoreMaxConnections + static_cast<size_t>(world_size);  // + the ranks
-  auto store = std::make_shared<TcpStore>(store_options);
+  // Under mn-run (or torchrun) the launcher serves the store for the whole job (env.h, AgentStore): every
+  // rank is a client, and the keys of this attempt (and of this process's n-th setup_ddp, as all ranks
+  // call it equally often) live under their own prefix, away from those of earlier attempts.
+  std::shared_ptr<Store> store;
+  const AgentStore agent = init_method == "env://" ? agent_store_from_env() : AgentStore{};
+  if (agent.used) {
+    static int setups_under_agent_store = 0;  // guarded by g_default_mutex
+    store_options.is_server = false;
+    const int setup = setups_under_agent_store++;
+    store = std::make_shared<PrefixStore>(setup == 0 ? agent.prefix() : str(agent.prefix(), "/setup_", setup),
+                                          std::make_shared<TcpStore>(store_options));
+  } else {
+    store = std::make_shared<TcpStore>(store_options);
+  }
   check_world_size(*store, rank, world_size, timeout);
   // ---- backend agreement (issue 20 section 4): every rank, before any backend's rendezvous ----
   check_backend_agreement(*store, rank, world_size, backend, timeout);
@@ -192,7 +205,7 @@ void cleanup_ddp() {
   }
   if (!leaving) return;
   leaving->group.reset();  // joins the worker; closes the transport
-  leaving->store.reset();  // rank 0: stops the server
+  leaving->store.reset();  // rank 0: stops the server (unless the launcher serves it)
 }
 
 bool is_initialized() {

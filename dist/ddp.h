@@ -51,7 +51,8 @@ namespace mn::dist {
 
 // ---- the process-wide default group ----
 
-// Joins the default group: rank 0 serves a TcpStore, every rank connects to it, the backend's group is
+// Joins the default group: rank 0 serves a TcpStore (or, with env:// under mn-run / torchrun, the launcher
+// does: TORCHELASTIC_USE_AGENT_STORE, see env.h), every rank connects to it, the backend's group is
 // built and a barrier makes sure every rank arrived. init_method: "env://" (MASTER_ADDR, MASTER_PORT from
 // the environment) or "tcp://host:port". Backends: "gloo" (CPU tensors), "nccl" (CUDA builds). The
 // timeout bounds the rendezvous and every later collective.

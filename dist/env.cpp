@@ -95,12 +95,39 @@ EnvConfig parse_env(const std::function<std::optional<std::string>(const std::st
   return config;
 }
 
-EnvConfig from_env() {
-  return parse_env([](const std::string& name) -> std::optional<std::string> {
-    const char* value = std::getenv(name.c_str());
-    if (value == nullptr) return std::nullopt;
-    return std::string(value);
-  });
+namespace {
+std::optional<std::string> process_variable(const std::string& name) {
+  const char* value = std::getenv(name.c_str());
+  if (value == nullptr) return std::nullopt;
+  return std::string(value);
 }
+}  // namespace
+
+EnvConfig from_env() { return parse_env(process_variable); }
+
+std::string AgentStore::prefix() const { return str("/worker/attempt_", restart_count); }
+
+AgentStore parse_agent_store(const std::function<std::optional<std::string>(const std::string&)>& lookup) {
+  AgentStore agent;
+  if (auto text = lookup("TORCHELASTIC_USE_AGENT_STORE"); text && !text->empty()) {
+    const std::string& v = *text;
+    MN_CHECK(v == "True" || v == "true" || v == "1" || v == "False" || v == "false" || v == "0", ValueError,
+             "environment variable ", quoted("TORCHELASTIC_USE_AGENT_STORE", v), " is not True or False");
+    agent.used = v == "True" || v == "true" || v == "1";
+  }
+  if (auto text = lookup("TORCHELASTIC_RESTART_COUNT"); text && !text->empty()) {
+    int64_t count = -1;
+    try {
+      count = parse_int_variable("TORCHELASTIC_RESTART_COUNT", *text);
+    } catch (const ValueError&) {
+    }
+    MN_CHECK(count >= 0 && count <= std::numeric_limits<int>::max(), ValueError, "environment variable ",
+             quoted("TORCHELASTIC_RESTART_COUNT", *text), " is not a non-negative integer");
+    agent.restart_count = static_cast<int>(count);
+  }
+  return agent;
+}
+
+AgentStore agent_store_from_env() { return parse_agent_store(process_variable); }
 
 }  // namespace mn::dist

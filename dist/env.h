@@ -3,6 +3,11 @@
 //   RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT   required
 //   LOCAL_RANK                                    optional (defaults to RANK: one machine)
 //   LOCAL_WORLD_SIZE                              optional (defaults to WORLD_SIZE)
+//   GROUP_RANK, GROUP_WORLD_SIZE                  the node's rank and the number of nodes (informational)
+// and, as torchrun's elastic agent does, for the store (see AgentStore below):
+//   TORCHELASTIC_USE_AGENT_STORE=True             the launcher serves the TcpStore at MASTER_ADDR:MASTER_PORT
+//   TORCHELASTIC_RESTART_COUNT                    how often the launcher has restarted the ranks (0 at first)
+//   TORCHELASTIC_MAX_RESTARTS                     the launcher's --max-restarts (informational)
 // A missing or malformed variable is a ValueError naming it and what it held.
 #include <cstdint>
 #include <functional>
@@ -24,6 +29,20 @@ struct EnvConfig {
 EnvConfig from_env();
 // The same rules over any lookup (tests use a map); `lookup` returns nullopt for an unset variable.
 EnvConfig parse_env(const std::function<std::optional<std::string>(const std::string&)>& lookup);
+
+// Where a rank's TcpStore lives. mn-run (like torchrun) serves the store from node 0's launcher for the
+// whole job, so it survives restarts of the ranks; it tells the ranks with TORCHELASTIC_USE_AGENT_STORE=True.
+// setup_ddp (env://) then connects rank 0 as a client too (it does not bind MASTER_PORT) and puts its keys
+// under prefix(), so the rendezvous of a restarted attempt never sees the keys of an earlier one. Without
+// the variable rank 0 serves the store itself, from a thread, as before.
+struct AgentStore {
+  bool used = false;      // TORCHELASTIC_USE_AGENT_STORE is True (also accepted: true, 1)
+  int restart_count = 0;  // TORCHELASTIC_RESTART_COUNT (0 when unset)
+  // torch's namespace for an attempt's keys: "/worker/attempt_<restart_count>".
+  std::string prefix() const;
+};
+AgentStore agent_store_from_env();
+AgentStore parse_agent_store(const std::function<std::optional<std::string>(const std::string&)>& lookup);
 
 // Parsers behind from_env, for other variables. `name` appears in the errors.
 int64_t parse_int_variable(const std::string& name, const std::string& text);

@@ -109,6 +109,12 @@ Socket listen_on(const std::string& host, uint16_t port, uint16_t* bound_port) {
                          " (is MASTER_PORT already in use by another job?)"));
 }
 
+uint16_t free_port(const std::string& host) {
+  uint16_t port = 0;
+  listen_on(host, 0, &port);  // the socket closes at once
+  return port;
+}
+
 Socket connect_with_retry(const std::string& host, uint16_t port, Deadline deadline) {
   const auto start = Clock::now();
   auto pause = std::chrono::milliseconds(10);

@@ -41,6 +41,9 @@ class Socket {
 // A non-blocking listening socket bound to host:port (port 0: the system picks one; `bound_port`
 // receives the real port).
 Socket listen_on(const std::string& host, uint16_t port, uint16_t* bound_port);
+// A port nobody listens on right now on `host` (binds port 0, reads the port back, closes it). Another
+// process may take it before it is used: for tests and benchmarks that must name a port in advance.
+uint16_t free_port(const std::string& host);
 // Connects to host:port, retrying refused or unreachable attempts with a growing pause until the
 // deadline; then RuntimeError naming the address, the time spent and the last error. The socket is
 // non-blocking with TCP_NODELAY.

@@ -122,7 +122,7 @@ TcpStore::TcpStore(TcpStoreOptions options) : Store(options.timeout), options_(s
   port_ = options_.port;
   if (options_.is_server) {
     TcpStoreServer::Options server;
-    server.host = options_.host;
+    server.host = options_.listen_host.empty() ? options_.host : options_.listen_host;
     server.port = options_.port;
     server.token = token_;
     server.handshake_timeout = options_.handshake_timeout;

@@ -134,6 +134,9 @@ struct TcpStoreOptions {
   // Server: connections served at once; also capped at half the process's open-file limit (RLIMIT_NOFILE)
   // so a flood cannot take the descriptors the rank itself needs.
   size_t max_connections = kDefaultStoreMaxConnections;
+  // The server's bind address when it differs from `host` (which its own client connects to): "0.0.0.0"
+  // serves every interface, as mn-run's node 0 does for a job spanning nodes. Empty: `host`.
+  std::string listen_host;
 };
 
 class TcpStoreServer;

@@ -19,6 +19,9 @@
 //       same per-process batch, so "DDP / 1 process" of the step time is the per-sample overhead of DDP
 //       (target: <= 1.10 with 2 ranks on 2 cores; bytes per step 10,752 = 2,688 floats). It also reports
 //       the ratio over the quiet repeats, those where the side-by-side pair stayed within 5 % of one process.
+//   mn_dist_bench compare --nodes 2 [...]
+//       The same with the 2 ranks as 2 "nodes" x 1 rank on this machine: two mn-run processes (--nnodes 2,
+//       node ranks 0 and 1, node 0 serving the store on a free port), rank r pinned to CPU r (--cpu r).
 // Rank 0 prints the results.
 #include <sched.h>
 #include <sys/resource.h>
@@ -37,6 +40,7 @@
 #include "core/random.h"
 #include "dist/ddp.h"
 #include "dist/env.h"
+#include "dist/socket.h"
 #include "mapping/mapping_model.h"
 #include "mapping/targets.h"
 #include "nn/functional.h"
@@ -213,13 +217,16 @@ struct Measured {
   size_t bytes = 0;
 };
 
-Measured finish_measurement(FILE* pipe, const std::string& command) {
+// need_result false: a command whose output carries no RESULT line (node 1 of `compare --nodes 2`) only
+// has to succeed.
+Measured finish_measurement(FILE* pipe, const std::string& command, bool need_result = true) {
   std::string output;
   std::array<char, 4096> buffer;
   size_t n;
   while ((n = std::fread(buffer.data(), 1, buffer.size(), pipe)) > 0) output.append(buffer.data(), n);
   const int status = ::pclose(pipe);
   const size_t at = output.find("RESULT ");
+  if (!need_result && status == 0 && at == std::string::npos) return Measured{};
   MN_CHECK(status == 0 && at != std::string::npos, RuntimeError, "measurement failed (status ", status, "): ",
            command, "\n", output);
   Measured m;
@@ -232,14 +239,15 @@ Measured finish_measurement(FILE* pipe, const std::string& command) {
 }
 
 // Runs `ddp` measurements (shell command lines) at the same time and parses their RESULT lines.
-std::vector<Measured> run_measurements(const std::vector<std::string>& commands) {
+std::vector<Measured> run_measurements(const std::vector<std::string>& commands, bool need_results = true) {
   std::vector<FILE*> pipes;
   for (const std::string& command : commands) {
     pipes.push_back(::popen(command.c_str(), "r"));
     MN_CHECK(pipes.back() != nullptr, RuntimeError, "cannot run: ", command);
   }
   std::vector<Measured> out;
-  for (size_t i = 0; i < commands.size(); ++i) out.push_back(finish_measurement(pipes[i], commands[i]));
+  for (size_t i = 0; i < commands.size(); ++i)
+    out.push_back(finish_measurement(pipes[i], commands[i], need_results || i == 0));
   return out;
 }
 
@@ -249,6 +257,9 @@ void bench_compare(int argc, char** argv) {
   const int64_t batch = std::stoll(arg_value(argc, argv, "--batch", "32"));
   const int steps = std::stoi(arg_value(argc, argv, "--steps", "100"));
   const int repeats = std::stoi(arg_value(argc, argv, "--repeats", "3"));
+  const int nodes = std::stoi(arg_value(argc, argv, "--nodes", "1"));
+  MN_CHECK(nodes == 1 || nodes == 2, ValueError, "--nodes must be 1 (2 ranks on one mn-run) or 2 (two mn-runs), got ",
+           nodes);
   bool bind = true;
   for (int i = 2; i < argc; ++i)
     if (std::string(argv[i]) == "--no-bind") bind = false;
@@ -262,16 +273,26 @@ void bench_compare(int argc, char** argv) {
   const std::string single_other = env + self + args + (bind ? " --cpu 1" : "");
   const std::string two = env + MN_RUN_EXE + std::string(" --nproc-per-node 2 ") + (bind ? "--bind-cores " : "") +
                           self + args;
+  // --nodes 2: node r's mn-run starts its one rank, which pins itself to the r-th CPU (--cpu r).
+  auto node_command = [&](int node, uint16_t port) {
+    return str(env, MN_RUN_EXE, " --nnodes 2 --node-rank ", node, " --master-port ", port, " --nproc-per-node 1 ",
+               self, args, bind ? str(" --cpu ", node) : std::string());
+  };
+  auto run_two_ranks = [&] {
+    if (nodes == 1) return run_measurement(two);
+    const uint16_t port = dist::net::free_port("127.0.0.1");
+    return run_measurements({node_command(0, port), node_command(1, port)}, false).front();
+  };
   std::printf("CNN2 layerwise 4x672, batch %lld per process, 1 OpenMP thread per process%s, %d steps x 3 rounds, "
-              "%d alternating repeats\n", static_cast<long long>(batch), bind ? " on its own core" : " (unbound)",
-              steps, repeats);
+              "%d alternating repeats%s\n", static_cast<long long>(batch), bind ? " on its own core" : " (unbound)",
+              steps, repeats, nodes == 2 ? "; DDP as 2 nodes x 1 rank (two mn-run processes)" : "");
   std::vector<double> one_steps, pair_steps, two_steps;
   size_t bytes = 0;
   for (int r = 0; r < repeats; ++r) {
     const Measured a = run_measurement(single);
     // Two independent processes at once: what sharing the machine costs before any communication.
     const std::vector<Measured> pair = run_measurements({single, single_other});
-    const Measured b = run_measurement(two);
+    const Measured b = run_two_ranks();
     one_steps.push_back(a.median_step);
     pair_steps.push_back(std::max(pair[0].median_step, pair[1].median_step));
     two_steps.push_back(b.median_step);
@@ -288,8 +309,8 @@ void bench_compare(int argc, char** argv) {
   std::printf("%-22s %12.3f %22.2f %24.2f\n", "1 process", one * 1e3, one / b * 1e6, one / b * 1e6);
   std::printf("%-22s %12.3f %22.2f %24.2f\n", "2 processes, no DDP", side_by_side * 1e3, side_by_side / b * 1e6,
               side_by_side / (2 * b) * 1e6);
-  std::printf("%-22s %12.3f %22.2f %24.2f\n", "2 ranks, DDP (Gloo)", two_ranks * 1e3, two_ranks / b * 1e6,
-              two_ranks / (2 * b) * 1e6);
+  std::printf("%-22s %12.3f %22.2f %24.2f\n", nodes == 2 ? "2 nodes x 1 rank, DDP" : "2 ranks, DDP (Gloo)",
+              two_ranks * 1e3, two_ranks / b * 1e6, two_ranks / (2 * b) * 1e6);
   std::printf("DDP / 1 process per-sample step time: %.3f (target <= 1.10); of which sharing the machine %.3f, "
               "communication and waiting %.3f\n", two_ranks / one, side_by_side / one, two_ranks / side_by_side);
   // A shared host's other tenants slow one core now and then: two processes without any communication
@@ -319,8 +340,8 @@ int main(int argc, char** argv) {
       bench_compare(argc, argv);
     } else {
       std::fprintf(stderr,
-                   "usage: mn_dist_bench allreduce [--max-bytes N] | ddp [--batch B] [--steps S] | compare [--batch B] [--steps S] "
-                   "[--repeats R]\n");
+                   "usage: mn_dist_bench allreduce [--max-bytes N] | ddp [--batch B] [--steps S] | "
+                   "compare [--batch B] [--steps S] [--repeats R] [--nodes 1|2] [--no-bind]\n");
       return 2;
     }
   } catch (const std::exception& e) {

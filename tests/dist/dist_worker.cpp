@@ -16,6 +16,9 @@
 //   dist_worker env           reads the environment only (bad-variable tests)
 //   dist_worker backend_mismatch --backends B0,B1,...  rank r calls setup_ddp with backend Br: when they
 //                             differ, every rank must fail with the same message naming them
+//   dist_worker restart       under mn-run --max-restarts: joins the group, then rank --fail-rank exits 1 while
+//                             TORCHELASTIC_RESTART_COUNT < --fail-attempts (default 1); in the attempt that
+//                             passes, an all-reduce over the ranks and the launcher's variables are checked
 //   dist_worker affinity      under mn-run --bind-cores: every rank runs on its own, equally large set of CPUs
 //                             and OMP_NUM_THREADS is that set's size
 //
@@ -621,6 +624,44 @@ int run_kill(int argc, char** argv) {
   return 1;
 }
 
+// ---- restart ----
+
+int env_int(const char* name) {
+  const char* v = std::getenv(name);
+  return v != nullptr && *v != '\0' ? static_cast<int>(dist::parse_int_variable(name, v)) : -1;
+}
+
+int run_restart(int argc, char** argv) {
+  const int fail_rank = std::stoi(arg_value(argc, argv, "--fail-rank", "1"));
+  const int fail_attempts = std::stoi(arg_value(argc, argv, "--fail-attempts", "1"));
+  const dist::AgentStore agent = dist::agent_store_from_env();
+  WORKER_CHECK(agent.used, "TORCHELASTIC_USE_AGENT_STORE is not True under mn-run");
+  setup_from_env(30s);  // a rendezvous in the attempt's own namespace of the launcher's store
+  auto pg = dist::default_process_group();
+  const int rank = pg->rank(), world = pg->size();
+  WORKER_CHECK(rank == env_int("GROUP_RANK") * env_int("LOCAL_WORLD_SIZE") + env_int("LOCAL_RANK"),
+               "RANK ", rank, " != GROUP_RANK * LOCAL_WORLD_SIZE + LOCAL_RANK");
+  WORKER_CHECK(world == env_int("GROUP_WORLD_SIZE") * env_int("LOCAL_WORLD_SIZE"),
+               "WORLD_SIZE ", world, " != GROUP_WORLD_SIZE * LOCAL_WORLD_SIZE");
+  std::printf("rank %d: attempt %d joined\n", rank, agent.restart_count);
+  std::fflush(stdout);
+  if (agent.restart_count < fail_attempts && rank == fail_rank) {
+    std::fprintf(stderr, "rank %d: failing on purpose in attempt %d\n", rank, agent.restart_count);
+    std::fflush(stderr);
+    std::_Exit(1);
+  }
+  if (agent.restart_count < fail_attempts) {
+    std::this_thread::sleep_for(60s);  // stopped by the launcher
+    return 1;
+  }
+  Tensor t = full({1}, static_cast<double>(rank + 1));
+  pg->allreduce(t, dist::ReduceOp::Sum)->wait();
+  WORKER_CHECK(t.to_vector<float>()[0] == world * (world + 1) / 2.0f, "all-reduce after the restart gave ",
+               t.to_vector<float>()[0]);
+  dist::cleanup_ddp();
+  return 0;
+}
+
 // ---- affinity ----
 
 void run_affinity() {
@@ -686,13 +727,15 @@ int main(int argc, char** argv) {
       const std::string& mine = backends[static_cast<size_t>(env.rank) % backends.size()];
       dist::setup_ddp(env.rank, env.world_size, mine, "env://", 20000ms);
       dist::cleanup_ddp();
+    } else if (mode == "restart") {
+      if (run_restart(argc, argv) != 0) return 1;
     } else if (mode == "env") {
       dist::EnvConfig env = dist::from_env();
       std::printf("rank %d of %d at %s:%u\n", env.rank, env.world_size, env.master_addr.c_str(), env.master_port);
     } else {
       std::fprintf(stderr,
-                   "usage: dist_worker collectives|equivalence|no_sync|module_equivalence|gradient_sync|buffer_mismatch|kill|"
-                   "affinity|env|backend_mismatch [options]\n");
+                   "usage: dist_worker collectives|equivalence|no_sync|module_equivalence|gradient_sync|"
+                   "buffer_mismatch|kill|affinity|env|backend_mismatch|restart [options]\n");
       return 2;
     }
   } catch (const std::exception& e) {

@@ -160,3 +160,42 @@ if(TARGET mn-train)
   add_test(NAME dist_mn_train COMMAND mn_dist_train_test --no-intro=true)
   set_tests_properties(dist_mn_train PROPERTIES LABELS dist TIMEOUT 300)
 endif()
+
+# mn-run's own command line: options before the program are parsed strictly (an unknown one is an error,
+# not the program), `--` ends them.
+mn_dist_failure_test(dist_launcher_unknown_option 30
+  "${MN_RUN}@@--nproc@@2@@true"
+  "The following argument was not expected: --nproc")
+add_test(NAME dist_launcher_double_dash COMMAND mn-run --nproc-per-node 2 -- sh -c "test $WORLD_SIZE = 2")
+set_tests_properties(dist_launcher_double_dash PROPERTIES LABELS dist TIMEOUT 30)
+
+# --max-restarts: rank 1 fails in the first attempt, all ranks start again in a fresh namespace of the
+# launcher's store (TORCHELASTIC_RESTART_COUNT=1) and pass; when every attempt fails, the last failure is
+# reported with the restarts used.
+add_test(NAME dist_launcher_restart_2
+         COMMAND mn-run --nproc-per-node 2 --max-restarts 1 ${MN_DIST_WORKER} restart --fail-rank 1)
+set_tests_properties(dist_launcher_restart_2 PROPERTIES LABELS dist TIMEOUT 60
+                     PASS_REGULAR_EXPRESSION "mn-run: restart 1/1 after rank 1 exited with code 1")
+mn_dist_failure_test(dist_launcher_restarts_exhausted_2 60
+  "${MN_RUN}@@--nproc-per-node@@2@@--max-restarts@@2@@${MN_DIST_WORKER}@@restart@@--fail-rank@@1@@--fail-attempts@@3"
+  "mn-run: restart 1/2 after rank 1 exited with code 1"
+  "mn-run: restart 2/2 after rank 1 exited with code 1"
+  "mn-run: failed: rank 1 exited with code 1 first \\(after 2 restart\\(s\\), --max-restarts 2\\)")
+
+# Two mn-run processes as two nodes on 127.0.0.1 (tests/dist/test_multinode.cpp), one CTest test per case.
+add_executable(mn_dist_multinode_test ${CMAKE_CURRENT_SOURCE_DIR}/dist/test_multinode.cpp
+                                      ${CMAKE_CURRENT_SOURCE_DIR}/main.cpp)
+target_link_libraries(mn_dist_multinode_test PRIVATE mn::mapping_networks doctest::doctest)
+target_compile_definitions(mn_dist_multinode_test PRIVATE MN_RUN_EXE="$<TARGET_FILE:mn-run>"
+                           MN_DIST_WORKER_EXE="$<TARGET_FILE:mn_dist_worker>" MN_SOURCE_DIR="${PROJECT_SOURCE_DIR}")
+add_dependencies(mn_dist_multinode_test mn-run mn_dist_worker)
+foreach(case "two nodes x 1 rank*" "two nodes x 2 ranks*" "a node that never arrives*" "a rank killed on node 1*"
+             "a rank killed in the middle*" "a launcher killed on node 1*" "--max-restarts: both nodes*" "the Slurm recipe*")
+  string(TOLOWER "${case}" id)
+  string(REGEX REPLACE "[^a-z0-9]+" "_" id "${id}")
+  string(REGEX REPLACE "^_|_$" "" id "${id}")
+  add_test(NAME dist_multinode_${id} COMMAND mn_dist_multinode_test --no-intro=true "--test-case=${case}")
+  # A pattern that matches no case would pass silently.
+  set_tests_properties(dist_multinode_${id} PROPERTIES LABELS dist TIMEOUT 90
+                       FAIL_REGULAR_EXPRESSION "test cases: +0 [|]")
+endforeach()
