@@ -25,10 +25,7 @@ inline Tensor dense(const Tensor& t) {
 using kernels::DimSplit;  // kernels/dim_split.h
 using kernels::split_at;
 
-// True when `work` elements justify a parallel region (and we are not already inside one).
-inline bool worth_parallel(int64_t work) {
-  return work >= kParallelGrain && omp_get_max_threads() > 1 && !omp_in_parallel();
-}
+// parallel_team (loops.h) decides whether `work` elements justify a parallel region and its size.
 
 // Kernels get their outputs from the op layer; a non-contiguous one is a programming error there.
 inline void require_contiguous_output(const Tensor& out, const char* kernel, const char* arg) {
