@@ -136,6 +136,11 @@ void LoadMonitor::poll() {
   sample(now);
 }
 
+void LoadMonitor::sample_now() {
+  std::lock_guard lock(mutex_);
+  if (!disabled_ && forced_.load(std::memory_order_relaxed) < 0) sample(clock_ns(CLOCK_MONOTONIC_COARSE));
+}
+
 void LoadMonitor::sample(int64_t now_ns) {
   next_ns_.store(now_ns + kPeriodNs, std::memory_order_relaxed);
   static thread_local std::string text;

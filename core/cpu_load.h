@@ -55,6 +55,8 @@ class LoadMonitor {
   int cpus() const { return cpus_.load(std::memory_order_relaxed); }
   // Takes a sample if one is due (cheap otherwise: one coarse clock read).
   void poll();
+  // Takes a sample now (benchmarks time it).
+  void sample_now();
   // Tests: force the taken count (>= 0) and stop sampling; -1 returns to measuring.
   void force_taken(int taken);
 
