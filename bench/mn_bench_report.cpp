@@ -9,8 +9,10 @@
 // Every figure is a median over the repetitions of a benchmark (its iteration runs; when the file
 // holds only aggregates, the "median" aggregate). Derived figures: STREAM bandwidth per kernel and
 // thread count, GEMV rate as a fraction of the read and triad bandwidth, mapped step against its
-// bandwidth bound (target <= 1.5), compiled against eager steps, allocator cached hit against malloc, and per spec and latent the
-// generator peaks with the lazy_layerwise < layerwise < slvt ordering. Programs it does not know are
+// bandwidth bound (target <= 1.5), compiled against eager steps, allocator cached hit against malloc, per spec and latent the
+// generator peaks with the lazy_layerwise < layerwise < slvt ordering, and the default thread policy
+// beside one busy core against the best fixed thread count (target <= 1.2) and idle against the
+// all-core setting (target <= 1.03). Programs it does not know are
 // listed generically (time and counters). Missing files are skipped: a build without CUDA or
 // without some program still gets a summary of what is there.
 #include <algorithm>
@@ -427,6 +429,46 @@ json report_train(const Program* p) {
   return out;
 }
 
+// mn_bench_contention (issue 22): steps idle and beside one busy-loop process, the default thread
+// policy against fixed counts. Targets: default under load <= 1.2x the best fixed count, idle default
+// <= 1.03x the static (all-core) setting.
+json report_contention(const Program* p) {
+  json out = json::array();
+  auto runs = family(p, "BM_Contention");
+  if (runs.empty()) return out;
+  section("shared machine: steps idle and beside one busy core (mn_bench_contention; ms per step)");
+  for (const Result* r : runs) {
+    if (!r->error.empty()) {
+      std::cout << fmt("%-34s skipped: %s\n", r->label.c_str(), r->error.c_str());
+      continue;
+    }
+    std::cout << r->label << fmt(" (load average %.2f at its start, %.0f CPUs)\n", r->counter("load_avg"), r->counter("cpus"));
+    std::cout << fmt("  %-10s %10s %10s\n", "setting", "idle", "busy");
+    json row = {{"config", r->label}};
+    for (const auto& [key, v] : r->counters) {
+      if (key.rfind("idle_", 0) != 0 || key.size() < 9 || key.compare(key.size() - 3, 3, "_ms") != 0) continue;
+      const std::string setting = key.substr(5, key.size() - 8);
+      std::cout << fmt("  %-10s %10.3f %10.3f\n", setting.c_str(), v, r->counter("busy_" + setting + "_ms"));
+      row["idle_" + setting + "_ms"] = num(v);
+      row["busy_" + setting + "_ms"] = num(r->counter("busy_" + setting + "_ms"));
+    }
+    const double busy = r->counter("busy_ratio"), idle = r->counter("idle_ratio");
+    std::cout << fmt("  default's mean team: %.2f idle, %.2f busy; static / best under load %.2f\n",
+                     r->counter("team_idle"), r->counter("team_busy"), r->counter("busy_static_ratio"));
+    headline("default / best fixed count, one core busy: " + r->label,
+             fmt("%.2f (%.3f / %.3f ms)", busy, r->counter("busy_default_ms"), r->counter("busy_best_ms")), "<= 1.2",
+             busy <= 1.2 ? "ok" : "OVER");
+    headline("default / static, idle: " + r->label,
+             fmt("%.3f (%.3f / %.3f ms)", idle, r->counter("idle_default_ms"), r->counter("idle_static_ms")), "<= 1.03",
+             idle <= 1.03 ? "ok" : "OVER");
+    for (const char* k : {"busy_best_ms", "busy_ratio", "idle_ratio", "busy_static_ratio", "team_idle", "team_busy", "load_avg"})
+      row[k] = num(r->counter(k));
+    out.push_back(row);
+  }
+  std::cout << "(static: every CPU, the default before the adaptive policy; best: the fastest fixed count under load)\n";
+  return out;
+}
+
 json report_allocator(const Program* p) {
   json out = json::object();
   if (!p) return out;
@@ -698,6 +740,10 @@ std::vector<Figure> figures(const json& summary) {
     add("generate+backward " + c, number(r, "generate_backward_ms"), "ms");
     add("generate peak " + c, number(r, "peak_bytes"), "B");
   }
+  for (const json& r : member(summary, "contention"))
+    for (auto& [k, v] : r.items())
+      if (k.size() > 3 && k.compare(k.size() - 3, 3, "_ms") == 0 && v.is_number())
+        add("contention " + r.value("config", std::string()) + " " + k.substr(0, k.size() - 3), v.get<double>(), "ms");
   const json& torch = member(summary, "torch");
   for (const json& r : member(torch, "rows"))
     add("ours vs torch: " + r.value("step", std::string()), number(r, "ours_ms"), "ms");
@@ -1024,11 +1070,12 @@ int main(int argc, char** argv) {
   summary["repetitions"] = reps;
 
   const std::set<std::string> known = {"mn_bench_bandwidth", "mn_bench_train_step", "mn_bench_allocator",
-                                       "mn_bench_generators"};
+                                       "mn_bench_generators", "mn_bench_contention"};
   summary["bandwidth"] = report_bandwidth(find(programs, "mn_bench_bandwidth"));
   summary["train_step"] = report_train(find(programs, "mn_bench_train_step"));
   summary["allocator"] = report_allocator(find(programs, "mn_bench_allocator"));
   summary["generators"] = report_generators(find(programs, "mn_bench_generators"));
+  summary["contention"] = report_contention(find(programs, "mn_bench_contention"));
   for (const auto& p : programs)
     if (!known.count(p.name)) summary["other"][p.name] = report_generic(p);
   try {

@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "core/error.h"
+#include "core/parallel.h"
 
 namespace mn {
 
@@ -38,7 +39,8 @@ template <class T, class BlockFn>
 void fill_blocks(T* out, int64_t n, const PhiloxState& st, BlockFn block_values) {
   const int64_t full_blocks = n / 4;
   const int64_t tail = n % 4;
-#pragma omp parallel for schedule(static) if (full_blocks >= kMinBlocksForThreads)
+  const int team = full_blocks >= kMinBlocksForThreads ? get_num_threads_in_use() : 1;
+#pragma omp parallel for schedule(static) num_threads(team) if (team > 1)
   for (int64_t b = 0; b < full_blocks; ++b) {
     block_values(st.offset + static_cast<uint64_t>(b), out + 4 * b);
   }

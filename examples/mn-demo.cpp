@@ -56,7 +56,7 @@ int main(int argc, char** argv) {
   app.add_option("--data", data_dir, "Fashion-MNIST directory")->capture_default_str();
   app.add_option("--out", out_dir, "directory for metrics.csv, checkpoint.safetensors and generated.safetensors")
       ->capture_default_str();
-  app.add_option("--threads", threads, "threads of the CPU kernels (default: OMP_NUM_THREADS, else all CPUs)")
+  app.add_option("--threads", threads, "threads of the CPU kernels (default: OMP_NUM_THREADS, else the CPUs other processes leave free)")
       ->check(whole_number_at_least(1));
   CLI11_PARSE(app, argc, argv);
 

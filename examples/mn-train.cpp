@@ -133,7 +133,7 @@ struct Options {
   bool keep_cuda_cache = false;
   bool stream_layers = false;
   int64_t limit = 0;
-  int threads = 0;  // 0: OpenMP's default (OMP_NUM_THREADS, else the CPUs the process may use)
+  int threads = 0;  // 0: the library's default (OMP_NUM_THREADS, else the free CPUs, core/parallel.h)
   bool json = false;
   bool compile = false;
   std::string backend;  // empty: one process
@@ -966,8 +966,8 @@ int main(int argc, char** argv) {
       ->check(whole_number_at_least(0))
       ->capture_default_str();
   app.add_option("--threads", o.threads,
-                 "threads of the CPU kernels (default: OMP_NUM_THREADS, else every CPU this process may use); "
-                 "on a shared machine, the free cores")
+                 "threads of the CPU kernels, used whatever else runs (default: OMP_NUM_THREADS, else the CPUs "
+                 "this process may use that other processes leave free, re-measured every 0.2 s; MN_THREAD_POLICY=static: all)")
       ->check(whole_number_in_range(1, std::numeric_limits<int>::max()));
   app.add_flag("--json", o.json, "print a JSON summary as the last line of stdout");
   app.add_flag("--compile", o.compile,

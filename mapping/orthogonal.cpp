@@ -11,6 +11,7 @@
 
 #include "autograd/function.h"
 #include "autograd/ops.h"
+#include "core/parallel.h"
 #include "core/random.h"
 #include "kernels/kernels.h"
 #include "kernels/srht_math.h"
@@ -157,7 +158,7 @@ OrthogonalMatrix OrthogonalMatrix::build(uint64_t seed, const std::string& key, 
         failure = std::current_exception();
       }
     };
-#pragma omp parallel sections num_threads(2) if (k > 1 && cols >= 64)
+#pragma omp parallel sections num_threads(2) if (k > 1 && cols >= 64 && get_num_threads_in_use() > 1)
     {
 #pragma omp section
       guarded([&] {

@@ -14,7 +14,8 @@ namespace {
 
 template <class F>
 void for_each_plane(int64_t planes, int64_t work, F&& f) {
-#pragma omp parallel for schedule(static) if (cpu::worth_parallel(planes * work) && planes > 1)
+  const int team = cpu::parallel_team(planes * work);
+#pragma omp parallel for schedule(static) num_threads(team) if (team > 1 && planes > 1)
   for (int64_t i = 0; i < planes; ++i) f(i);
 }
 

@@ -38,7 +38,8 @@ const float* data_or_null(const Tensor& t) { return t.defined() ? t.data<float>(
 
 template <class F>
 void for_each_channel(const ChannelLayout& s, F&& f) {
-#pragma omp parallel for schedule(static) if (s.channels > 1 && s.channels * s.count() > kParallelWork)
+  const int team = cpu::parallel_team(s.channels * s.count(), kParallelWork);
+#pragma omp parallel for schedule(static) num_threads(team) if (team > 1 && s.channels > 1)
   for (int64_t c = 0; c < s.channels; ++c) f(c);
 }
 

@@ -15,6 +15,7 @@
 #include <cstring>
 
 #include "kernels/cpu/eigen_gemm.h"
+#include "kernels/cpu/loops.h"
 #include "kernels/kernels.h"
 
 namespace mn::kernels {
@@ -183,7 +184,7 @@ struct BatchSplit {
 
 BatchSplit batch_split(const ConvGeometry& g, int64_t units) {
   BatchSplit s;
-  s.threads = omp_in_parallel() ? 1 : omp_get_max_threads();
+  s.threads = get_num_threads_in_use();
   const int64_t sample_work = g.out_channels * g.col_rows() * g.out_plane();
   const bool worth = s.threads > 1 && g.batch * sample_work >= kParallelWork;
   s.across_samples = worth && units >= s.threads;
@@ -219,7 +220,7 @@ void gemm(const MatrixRef& a, const MatrixRef& b, float* c, int64_t ldc, float b
 void fill_im2col(const ConvGeometry& g, const float* x_group, float* col, bool parallel) {
   const int64_t rows = g.col_rows();
   if (!parallel) return im2col(g, x_group, col, 0, rows);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) num_threads(get_num_threads_in_use())
   for (int64_t r = 0; r < rows; ++r) im2col(g, x_group, col, r, r + 1);
 }
 
@@ -276,7 +277,7 @@ void conv2d_backward_input_cpu(const Tensor& grad_out, const Tensor& weight, con
         col2im_add(g, col, gx_group, 0, g.group_in);
         continue;
       }
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) num_threads(get_num_threads_in_use())
       for (int64_t c = 0; c < g.group_in; ++c) col2im_add(g, col, gx_group, c, c + 1);
     }
   });
@@ -291,7 +292,8 @@ void bias_grad(const Tensor& grad_out, Tensor& grad_bias) {
   const float* gp = grad_out.data<float>();
   float* gb = grad_bias.data<float>();
   constexpr int kLanes = 16;
-#pragma omp parallel for schedule(static) if (batch * channels * plane > kParallelWork && channels > 1)
+  const int team = cpu::parallel_team(batch * channels * plane, kParallelWork);
+#pragma omp parallel for schedule(static) num_threads(team) if (team > 1 && channels > 1)
   for (int64_t o = 0; o < channels; ++o) {
     double total = 0;
     for (int64_t n = 0; n < batch; ++n) {
@@ -355,7 +357,8 @@ void conv2d_backward_weight_cpu(const Tensor& grad_out, const Tensor& x, const C
     for (int64_t chunk = 0; chunk < chunks; ++chunk) run_chunk(chunk, col_base, split.inside_samples);
   }
   float* gw = grad_weight.data<float>();
-#pragma omp parallel for schedule(static) if (chunks * weight_size > 32768)
+  const int sum_team = cpu::parallel_team(chunks * weight_size);
+#pragma omp parallel for schedule(static) num_threads(sum_team) if (sum_team > 1)
   for (int64_t i = 0; i < weight_size; ++i) {
     float s = partial_base[i];
     for (int64_t chunk = 1; chunk < chunks; ++chunk) s += partial_base[chunk * weight_size + i];

@@ -1,10 +1,9 @@
 #pragma once
 // Layout helpers for CPU kernels that walk along dimensions (reductions, softmax, indexing): a dense
-// copy of an input when its strides are irregular, the [outer, n, inner] split around one dim, and the
-// rule deciding when a loop is worth handing to OpenMP. Work is always divided into pieces chosen from
-// the shapes alone, so results never depend on the thread count.
-#include <omp.h>
-
+// copy of an input when its strides are irregular and the [outer, n, inner] split around one dim (the
+// rule deciding when a loop is worth handing to OpenMP, and to how many threads, is parallel_team in
+// loops.h). Work is always divided into pieces chosen from the shapes alone, so results never depend
+// on the thread count.
 #include <cstdint>
 
 #include "core/tensor.h"
@@ -24,11 +23,6 @@ inline Tensor dense(const Tensor& t) {
 
 using kernels::DimSplit;  // kernels/dim_split.h
 using kernels::split_at;
-
-// True when `work` elements justify a parallel region (and we are not already inside one).
-inline bool worth_parallel(int64_t work) {
-  return work >= kParallelGrain && omp_get_max_threads() > 1 && !omp_in_parallel();
-}
 
 // Kernels get their outputs from the op layer; a non-contiguous one is a programming error there.
 inline void require_contiguous_output(const Tensor& out, const char* kernel, const char* arg) {

@@ -11,7 +11,7 @@
 namespace mn::kernels {
 namespace {
 
-using cpu::worth_parallel;
+using cpu::parallel_team;
 
 // The index's positions without dim, and for each tensor the element offset of a position.
 struct Walk {
@@ -61,7 +61,8 @@ void check_values(const char* op, const Tensor& index, int dim, int64_t size, co
 template <class T>
 void gather_loop(const T* in, const int64_t* idx, const Walk& w, T* out) {
   // out is contiguous in index's shape: stride 1 along the last dim, so use its own walk (tensor 2).
-#pragma omp parallel for schedule(static) if (worth_parallel(w.positions * w.count))
+  const int team = parallel_team(w.positions * w.count);
+#pragma omp parallel for schedule(static) num_threads(team) if (team > 1)
   for (int64_t p = 0; p < w.positions; ++p) {
     int64_t off[3];
     w.offsets(p, off);
@@ -82,7 +83,8 @@ void gather_cpu(const Tensor& in, int dim, const Tensor& index, Tensor& out) {
 
 template <class T>
 void scatter_loop(T* out, const int64_t* idx, const Walk& w, const T* src) {
-#pragma omp parallel for schedule(static) if (worth_parallel(w.positions * w.count))
+  const int team = parallel_team(w.positions * w.count);
+#pragma omp parallel for schedule(static) num_threads(team) if (team > 1)
   for (int64_t p = 0; p < w.positions; ++p) {
     int64_t off[3];
     w.offsets(p, off);

@@ -10,7 +10,7 @@
 namespace mn::kernels {
 namespace {
 
-using cpu::worth_parallel;
+using cpu::parallel_team;
 
 constexpr int64_t kInnerTile = 1024;  // elements of the trailing dims one index_add task owns
 
@@ -42,7 +42,8 @@ void check_slices(const char* op, const Tensor& a, const Tensor& b, int dim, int
 template <class T>
 void gather(const T* src, const int64_t* idx, int64_t count, const cpu::DimSplit& s, T* out) {
   const int64_t tasks = s.outer * count;
-#pragma omp parallel for schedule(static) if (worth_parallel(tasks * s.inner))
+  const int team = parallel_team(tasks * s.inner);
+#pragma omp parallel for schedule(static) num_threads(team) if (team > 1)
   for (int64_t task = 0; task < tasks; ++task) {
     const int64_t o = task / count, j = task % count;
     const T* from = src + (o * s.n + idx[j]) * s.inner;
@@ -74,7 +75,8 @@ void index_select_cpu(const Tensor& in, int dim, const Tensor& index, Tensor& ou
 template <class T>
 void scatter_add(T* out, const int64_t* idx, int64_t count, const cpu::DimSplit& s, const T* src) {
   const int64_t tiles = (s.inner + kInnerTile - 1) / kInnerTile;
-#pragma omp parallel for schedule(static) if (worth_parallel(s.outer * count * s.inner))
+  const int team = parallel_team(s.outer * count * s.inner);
+#pragma omp parallel for schedule(static) num_threads(team) if (team > 1)
   for (int64_t task = 0; task < s.outer * tiles; ++task) {
     const int64_t o = task / tiles, i0 = (task % tiles) * kInnerTile;
     const int64_t width = std::min(kInnerTile, s.inner - i0);

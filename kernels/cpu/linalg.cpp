@@ -9,6 +9,7 @@
 #include <Eigen/Core>
 #include <algorithm>
 
+#include "core/parallel.h"
 #include "kernels/cpu/eigen_gemm.h"
 #include "kernels/gemm_shape.h"
 #include "kernels/kernels.h"
@@ -110,7 +111,7 @@ void gemm_serial(const MatrixRef& a, const MatrixRef& b, float* c, int64_t ldc, 
 
 void gemm_parallel(const MatrixRef& a, const MatrixRef& b, float* c, int64_t ldc, float alpha, float beta) {
   const int64_t m = a.rows, n = b.cols, k = a.cols;
-  const int threads = omp_in_parallel() ? 1 : omp_get_max_threads();
+  const int threads = get_num_threads_in_use();
   int parts = static_cast<int>(std::min<int64_t>(threads, m * n * k / kMinWorkPerThread));
   if (parts <= 1) return gemm_serial(a, b, c, ldc, alpha, beta);
   // Rows split in finer, better balanced blocks; columns when there are too few rows.
@@ -186,7 +187,7 @@ void gemm_cpu(const Tensor& a, const Tensor& b, Tensor& out, double alpha, doubl
   float* c = out.data<float>();
   const float fa = static_cast<float>(alpha), fb = static_cast<float>(beta);
   const int64_t work = m * n * k;
-  const int threads = omp_in_parallel() ? 1 : omp_get_max_threads();
+  const int threads = get_num_threads_in_use();
   if (batch == 1) return cpu::gemm_parallel(lhs.at(0), rhs.at(0), c, n, fa, fb);
 
   // Whole matrices per thread when the batch balances over the threads or the matrices are small;
@@ -194,7 +195,7 @@ void gemm_cpu(const Tensor& a, const Tensor& b, Tensor& out, double alpha, doubl
   const bool batch_parallel = threads > 1 && batch * work >= 2 * cpu::kMinWorkPerThread &&
                               (batch % threads == 0 || batch >= 4 * threads || work < (int64_t{1} << 21));
   if (batch_parallel) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t i = 0; i < batch; ++i) cpu::gemm_serial(lhs.at(i), rhs.at(i), c + i * m * n, n, fa, fb);
     return;
   }

@@ -3,7 +3,8 @@
 // zero strides, or permuted/sliced views). Dimensions that are contiguous for every operand are
 // merged, so the common all-contiguous case becomes one flat loop the compiler vectorises; other
 // layouts run an odometer over the outer dims. Large loops are split over OpenMP threads by ranges
-// of the outer index, so results do not depend on the thread count.
+// of the outer index, so results do not depend on the thread count (nor on the team size the adaptive
+// policy picks, core/parallel.h).
 #include <omp.h>
 
 #include <array>
@@ -11,12 +12,22 @@
 #include <tuple>
 #include <utility>
 
+#include "core/parallel.h"
 #include "core/tensor.h"
 
 namespace mn::kernels::cpu {
 
 // Loops smaller than this run on one thread (parallel start-up costs more than it saves).
 constexpr int64_t kParallelGrain = 32768;
+
+// The team for a parallel region over `work` elements: 1 (run it serially) below `grain` or inside a
+// region, else the calling thread's team (core/parallel.h: its explicit count, or under the adaptive
+// policy the cores other processes leave free). Every region of the CPU kernels takes its size from
+// here, as num_threads(team) if (team > 1).
+inline int parallel_team(int64_t work, int64_t grain = kParallelGrain) {
+  if (work < grain || omp_in_parallel()) return 1;
+  return get_num_threads_in_use();
+}
 
 template <int N>
 struct StridedLoop {
@@ -95,13 +106,14 @@ void for_each_run(const StridedLoop<N>& loop, F&& inner) {
     }
   };
 
-  if (loop.numel < kParallelGrain || omp_get_max_threads() == 1 || omp_in_parallel()) {
+  const int team = parallel_team(loop.numel);
+  if (team == 1) {
     run_range(0, n_outer);
     return;
   }
   if (n_outer == 1) {
     // One long run: split it into pieces.
-#pragma omp parallel
+#pragma omp parallel num_threads(team)
     {
       const int nt = omp_get_num_threads(), t = omp_get_thread_num();
       const int64_t b = n_inner * t / nt, e = n_inner * (t + 1) / nt;
@@ -113,7 +125,7 @@ void for_each_run(const StridedLoop<N>& loop, F&& inner) {
     }
     return;
   }
-#pragma omp parallel
+#pragma omp parallel num_threads(team)
   {
     const int nt = omp_get_num_threads(), t = omp_get_thread_num();
     const int64_t b = n_outer * t / nt, e = n_outer * (t + 1) / nt;

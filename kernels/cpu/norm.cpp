@@ -61,7 +61,8 @@ void row_norm_forward_cpu(const Tensor& x_in, const Tensor& weight, const Tensor
   float* rp = rstd.data<float>();
   const int64_t n = s.row_len;
 
-#pragma omp parallel for schedule(static) if (cpu::worth_parallel(s.rows * n) && s.rows > 1)
+  const int team = cpu::parallel_team(s.rows * n);
+#pragma omp parallel for schedule(static) num_threads(team) if (team > 1 && s.rows > 1)
   for (int64_t r = 0; r < s.rows; ++r) {
     const float* row = xp + r * n;
     float* y = yp + r * n;
@@ -110,7 +111,8 @@ void row_norm_backward_cpu(const Tensor& grad_out, const Tensor& x_in, const Ten
   // Per chunk: [sum g * x_hat | sum g] for every channel.
   std::vector<float> partial(affine_grads ? static_cast<size_t>(chunks * 2 * channels) : 0, 0.0f);
 
-#pragma omp parallel for schedule(static) if (cpu::worth_parallel(s.rows * n) && chunks > 1)
+  const int team = cpu::parallel_team(s.rows * n);
+#pragma omp parallel for schedule(static) num_threads(team) if (team > 1 && chunks > 1)
   for (int64_t ch = 0; ch < chunks; ++ch) {
     float* pw = affine_grads ? partial.data() + ch * 2 * channels : nullptr;
     float* pb = affine_grads ? pw + channels : nullptr;

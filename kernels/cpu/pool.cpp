@@ -9,6 +9,7 @@
 #include <cmath>
 #include <limits>
 
+#include "kernels/cpu/loops.h"
 #include "kernels/kernels.h"
 
 namespace mn::kernels {
@@ -48,7 +49,8 @@ inline Window window(const Pool2dParams& p, int64_t oy, int64_t ox, int64_t heig
 
 template <class F>
 void for_each_plane(int64_t planes, int64_t work_per_plane, F&& f) {
-#pragma omp parallel for schedule(static) if (planes * work_per_plane > kParallelWork && planes > 1)
+  const int team = cpu::parallel_team(planes * work_per_plane, kParallelWork);
+#pragma omp parallel for schedule(static) num_threads(team) if (team > 1 && planes > 1)
   for (int64_t i = 0; i < planes; ++i) f(i);
 }
 

@@ -20,7 +20,7 @@
 namespace mn::kernels {
 namespace {
 
-using cpu::worth_parallel;
+using cpu::parallel_team;
 
 constexpr int64_t kRowChunk = 16384;       // elements per partial of one long row
 constexpr int64_t kColumnTile = 256;       // columns one task accumulates at a time
@@ -122,15 +122,15 @@ struct ProdFold {
 // row r; finish(r, acc) stores the result.
 template <class Acc, class Run, class Merge, class Finish>
 void for_rows(int64_t rows, int64_t len, Run run, Merge merge, Finish finish) {
-  const bool parallel = worth_parallel(rows * len);
+  const int team = parallel_team(rows * len);
   if (len <= kRowChunk) {
-#pragma omp parallel for schedule(static) if (parallel)
+#pragma omp parallel for schedule(static) num_threads(team) if (team > 1)
     for (int64_t r = 0; r < rows; ++r) finish(r, run(r, 0, len));
     return;
   }
   const int64_t chunks = ceil_div(len, kRowChunk);
   std::vector<Acc> partial(static_cast<size_t>(rows * chunks));
-#pragma omp parallel for schedule(static) if (parallel)
+#pragma omp parallel for schedule(static) num_threads(team) if (team > 1)
   for (int64_t task = 0; task < rows * chunks; ++task) {
     const int64_t r = task / chunks, begin = (task % chunks) * kRowChunk;
     partial[task] = run(r, begin, std::min(kRowChunk, len - begin));
@@ -152,7 +152,8 @@ void for_columns(int64_t rows, int64_t cols, Acc identity, Step step, Merge merg
   const int64_t block_rows = blocks == 1 ? rows : kColumnRowBlock;
   const int64_t tiles = ceil_div(cols, kColumnTile);
   std::vector<Acc> partial(blocks > 1 ? static_cast<size_t>(blocks * cols) : 0);
-#pragma omp parallel for schedule(static) if (worth_parallel(rows * cols))
+  const int team = parallel_team(rows * cols);
+#pragma omp parallel for schedule(static) num_threads(team) if (team > 1)
   for (int64_t task = 0; task < blocks * tiles; ++task) {
     const int64_t b = task / tiles, c0 = (task % tiles) * kColumnTile;
     const int64_t width = std::min(kColumnTile, cols - c0);
@@ -320,7 +321,8 @@ void arg_reduce_typed(const Tensor& in, int dim, T* values, int64_t* indices) {
   const auto [outer, n, inner] = cpu::split_at(src.sizes(), dim);
   const T* x = src.data<T>();
   if (inner == 1) {
-#pragma omp parallel for schedule(static) if (worth_parallel(outer * n))
+    const int team = parallel_team(outer * n);
+#pragma omp parallel for schedule(static) num_threads(team) if (team > 1)
     for (int64_t o = 0; o < outer; ++o) {
       const T* row = x + o * n;
       T best = row[0];
@@ -336,7 +338,8 @@ void arg_reduce_typed(const Tensor& in, int dim, T* values, int64_t* indices) {
     return;
   }
   const int64_t tiles = ceil_div(inner, kColumnTile);
-#pragma omp parallel for schedule(static) if (worth_parallel(outer * n * inner))
+  const int team = parallel_team(outer * n * inner);
+#pragma omp parallel for schedule(static) num_threads(team) if (team > 1)
   for (int64_t task = 0; task < outer * tiles; ++task) {
     const int64_t o = task / tiles, i0 = (task % tiles) * kColumnTile;
     const int64_t width = std::min(kColumnTile, inner - i0);

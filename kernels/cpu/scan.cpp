@@ -9,11 +9,12 @@
 namespace mn::kernels {
 namespace {
 
-using cpu::worth_parallel;
+using cpu::parallel_team;
 
 template <class T, class Acc>
 void cumsum_lines(const T* in, const DimSplit& s, bool reverse, T* out) {
-#pragma omp parallel for schedule(static) if (worth_parallel(s.outer * s.n * s.inner))
+  const int team = parallel_team(s.outer * s.n * s.inner);
+#pragma omp parallel for schedule(static) num_threads(team) if (team > 1)
   for (int64_t line = 0; line < s.outer * s.inner; ++line) {
     const int64_t o = line / s.inner, i = line % s.inner;
     const int64_t base = o * s.n * s.inner + i;
@@ -49,7 +50,8 @@ bool ranks_before(T a, T b, bool largest) {
 
 template <class T>
 void topk_lines(const T* in, const DimSplit& s, int64_t k, bool largest, T* values, int64_t* indices) {
-#pragma omp parallel for schedule(static) if (worth_parallel(s.outer * s.n * s.inner))
+  const int team = parallel_team(s.outer * s.n * s.inner);
+#pragma omp parallel for schedule(static) num_threads(team) if (team > 1)
   for (int64_t line = 0; line < s.outer * s.inner; ++line) {
     const int64_t o = line / s.inner, i = line % s.inner;
     const T* src = in + o * s.n * s.inner + i;

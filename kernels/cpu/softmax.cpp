@@ -16,7 +16,7 @@
 namespace mn::kernels {
 namespace {
 
-using cpu::worth_parallel;
+using cpu::parallel_team;
 using Values = Eigen::Map<Eigen::ArrayXf>;
 using ConstValues = Eigen::Map<const Eigen::ArrayXf>;
 using TileArray = Eigen::Array<float, Eigen::Dynamic, 1, 0, 128, 1>;
@@ -26,7 +26,8 @@ constexpr int64_t kTile = 128;
 // ---------------- softmax forward ----------------
 
 void softmax_rows(const float* x, float* y, int64_t rows, int64_t n, bool log) {
-#pragma omp parallel for schedule(static) if (worth_parallel(rows * n))
+  const int team = parallel_team(rows * n);
+#pragma omp parallel for schedule(static) num_threads(team) if (team > 1)
   for (int64_t r = 0; r < rows; ++r) {
     const ConstValues in(x + r * n, n);
     Values out(y + r * n, n);
@@ -42,7 +43,8 @@ void softmax_rows(const float* x, float* y, int64_t rows, int64_t n, bool log) {
 
 void softmax_tiles(const float* x, float* y, const cpu::DimSplit& s, bool log) {
   const int64_t tiles = (s.inner + kTile - 1) / kTile;
-#pragma omp parallel for schedule(static) if (worth_parallel(s.outer * s.n * s.inner))
+  const int team = parallel_team(s.outer * s.n * s.inner);
+#pragma omp parallel for schedule(static) num_threads(team) if (team > 1)
   for (int64_t task = 0; task < s.outer * tiles; ++task) {
     const int64_t o = task / tiles, i0 = (task % tiles) * kTile;
     const int64_t width = std::min(kTile, s.inner - i0);
@@ -84,7 +86,8 @@ void softmax_cpu(const Tensor& in, int dim, bool log, Tensor& out) {
 // log_softmax: grad_in = g - exp(y) * sum(g)
 
 void softmax_backward_rows(const float* g, const float* y, float* gi, int64_t rows, int64_t n, bool log) {
-#pragma omp parallel for schedule(static) if (worth_parallel(rows * n))
+  const int team = parallel_team(rows * n);
+#pragma omp parallel for schedule(static) num_threads(team) if (team > 1)
   for (int64_t r = 0; r < rows; ++r) {
     const ConstValues grad(g + r * n, n), out(y + r * n, n);
     Values result(gi + r * n, n);
@@ -97,7 +100,8 @@ void softmax_backward_rows(const float* g, const float* y, float* gi, int64_t ro
 
 void softmax_backward_tiles(const float* g, const float* y, float* gi, const cpu::DimSplit& s, bool log) {
   const int64_t tiles = (s.inner + kTile - 1) / kTile;
-#pragma omp parallel for schedule(static) if (worth_parallel(s.outer * s.n * s.inner))
+  const int team = parallel_team(s.outer * s.n * s.inner);
+#pragma omp parallel for schedule(static) num_threads(team) if (team > 1)
   for (int64_t task = 0; task < s.outer * tiles; ++task) {
     const int64_t o = task / tiles, i0 = (task % tiles) * kTile;
     const int64_t width = std::min(kTile, s.inner - i0);
@@ -174,7 +178,8 @@ void cross_entropy_cpu(const Tensor& logits, const Tensor& target, const Tensor&
   float* sp = lse.data<float>();
   const double keep = 1.0 - smoothing;
   const double spread = smoothing / static_cast<double>(classes);
-#pragma omp parallel for schedule(static) if (worth_parallel(rows * classes))
+  const int team = parallel_team(rows * classes);
+#pragma omp parallel for schedule(static) num_threads(team) if (team > 1)
   for (int64_t r = 0; r < rows; ++r) {
     const float* xr = xp + r * classes;
     const ConstValues row(xr, classes);
@@ -226,7 +231,8 @@ void cross_entropy_backward_cpu(const Tensor& grad_loss, const Tensor& logits, c
   if (wp != nullptr)
     for (int64_t c = 0; c < classes; ++c) weight_total += wp[c];
   const float spread_total = static_cast<float>(spread * weight_total);
-#pragma omp parallel for schedule(static) if (worth_parallel(rows * classes))
+  const int team = parallel_team(rows * classes);
+#pragma omp parallel for schedule(static) num_threads(team) if (team > 1)
   for (int64_t r = 0; r < rows; ++r) {
     float* gr = out + r * classes;
     if (tp[r] == ignore_index) {

@@ -5,6 +5,7 @@
 #include <tuple>
 #include <vector>
 
+#include "kernels/cpu/loops.h"
 #include "kernels/kernels.h"
 #include "kernels/srht_math.h"
 
@@ -59,7 +60,8 @@ void srht_apply_cpu(const SrhtPlan& p, const Tensor& z, Tensor& y) {
   const int64_t P = p.pow2, r = p.tail;
   const float* zp = z.data<float>();
   float* yp = y.data<float>();
-#pragma omp parallel if (p.blocks > 1 && p.rows >= 32768)
+  const int team = cpu::parallel_team(p.rows);
+#pragma omp parallel num_threads(team) if (team > 1 && p.blocks > 1)
   {
     std::vector<float> x(static_cast<size_t>(P)), v(static_cast<size_t>(P)), signs(static_cast<size_t>(P));
 #pragma omp for schedule(static)
@@ -85,7 +87,8 @@ void srht_apply_transpose_cpu(const SrhtPlan& p, const Tensor& u, Tensor& g) {
   const int64_t P = p.pow2, r = p.tail, L = p.cols;
   const float* up = u.data<float>();
   std::vector<float> partial(static_cast<size_t>(p.blocks * L));
-#pragma omp parallel if (p.blocks > 1 && p.rows >= 32768)
+  const int team = cpu::parallel_team(p.rows);
+#pragma omp parallel num_threads(team) if (team > 1 && p.blocks > 1)
   {
     std::vector<float> x(static_cast<size_t>(P)), v(static_cast<size_t>(P)), t(static_cast<size_t>(P)),
         signs(static_cast<size_t>(P));
@@ -117,7 +120,8 @@ void srht_apply_transpose_cpu(const SrhtPlan& p, const Tensor& u, Tensor& g) {
   }
   // The blocks' contributions, added in block order for every output element.
   float* gp = g.data<float>();
-#pragma omp parallel for schedule(static) if (p.blocks * L >= 32768)
+  const int sum_team = cpu::parallel_team(p.blocks * L);
+#pragma omp parallel for schedule(static) num_threads(sum_team) if (sum_team > 1)
   for (int64_t j = 0; j < L; ++j) {
     float acc = 0.0f;
     for (int64_t b = 0; b < p.blocks; ++b) acc += partial[static_cast<size_t>(b * L + j)];

@@ -1,7 +1,7 @@
 // mn_bench_report (the summary `./mn bench` prints) on small synthetic results in tests/data/bench:
 // the tables read the descriptive benchmark names (and the positional ones of older results), intended
-// skips are listed as skipped, --compare gives new / old per figure and flags the worse ones, and the
-// chart is a well-formed SVG with one bar per value.
+// skips are listed as skipped, --compare gives new / old per figure and flags the worse ones, the
+// chart is a well-formed SVG with one bar per value, and the shared-machine rows carry ok/OVER.
 #include <doctest/doctest.h>
 
 #include <cmath>
@@ -258,4 +258,37 @@ TEST_CASE("bench report: bad arguments are refused with a message") {
   CHECK(r.err.find("unknown option '--frobnicate'") != std::string::npos);
   r = report(dir.path(), "--chart a.svg --no-chart");
   CHECK(r.status == 2);
+}
+
+TEST_CASE("bench report: the contention rows give default / best under load and idle default / static") {
+  TempDir dir("mn_bench_report");
+  // Two targets: one within both targets, one over both (mn_bench_contention's counters).
+  auto run = [](int target, const char* label, double busy_default, double busy_t1, double idle_default) {
+    return json{{"name", "BM_Contention/target:" + std::to_string(target) + "/iterations:1/manual_time"},
+                {"run_name", "BM_Contention/target:" + std::to_string(target) + "/iterations:1/manual_time"},
+                {"run_type", "iteration"}, {"repetitions", 1}, {"repetition_index", 0}, {"iterations", 1},
+                {"real_time", 1000.0}, {"cpu_time", 1.0}, {"time_unit", "ms"},
+                {"busy_default_ms", busy_default}, {"busy_static_ms", 60.0}, {"busy_t1_ms", busy_t1},
+                {"busy_best_ms", busy_t1}, {"busy_ratio", busy_default / busy_t1},
+                {"busy_static_ratio", 60.0 / busy_t1}, {"idle_default_ms", idle_default}, {"idle_static_ms", 20.0},
+                {"idle_t1_ms", 31.0}, {"idle_ratio", idle_default / 20.0}, {"team_idle", 2.0}, {"team_busy", 1.0},
+                {"cpus", 2.0}, {"load_avg", 1.25}, {"label", label}};
+  };
+  const json results = {{"context", {{"num_cpus", 2}}},
+                        {"benchmarks", {run(0, "cnn2 layerwise 4x672 batch 256", 33.0, 32.0, 20.2),
+                                        run(1, "mlp layerwise 3x64 batch 64", 45.0, 30.0, 21.0)}}};
+  write_text(dir.path() / "mn_bench_contention.json", results.dump());
+  const auto r = report(dir.path(), "--no-chart");
+  INFO(r.all());
+  REQUIRE(r.status == 0);
+  CHECK(std::regex_search(r.out, std::regex(R"(default\s+20\.200\s+33\.000)")));
+  CHECK(std::regex_search(r.out, std::regex(R"(t1\s+31\.000\s+32\.000)")));
+  CHECK(std::regex_search(r.out, std::regex(R"(one core busy: cnn2 layerwise 4x672 batch 256\s+1\.03 \(33\.000 / 32\.000 ms\)\s+<= 1\.2\s+ok)")));
+  CHECK(std::regex_search(r.out, std::regex(R"(one core busy: mlp layerwise 3x64 batch 64\s+1\.50 \(45\.000 / 30\.000 ms\)\s+<= 1\.2\s+OVER)")));
+  CHECK(std::regex_search(r.out, std::regex(R"(idle: cnn2 layerwise 4x672 batch 256\s+1\.010 \(20\.200 / 20\.000 ms\)\s+<= 1\.03\s+ok)")));
+  CHECK(std::regex_search(r.out, std::regex(R"(idle: mlp layerwise 3x64 batch 64\s+1\.050 \(21\.000 / 20\.000 ms\)\s+<= 1\.03\s+OVER)")));
+  const json s = read_json(dir.path() / "summary.json");
+  REQUIRE(s["contention"].size() == 2);
+  CHECK(s["contention"][1]["busy_ratio"].get<double>() == doctest::Approx(1.5));
+  CHECK(s["contention"][0]["idle_static_ms"].get<double>() == doctest::Approx(20.0));
 }

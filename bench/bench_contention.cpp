@@ -1,0 +1,247 @@
+// Training steps on a shared machine (issue 22, "Robust under contention, by default"): the CNN2
+// layerwise 4 x 672 step (batch 256) and the MLP 784-256-256-10 layerwise L = 64 step (batch 64),
+// idle and with one busy-loop process pinned to a CPU beside them (the benchmark forks it, pins it to
+// the first CPU it may use, and kills it), under several thread settings, all in one process:
+//   default   a thread that never set a count: the library's default policy (core/parallel.h;
+//             MN_THREAD_POLICY, OMP_NUM_THREADS apply as they would to any program)
+//   static    an explicit count of every CPU the process may use: what the default was before the
+//             adaptive policy (the same as MN_THREAD_POLICY=static)
+//   1, N - 1  explicit counts (N - 1 only on machines with more than two CPUs)
+// Each block runs on a thread of its own (the counts are per thread); each setting has its own model
+// and optimizer.
+// Rounds interleave the settings: in every round each setting runs a block of steps, the first ~0.4 s
+// of a block untimed (it lets the default policy's load measurement see the new state), then at least
+// 0.3 s timed. Figures are medians over every timed step of a (load, setting).
+// Counters (ms per step):
+//   <load>_<setting>_ms    load idle or busy, setting default, static, t1, tN-1
+//   busy_best_ms           the fastest fixed setting under load (static, 1, N - 1)
+//   busy_ratio             busy_default_ms / busy_best_ms          target <= 1.2
+//   idle_ratio             idle_default_ms / idle_static_ms        target <= 1.03
+//   busy_static_ratio      busy_static_ms / busy_best_ms           (the collapse the default avoids)
+//   team_idle, team_busy   the default's mean team size after its timed steps
+//   load_avg               the 1-minute load average when the run started (other processes)
+// MN_BENCH_CONTENTION_ROUNDS sets the rounds (default 3).
+//
+// What the policy costs an idle step, measured without depending on the load: BM_TeamQuery is the
+// query every parallel region makes (get_num_threads_in_use on a thread without a count: a coarse
+// clock read between samples), BM_LoadSample one sample (/proc/stat's cpu lines, the affinity mask,
+// the process CPU time), taken once per 200 ms.
+#include <benchmark/benchmark.h>
+#include <signal.h>
+#include <sched.h>
+#include <stdlib.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "core/cpu_load.h"
+#include "core/parallel.h"
+#include "core/random.h"
+#include "mapping/mapping_model.h"
+#include "mapping/targets.h"
+#include "nn/functional.h"
+#include "nn/optim.h"
+
+using namespace mn;
+namespace F = mn::nn::functional;
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// Runs job() on a new thread with `threads` set (0: none, the default policy) and waits for it. A
+// thread of its own per block: libgomp keeps a pool of workers for every thread that ran a team, and
+// spins shorter while it manages more threads than there are CPUs, so the benchmark's main thread
+// runs no team and no pool outlives its block, as in a program with one training thread.
+void on_thread(int threads, const std::function<void()>& job) {
+  std::thread([&] {
+    if (threads > 0) set_num_threads(threads);
+    job();
+  }).join();
+}
+
+// One busy-loop process pinned to `cpu`, killed by the destructor (and by the kernel if we die first).
+class BusyLoop {
+ public:
+  explicit BusyLoop(int cpu) {
+    pid_ = fork();
+    if (pid_ == 0) {
+      prctl(PR_SET_PDEATHSIG, SIGKILL);
+      cpu_set_t set;
+      CPU_ZERO(&set);
+      CPU_SET(cpu, &set);
+      sched_setaffinity(0, sizeof set, &set);
+      volatile unsigned long spins = 0;
+      for (;;) spins = spins + 1;
+    }
+  }
+  ~BusyLoop() {
+    if (pid_ > 0) {
+      kill(pid_, SIGKILL);
+      waitpid(pid_, nullptr, 0);
+    }
+  }
+  bool running() const { return pid_ > 0; }
+
+ private:
+  pid_t pid_ = -1;
+};
+
+int first_allowed_cpu() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof set, &set) == 0)
+    for (int c = 0; c < CPU_SETSIZE; ++c)
+      if (CPU_ISSET(c, &set)) return c;
+  return 0;
+}
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const size_t m = v.size() / 2;
+  return v.size() % 2 ? v[m] : 0.5 * (v[m - 1] + v[m]);
+}
+
+double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+// A layerwise-mapped model, its optimizer and a fixed batch: one training step per call.
+struct MappedStep {
+  MappedStep(const std::string& target, int64_t latent, const Shape& input) {
+    manual_seed(0);
+    mapping::MappingOptions o;
+    o.latent_dim = latent;
+    o.strategy = "layerwise";
+    model = std::make_unique<mapping::MappingModel>(mapping::make_target(target), o);
+    adam = std::make_unique<nn::optim::Adam>(model->parameters(), nn::optim::AdamOptions{.lr = 1e-2});
+    Generator gen(7);
+    x = randn(input, DType::f32, &gen);
+    y = uniform({input[0]}, 0.0, 10.0, DType::f32, &gen).to(DType::i64);
+  }
+  void operator()() {
+    Tensor loss = F::cross_entropy(model->run(x).predictions, y);
+    adam->zero_grad();
+    loss.backward();
+    adam->step();
+  }
+  std::unique_ptr<mapping::MappingModel> model;
+  std::unique_ptr<nn::optim::Adam> adam;
+  Tensor x, y;
+};
+
+struct Setting {
+  std::string name;
+  int threads;  // 0: the default policy
+  std::unique_ptr<MappedStep> step;
+  std::map<std::string, std::vector<double>> ms;  // per load
+  std::map<std::string, std::vector<double>> team;
+};
+
+int rounds() {
+  const char* env = std::getenv("MN_BENCH_CONTENTION_ROUNDS");
+  const int r = env ? std::atoi(env) : 0;
+  return r > 0 ? r : 3;
+}
+
+void contention(benchmark::State& state, const std::string& target, int64_t latent, const Shape& input) {
+  const int cpus = std::max(1, get_num_threads());
+  std::vector<Setting> settings;
+  settings.push_back({"default", 0, nullptr, {}, {}});
+  settings.push_back({"static", cpus, nullptr, {}, {}});
+  if (cpus > 1) settings.push_back({"t1", 1, nullptr, {}, {}});
+  if (cpus > 2) settings.push_back({"t" + std::to_string(cpus - 1), cpus - 1, nullptr, {}, {}});
+  for (Setting& s : settings)
+    on_thread(s.threads, [&] {
+      s.step = std::make_unique<MappedStep>(target, latent, input);
+      (*s.step)();
+    });
+  double load_avg[1] = {0};
+  getloadavg(load_avg, 1);
+  const int n_rounds = rounds();
+  for (auto _ : state) {
+    const auto start = Clock::now();
+    for (const std::string load : {"idle", "busy"}) {
+      std::optional<BusyLoop> busy;
+      if (load == "busy") busy.emplace(first_allowed_cpu());
+      for (int r = 0; r < n_rounds; ++r)
+        for (Setting& s : settings)
+          on_thread(s.threads, [&] {
+            const auto block = Clock::now();
+            while (seconds_since(block) < 0.4) (*s.step)();
+            const auto timed = Clock::now();
+            do {
+              const auto t0 = Clock::now();
+              (*s.step)();
+              s.ms[load].push_back(seconds_since(t0) * 1e3);
+              s.team[load].push_back(get_num_threads_in_use());
+            } while (seconds_since(timed) < 0.3 || s.ms[load].size() < static_cast<size_t>(3 * (r + 1)));
+          });
+    }
+    state.SetIterationTime(seconds_since(start));
+  }
+  auto figure = [&](const std::string& setting, const std::string& load) {
+    for (const Setting& s : settings)
+      if (s.name == setting) return median(s.ms.at(load));
+    return 0.0;
+  };
+  for (const Setting& s : settings)
+    for (const auto& [load, v] : s.ms) state.counters[load + "_" + s.name + "_ms"] = median(v);
+  double best = figure("static", "busy");
+  for (const Setting& s : settings)
+    if (s.threads > 0) best = std::min(best, median(s.ms.at("busy")));
+  auto mean = [](const std::vector<double>& v) {
+    double t = 0;
+    for (double x : v) t += x;
+    return v.empty() ? 0 : t / static_cast<double>(v.size());
+  };
+  state.counters["busy_best_ms"] = best;
+  state.counters["busy_ratio"] = figure("default", "busy") / best;
+  state.counters["idle_ratio"] = figure("default", "idle") / figure("static", "idle");
+  state.counters["busy_static_ratio"] = figure("static", "busy") / best;
+  state.counters["team_idle"] = mean(settings[0].team.at("idle"));
+  state.counters["team_busy"] = mean(settings[0].team.at("busy"));
+  state.counters["cpus"] = cpus;
+  state.counters["load_avg"] = load_avg[0];
+  state.SetLabel(target + " layerwise " + std::to_string(settings[0].step->model->generator().groups().size()) + "x" +
+                 std::to_string(latent) + " batch " + std::to_string(input[0]));
+  for (Setting& s : settings) on_thread(0, [&] { s.step.reset(); });
+}
+
+}  // namespace
+
+static void BM_Contention(benchmark::State& state) {
+  if (state.range(0) == 0)
+    contention(state, "cnn2", 672, {256, 1, 28, 28});
+  else
+    contention(state, "mlp", 64, {64, 784});
+}
+BENCHMARK(BM_Contention)
+    ->DenseRange(0, 1)
+    ->ArgName("target")
+    ->Iterations(1)
+    ->Unit(benchmark::kMillisecond)
+    ->UseManualTime();
+
+static void BM_TeamQuery(benchmark::State& state) {
+  int sum = 0;
+  on_thread(0, [&] {
+    for (auto _ : state) benchmark::DoNotOptimize(sum += get_num_threads_in_use());
+  });
+  state.counters["team"] = static_cast<double>(sum) / static_cast<double>(std::max<int64_t>(1, state.iterations()));
+}
+BENCHMARK(BM_TeamQuery)->Unit(benchmark::kNanosecond);
+
+static void BM_LoadSample(benchmark::State& state) {
+  for (auto _ : state) cpu_load::monitor().sample_now();
+}
+BENCHMARK(BM_LoadSample)->Unit(benchmark::kMicrosecond);
