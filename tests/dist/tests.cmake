@@ -144,10 +144,15 @@ add_test(NAME dist_collectives_job_token_2
          COMMAND ${CMAKE_COMMAND} -E env MN_JOB_TOKEN=dist-test-secret
                  $<TARGET_FILE:mn-run> --nproc-per-node 2 ${MN_DIST_WORKER} collectives)
 set_tests_properties(dist_collectives_job_token_2 PROPERTIES LABELS dist TIMEOUT 120)
+# mn-run serves the store (with the launcher's token); rank 1 brings another one and is refused.
 mn_dist_failure_test(dist_job_token_mismatch_2 60
-  "${MN_RUN}@@--nproc-per-node@@2@@sh@@-c@@MN_JOB_TOKEN=secret-of-rank-$RANK exec ${MN_DIST_WORKER} collectives"
+  "${CMAKE_COMMAND}@@-E@@env@@MN_JOB_TOKEN=job-secret@@${MN_RUN}@@--nproc-per-node@@2@@sh@@-c@@[ \"$RANK\" != 1 ] || export MN_JOB_TOKEN=another-secret && exec ${MN_DIST_WORKER} collectives"
   "rank 1: error: the store at 127.0.0.1:[0-9]+ refused this rank's job token"
   "mn store \\(port [0-9]+\\): refused the connection from 127.0.0.1:[0-9]+: wrong job token")
+# mn-run --job-token-file: the token from a mode-600 file for the launcher and the ranks.
+add_test(NAME dist_job_token_file_2
+         COMMAND ${MN_BASH_PROGRAM} ${CMAKE_CURRENT_SOURCE_DIR}/dist/job_token_file.sh $<TARGET_FILE:mn-run> ${MN_DIST_WORKER})
+set_tests_properties(dist_job_token_file_2 PROPERTIES LABELS dist TIMEOUT 120)
 
 # mn-train under mn-run (examples/mn-train.cpp --backend): equivalence with one process, resume, errors.
 if(TARGET mn-train)
