@@ -17,6 +17,9 @@
 //   dist_worker affinity      under mn-run --bind-cores: every rank runs on its own, equally large set of CPUs
 //                             and OMP_NUM_THREADS is that set's size
 //
+// --backend mpi (any mode; default gloo): the same checks over the MPI process group, under
+// mpirun -np N instead of mn-run (rank and size from dist::launch_env).
+//
 // Exit codes: 0 passed, 1 a check failed or an error, 3 training stopped by a communication error (kill).
 #include <sched.h>
 #include <signal.h>
@@ -51,6 +54,7 @@ namespace {
 
 int g_rank = 0;
 int g_failures = 0;
+std::string g_backend = "gloo";  // --backend
 
 #define WORKER_CHECK(cond, ...)                                                                          \
   do {                                                                                                   \
@@ -74,9 +78,9 @@ bool has_flag(int argc, char** argv, const std::string& name) {
 }
 
 void setup_from_env(Milliseconds timeout) {
-  dist::EnvConfig env = dist::from_env();
+  dist::EnvConfig env = dist::launch_env(g_backend);
   g_rank = env.rank;
-  dist::setup_ddp(env.rank, env.world_size, "gloo", "env://", timeout);
+  dist::setup_ddp(env.rank, env.world_size, g_backend, "env://", timeout);
 }
 
 // ---- collectives ----
@@ -102,7 +106,8 @@ void run_collectives() {
   auto pg = dist::default_process_group();
   const int rank = pg->rank(), world = pg->size();
   const char* io_thread = std::getenv("MN_GLOO_IO_THREAD");
-  const int expected_batch = io_thread != nullptr && std::string(io_thread) == "normal" ? 0 : 1;
+  const bool gloo_batch_loop = g_backend == "gloo" && (io_thread == nullptr || std::string(io_thread) != "normal");
+  const int expected_batch = gloo_batch_loop ? 1 : 0;
   WORKER_CHECK(batch_threads() == expected_batch, "expected ", expected_batch,
                " SCHED_BATCH thread (Gloo's event loop), found ", batch_threads());
   const double triangle = world * (world + 1) / 2.0;  // sum of (rank + 1)
@@ -657,6 +662,7 @@ void run_affinity() {
 
 int main(int argc, char** argv) {
   const std::string mode = argc > 1 ? argv[1] : "";
+  g_backend = arg_value(argc, argv, "--backend", "gloo");
   try {
     if (mode == "collectives") {
       run_collectives();
