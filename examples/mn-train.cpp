@@ -1079,7 +1079,9 @@ int main(int argc, char** argv) {
     if (device.is_cuda())
       MN_CHECK(cuda_available() && device.index < cuda_device_count(), DeviceError, "--device ", o.device,
                ": CUDA is not available here (built without CUDA, or no usable GPU); use --device cpu");
-    const bool tty = dist.main() && isatty(STDOUT_FILENO) != 0;
+    // Open MPI gives every rank a pseudo-terminal, wherever mpirun's own output goes (a log file, a pipe):
+    // under --backend mpi isatty says nothing, so rank 0 writes as to a log (with --json the JSON line only).
+    const bool tty = dist.main() && isatty(STDOUT_FILENO) != 0 && dist.backend != "mpi";
     const fs::path out_dir(o.out);
     check_writable_directory(out_dir);
     if (dist.active) dist::setup_ddp(dist.rank, dist.world_size, dist.backend);

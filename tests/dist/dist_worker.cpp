@@ -13,6 +13,8 @@
 //   dist_worker buffer_mismatch  rank 1 uses another mapper seed: wrap_ddp must fail on every rank
 //   dist_worker kill          rank --kill-rank raises SIGKILL after --after-step steps; the others must stop
 //                             with a clear error within the collective timeout
+//   dist_worker stall         rank --stall-rank sleeps --stall-seconds before its all-reduce: the others' wait
+//                             must fail after the collective --timeout, naming it, and later collectives at once
 //   dist_worker env           reads the environment only (bad-variable tests)
 //   dist_worker affinity      under mn-run --bind-cores: every rank runs on its own, equally large set of CPUs
 //                             and OMP_NUM_THREADS is that set's size
@@ -624,6 +626,35 @@ int run_kill(int argc, char** argv) {
   return 1;
 }
 
+// ---- stall ----
+
+// Exit 3 when the expected timeout error came (and the next collective failed at once), 1 otherwise.
+int run_stall(int argc, char** argv) {
+  const int stall_rank = std::stoi(arg_value(argc, argv, "--stall-rank", "1"));
+  const double stall_s = std::stod(arg_value(argc, argv, "--stall-seconds", "20"));
+  const double timeout_s = std::stod(arg_value(argc, argv, "--timeout", "2"));
+  setup_from_env(Milliseconds(static_cast<int64_t>(timeout_s * 1000)));
+  auto pg = dist::default_process_group();
+  if (pg->rank() == stall_rank) std::this_thread::sleep_for(std::chrono::duration<double>(stall_s));
+  Tensor t = ones({16});
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    pg->allreduce(t)->wait();
+  } catch (const Error& e) {
+    const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    std::fprintf(stderr, "rank %d: all-reduce failed after %.2f s: %s\n", pg->rank(), waited, e.what());
+    try {
+      pg->barrier()->wait();
+    } catch (const Error& later) {
+      std::fprintf(stderr, "rank %d: then: %s\n", pg->rank(), later.what());
+      return waited >= 0.9 * timeout_s && waited < timeout_s + 5 ? 3 : 1;
+    }
+    return 1;
+  }
+  std::fprintf(stderr, "rank %d: the all-reduce completed although rank %d stalled\n", pg->rank(), stall_rank);
+  return 1;
+}
+
 // ---- affinity ----
 
 void run_affinity() {
@@ -678,6 +709,8 @@ int main(int argc, char** argv) {
       run_buffer_mismatch();
     } else if (mode == "kill") {
       return run_kill(argc, argv);
+    } else if (mode == "stall") {
+      return run_stall(argc, argv);
     } else if (mode == "affinity") {
       run_affinity();
     } else if (mode == "env") {
@@ -686,7 +719,7 @@ int main(int argc, char** argv) {
     } else {
       std::fprintf(stderr,
                    "usage: dist_worker collectives|equivalence|no_sync|module_equivalence|gradient_sync|buffer_mismatch|kill|"
-                   "affinity|env [options]\n");
+                   "stall|affinity|env [options] [--backend gloo|mpi]\n");
       return 2;
     }
   } catch (const std::exception& e) {
