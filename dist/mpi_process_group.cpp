@@ -4,13 +4,13 @@
 #define OMPI_SKIP_MPICXX 1
 #define MPICH_SKIP_MPICXX 1
 #include <mpi.h>
-#include <sched.h>
 
 #include <climits>
 #include <cstdlib>
 #include <deque>
 #include <functional>
 #include <mutex>
+#include <thread>
 #include <vector>
 
 #include "core/capture.h"
@@ -108,6 +108,19 @@ std::string describe(const char* collective, const Tensor& t) {
 
 std::string seconds_text(Milliseconds ms) { return str(static_cast<double>(ms.count()) / 1000.0, " s"); }
 
+constexpr std::chrono::microseconds kNap{50};
+
+// How long a wait polls without pause: MN_MPI_SPIN_US (microseconds; every rank may differ), else 200 us.
+std::chrono::microseconds spin_before_napping() {
+  const char* text = std::getenv("MN_MPI_SPIN_US");
+  if (text == nullptr || *text == '\0') return std::chrono::microseconds(200);
+  char* end = nullptr;
+  const long long us = std::strtoll(text, &end, 10);
+  MN_CHECK(end != text && *end == '\0' && us >= 0, ValueError, "MN_MPI_SPIN_US='", text,
+           "' is not a number of microseconds");
+  return std::chrono::microseconds(us);
+}
+
 // One collective in flight.
 struct MpiOp {
   std::string what;
@@ -143,6 +156,7 @@ struct MpiProcessGroup::Impl : std::enable_shared_from_this<MpiProcessGroup::Imp
   MPI_Comm comm = MPI_COMM_NULL;
   std::deque<std::shared_ptr<MpiOp>> pending;  // issued and not yet seen complete
   std::string broken;                          // the first failure
+  std::chrono::microseconds spin = spin_before_napping();
 
   void fail(const std::shared_ptr<MpiOp>& op, std::string message) {
     op->done = true;
@@ -177,20 +191,24 @@ struct MpiProcessGroup::Impl : std::enable_shared_from_this<MpiProcessGroup::Imp
     while (!pending.empty() && progress(pending.front())) pending.pop_front();
   }
 
-  // Polls `op` until it finished or `timeout` passed; true when it finished. Yields the CPU between polls
-  // once a wait gets long (a rank waiting for a slower peer, perhaps on a shared core).
+  // Polls `op` until it finished or `timeout` passed; true when it finished. MPI has no blocking wait that
+  // sleeps (Open MPI's own spins), so the first `spin` of a wait polls flat out: a partner that is there
+  // answers within microseconds. After that the waiting thread naps between polls: a rank that waits for a
+  // slower one then leaves its core to the machine's other work (a spinning rank under a loaded scheduler
+  // is served later once it has work again: DDP steps 1.25x slower than Gloo's sleeping waits), at the
+  // cost of up to a nap's latency.
   bool poll(const std::shared_ptr<MpiOp>& op, std::unique_lock<std::mutex>& lock) {
     const auto start = std::chrono::steady_clock::now();
+    std::chrono::steady_clock::duration waited{};
     for (uint64_t polls = 1;; ++polls) {
       if (progress(op)) return true;
-      if (polls % 128 != 0) continue;
-      const auto waited = std::chrono::steady_clock::now() - start;
+      if (waited < spin && polls % 64 != 0) continue;
+      waited = std::chrono::steady_clock::now() - start;
       if (waited >= options.timeout) return false;
-      if (waited > std::chrono::milliseconds(2)) {
-        lock.unlock();
-        sched_yield();
-        lock.lock();
-      }
+      if (waited < spin) continue;
+      lock.unlock();
+      std::this_thread::sleep_for(kNap);
+      lock.lock();
     }
   }
 
