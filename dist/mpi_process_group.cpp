@@ -349,13 +349,7 @@ WorkPtr MpiProcessGroup::broadcast(const Tensor& tensor, int root) {
 }
 
 WorkPtr MpiProcessGroup::allgather(const Tensor& input, const Tensor& output) {
-  check_collective_tensor(input, "allgather (input)", backend());
-  check_collective_tensor(output, "allgather (output)", backend());
-  MN_CHECK(output.dtype() == input.dtype(), TypeError, "allgather output must have the input's dtype ",
-           dtype_name(input.dtype()), ", got ", dtype_name(output.dtype()));
-  MN_CHECK(output.numel() == input.numel() * size(), ValueError,
-           "allgather output must hold size() * input.numel() = ", size(), " * ", input.numel(), " = ",
-           input.numel() * size(), " elements, got ", output.numel());
+  check_allgather_tensors(input, output, size(), backend());
   MN_CHECK(input.numel() <= INT_MAX, ValueError, "the mpi backend's allgather takes at most ", INT_MAX,
            " elements per rank (MPI counts are int), got ", input.numel());
   output.bump_version();

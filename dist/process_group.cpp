@@ -77,6 +77,16 @@ void check_collective_tensor(const Tensor& tensor, const char* collective, const
            want_cuda ? " (use the gloo backend for CPU tensors)" : " (use the nccl backend for CUDA tensors)");
 }
 
+void check_allgather_tensors(const Tensor& input, const Tensor& output, int group_size, const std::string& backend) {
+  check_collective_tensor(input, "allgather (input)", backend);
+  check_collective_tensor(output, "allgather (output)", backend);
+  MN_CHECK(output.dtype() == input.dtype(), TypeError, "allgather output must have the input's dtype ",
+           dtype_name(input.dtype()), ", got ", dtype_name(output.dtype()));
+  MN_CHECK(output.numel() == input.numel() * group_size, ValueError,
+           "allgather output must hold size() * input.numel() = ", group_size, " * ", input.numel(), " = ",
+           input.numel() * group_size, " elements, got ", output.numel());
+}
+
 std::shared_ptr<ProcessGroup> make_process_group(const std::string& backend, std::shared_ptr<Store> store, int rank,
                                                  int size, ProcessGroupOptions options) {
   check_backend(backend);

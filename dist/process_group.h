@@ -86,6 +86,8 @@ std::shared_ptr<ProcessGroup> make_process_group(const std::string& backend, std
 
 // Checks shared by the backends: defined, contiguous, an f32 or i64 tensor.
 void check_collective_tensor(const Tensor& tensor, const char* collective, const std::string& backend);
+// The same for an allgather's input and output, and output.numel() == group_size * input.numel().
+void check_allgather_tensors(const Tensor& input, const Tensor& output, int group_size, const std::string& backend);
 
 // This process's rank, world size and local rank as its launcher gave them: for "mpi" from_mpi_env() (no
 // MASTER_ADDR / MASTER_PORT; when the variables do not give rank and size, MPI is initialised and asked),
