@@ -61,7 +61,7 @@ void setup_ddp(int rank, int world_size, const std::string& backend = "gloo",
 // Leaves the default group (destroys it and the store). A no-op when not initialised.
 void cleanup_ddp();
 bool is_initialized();
-// True when this build offers a backend (Gloo, or NCCL in CUDA builds); see available_backends().
+// True when this build offers a backend (Gloo, NCCL in CUDA builds, MPI when found); see available_backends().
 bool is_available();
 
 // The default group; RuntimeError "Process group is not initialized. Call setup_ddp() before wrap_ddp()."
