@@ -57,3 +57,17 @@ if(MN_CUDA_ENABLED)
     message(STATUS "NCCL not found: the nccl process group is not built")
   endif()
 endif()
+
+# ---- MPI (AUTO: on when an MPI library is found, e.g. Debian's libopenmpi-dev) ----
+# MPI's C interface from C++ (the project enables no C compiler): FindMPI's CXX component without the
+# deprecated C++ bindings, so MPI::MPI_CXX names the C library only.
+set(MN_MPI_ENABLED OFF)
+if(NOT MN_WITH_MPI STREQUAL "OFF")
+  set(MPI_CXX_SKIP_MPICXX ON)
+  find_package(MPI QUIET COMPONENTS CXX)
+  if(MPI_CXX_FOUND)
+    set(MN_MPI_ENABLED ON)
+  elseif(MN_WITH_MPI STREQUAL "ON")
+    message(FATAL_ERROR "MN_WITH_MPI=ON but MPI was not found (apt-get install libopenmpi-dev openmpi-bin)")
+  endif()
+endif()

@@ -29,7 +29,7 @@ foreach(dir core autograd nn mapping dist)
       FILES_MATCHING PATTERN "*.h"
       REGEX "/autograd/functions$" EXCLUDE
       REGEX "/core/tensor_hooks\\.h$" EXCLUDE
-      REGEX "/dist/(gloo_process_group|gloo_store_adapter|nccl_process_group|socket|store_protocol|tcp_store_server)\\.h$" EXCLUDE)
+      REGEX "/dist/(gloo_process_group|gloo_store_adapter|mpi_process_group|nccl_process_group|socket|store_protocol|tcp_store_server)\.h$" EXCLUDE)
   endif()
 endforeach()
 install(FILES ${PROJECT_SOURCE_DIR}/kernels/factories.h

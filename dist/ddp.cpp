@@ -158,6 +158,15 @@ void setup_ddp(int rank, int world_size, const std::string& backend, const std::
   std::lock_guard<std::mutex> lock(g_default_mutex);
   MN_CHECK(!g_default.has_value(), RuntimeError, "setup_ddp() was already called (rank ", g_default->group->rank(),
            " of ", g_default->group->size(), "); call cleanup_ddp() first");
+  if (backend == "mpi") {
+    // MPI connects the ranks mpirun started: no store, and init_method is not used.
+    ProcessGroupOptions group_options;
+    group_options.timeout = timeout;
+    auto group = make_process_group(backend, nullptr, rank, world_size, group_options);
+    group->barrier()->wait();
+    g_default = DefaultGroup{nullptr, std::move(group)};
+    return;
+  }
   const Endpoint endpoint = parse_init_method(init_method);
 
   TcpStoreOptions store_options;
@@ -225,6 +234,8 @@ std::shared_ptr<ProcessGroup> default_process_group() {
 std::shared_ptr<Store> default_store() {
   std::lock_guard<std::mutex> lock(g_default_mutex);
   MN_CHECK(g_default.has_value(), RuntimeError, "Process group is not initialized. Call setup_ddp() first.");
+  MN_CHECK(g_default->store != nullptr, RuntimeError, "the ", g_default->group->backend(),
+           " backend has no store (MPI connects the ranks itself)");
   return g_default->store;
 }
 

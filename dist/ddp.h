@@ -54,20 +54,21 @@ namespace mn::dist {
 // Joins the default group: rank 0 serves a TcpStore (or, with env:// under mn-run / torchrun, the launcher
 // does: TORCHELASTIC_USE_AGENT_STORE, see env.h), every rank connects to it, the backend's group is
 // built and a barrier makes sure every rank arrived. init_method: "env://" (MASTER_ADDR, MASTER_PORT from
-// the environment) or "tcp://host:port". Backends: "gloo" (CPU tensors), "nccl" (CUDA builds). The
-// timeout bounds the rendezvous and every later collective.
+// the environment) or "tcp://host:port". Backends: "gloo" (CPU tensors), "nccl" (CUDA builds), "mpi" (CPU
+// tensors, builds with MPI, ranks started by mpirun: no store and no init_method, and rank and world_size must be
+// MPI's; see launch_env in dist/process_group.h). The timeout bounds the rendezvous and every later collective.
 void setup_ddp(int rank, int world_size, const std::string& backend = "gloo",
                const std::string& init_method = "env://", Milliseconds timeout = default_collective_timeout());
 // Leaves the default group (destroys it and the store). A no-op when not initialised.
 void cleanup_ddp();
 bool is_initialized();
-// True when this build offers a backend (Gloo, or NCCL in CUDA builds); see available_backends().
+// True when this build offers a backend (Gloo, NCCL in CUDA builds, MPI when found); see available_backends().
 bool is_available();
 
 // The default group; RuntimeError "Process group is not initialized. Call setup_ddp() before wrap_ddp()."
 // when setup_ddp has not run.
 std::shared_ptr<ProcessGroup> default_process_group();
-std::shared_ptr<Store> default_store();
+std::shared_ptr<Store> default_store();  // RuntimeError for "mpi", which has none
 int get_rank();        // 0 when not initialised
 int get_world_size();  // 1 when not initialised
 

@@ -130,4 +130,59 @@ AgentStore parse_agent_store(const std::function<std::optional<std::string>(cons
 
 AgentStore agent_store_from_env() { return parse_agent_store(process_variable); }
 
+// ---- MPI launchers ----
+
+namespace {
+
+// An integer variable in [low, INT_MAX], or nullopt when unset or empty.
+std::optional<int> int_variable_at_least(const std::function<std::optional<std::string>(const std::string&)>& lookup,
+                                         const std::string& name, int low) {
+  const std::optional<std::string> text = lookup(name);
+  if (!text || text->empty()) return std::nullopt;
+  const char* expected = low == 0 ? " is not a non-negative integer" : " is not a positive integer";
+  int64_t v = 0;
+  try {
+    v = parse_int_variable(name, *text);
+  } catch (const ValueError&) {
+    throw ValueError(str("environment variable ", quoted(name, *text), expected));
+  }
+  MN_CHECK(v >= low && v <= std::numeric_limits<int>::max(), ValueError, "environment variable ", quoted(name, *text),
+           expected);
+  return static_cast<int>(v);
+}
+
+}  // namespace
+
+MpiLaunchEnv parse_mpi_env(const std::function<std::optional<std::string>(const std::string&)>& lookup) {
+  struct Names {
+    const char* rank;
+    const char* size;  // nullptr: this launcher's variables give no size
+  };
+  MpiLaunchEnv env;
+  for (const Names& names : {Names{"RANK", "WORLD_SIZE"}, Names{"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"},
+                             Names{"PMI_RANK", "PMI_SIZE"}, Names{"PMIX_RANK", nullptr}}) {
+    std::optional<int> rank = int_variable_at_least(lookup, names.rank, 0);
+    std::optional<int> size = names.size ? int_variable_at_least(lookup, names.size, 1) : std::nullopt;
+    if (!rank && !size) continue;
+    MN_CHECK(rank && (size || names.size == nullptr), ValueError, "environment variable ",
+             rank ? names.size : names.rank, " is not set, but ", rank ? names.rank : names.size,
+             " is: set both (or neither, under mpirun)");
+    MN_CHECK(!size || *rank < *size, ValueError, "environment variable ", names.rank, "=", *rank,
+             " must be less than ", names.size, "=", *size);
+    env.rank = rank;
+    env.world_size = size;
+    env.rank_source = names.rank;
+    break;
+  }
+  for (const Names& names : {Names{"LOCAL_RANK", "LOCAL_WORLD_SIZE"},
+                             Names{"OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"}}) {
+    env.local_rank = int_variable_at_least(lookup, names.rank, 0);
+    env.local_world_size = int_variable_at_least(lookup, names.size, 1);
+    if (env.local_rank || env.local_world_size) break;
+  }
+  return env;
+}
+
+MpiLaunchEnv from_mpi_env() { return parse_mpi_env(process_variable); }
+
 }  // namespace mn::dist

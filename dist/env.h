@@ -48,4 +48,18 @@ AgentStore parse_agent_store(const std::function<std::optional<std::string>(cons
 int64_t parse_int_variable(const std::string& name, const std::string& text);
 uint16_t parse_port_variable(const std::string& name, const std::string& text);
 
+// ---- processes started by an MPI launcher (backend "mpi"): no MASTER_ADDR / MASTER_PORT ----
+// Rank and size, in this order of preference: RANK / WORLD_SIZE (both, when either is set); Open MPI's
+// OMPI_COMM_WORLD_RANK / OMPI_COMM_WORLD_SIZE (mpirun); PMI_RANK / PMI_SIZE (MPICH's and Slurm's PMI);
+// PMIx's PMIX_RANK, which gives the rank only. The local rank and size likewise from LOCAL_RANK /
+// LOCAL_WORLD_SIZE, else OMPI_COMM_WORLD_LOCAL_RANK / OMPI_COMM_WORLD_LOCAL_SIZE. What no variable gives
+// stays empty (launch_env in dist/process_group.h then asks MPI). Malformed values are ValueErrors naming
+// the variable, as from_env's.
+struct MpiLaunchEnv {
+  std::optional<int> rank, world_size, local_rank, local_world_size;
+  std::string rank_source;  // the variable the rank came from ("" when none)
+};
+MpiLaunchEnv parse_mpi_env(const std::function<std::optional<std::string>(const std::string&)>& lookup);
+MpiLaunchEnv from_mpi_env();
+
 }  // namespace mn::dist

@@ -324,13 +324,7 @@ WorkPtr GlooProcessGroup::broadcast(const Tensor& tensor, int root) {
 }
 
 WorkPtr GlooProcessGroup::allgather(const Tensor& input, const Tensor& output) {
-  check_collective_tensor(input, "allgather (input)", backend());
-  check_collective_tensor(output, "allgather (output)", backend());
-  MN_CHECK(output.dtype() == input.dtype(), TypeError, "allgather output must have the input's dtype ",
-           dtype_name(input.dtype()), ", got ", dtype_name(output.dtype()));
-  MN_CHECK(output.numel() == input.numel() * size(), ValueError,
-           "allgather output must hold size() * input.numel() = ", size(), " * ", input.numel(), " = ",
-           input.numel() * size(), " elements, got ", output.numel());
+  check_allgather_tensors(input, output, size(), backend());
   output.bump_version();
   return enqueue(describe("allgather", input), [this, input, output](uint32_t tag) {
     const size_t n = static_cast<size_t>(input.numel());

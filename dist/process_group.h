@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "core/tensor.h"
+#include "dist/env.h"
 #include "dist/store.h"
 
 namespace mn::dist {
@@ -70,18 +71,27 @@ class ProcessGroup {
   int size_;
 };
 
-// Backends this build offers: "gloo" when built with Gloo, "nccl" when built with CUDA and NCCL.
+// Backends this build offers: "gloo" when built with Gloo, "nccl" when built with CUDA and NCCL, "mpi" when built
+// with MPI (MN_WITH_MPI; ranks started by mpirun, see dist/mpi_process_group.h).
 std::vector<std::string> available_backends();
 bool is_backend_available(const std::string& backend);
 // Throws RuntimeError for a backend this build cannot offer ("backend 'mpi' is not available in this
-// build; use gloo or nccl") and ValueError for names that are no backend at all.
+// build (built without MPI: ...)") and ValueError for names that are no backend at all.
 void check_backend(const std::string& backend);
 
-// Connects `size` ranks through `store` (every rank calls it with the same backend and store).
+// Connects `size` ranks through `store` (every rank calls it with the same backend and store). "mpi" needs no
+// store (pass nullptr): MPI connects the ranks mpirun started, and rank and size must be MPI's.
 std::shared_ptr<ProcessGroup> make_process_group(const std::string& backend, std::shared_ptr<Store> store, int rank,
                                                  int size, ProcessGroupOptions options = {});
 
 // Checks shared by the backends: defined, contiguous, an f32 or i64 tensor.
 void check_collective_tensor(const Tensor& tensor, const char* collective, const std::string& backend);
+// The same for an allgather's input and output, and output.numel() == group_size * input.numel().
+void check_allgather_tensors(const Tensor& input, const Tensor& output, int group_size, const std::string& backend);
+
+// This process's rank, world size and local rank as its launcher gave them: for "mpi" from_mpi_env() (no
+// MASTER_ADDR / MASTER_PORT; when the variables do not give rank and size, MPI is initialised and asked),
+// for the other backends from_env(). Errors as theirs; a build without MPI refuses "mpi" (check_backend).
+EnvConfig launch_env(const std::string& backend);
 
 }  // namespace mn::dist

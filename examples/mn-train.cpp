@@ -57,6 +57,10 @@
 // holds the global batch, so it may continue with another rank count of the same global batch.
 // gloo trains on CPU tensors; nccl needs --device cuda (rank r uses cuda:LOCAL_RANK unless an index is
 // given) and a CUDA build.
+// mpi (builds with MPI) trains on CPU tensors too, started by mpirun instead of mn-run:
+//   mpirun -np 2 mn-train --backend mpi ...
+// rank and size come from RANK / WORLD_SIZE when set, else from Open MPI's variables or MPI itself; no
+// MASTER_ADDR or MASTER_PORT (dist::launch_env).
 //
 // --compile captures each training step (forward, loss, backward; not the optimizer step) once per
 // batch shape and replays its kernels afterwards (mn::compile, nn/compile.h): same results bit for bit.
@@ -974,7 +978,8 @@ int main(int argc, char** argv) {
                "capture each training step (forward, loss, backward) once per batch shape and replay it "
                "(mn::compile); prints what was captured at the end");
   app.add_option("--backend", o.backend,
-                 "data-parallel training under mn-run: gloo (CPU) or nccl (--device cuda); default: one process");
+                 "data-parallel training under mn-run: gloo (CPU) or nccl (--device cuda); under mpirun -np N: mpi "
+                 "(CPU; builds with MPI); default: one process");
   app.add_option("--on-nonfinite", o.on_nonfinite,
                  "a step whose loss or gradients hold NaN or inf: error (stop, naming the step) or warn")
       ->check(CLI::IsMember({"error", "warn"}))
@@ -1031,10 +1036,11 @@ int main(int argc, char** argv) {
     if (write_config_if_asked(app, o.write_config, "mn-train")) return 0;
     if (o.threads > 0) set_num_threads(o.threads);
     // --device auto: the GPU when there is one, except for gloo ranks, which train on the CPU.
-    Device device = o.device == "auto" && o.backend == "gloo" ? kCPU : Device::parse(o.device);
+    Device device = o.device == "auto" && (o.backend == "gloo" || o.backend == "mpi") ? kCPU : Device::parse(o.device);
     if (!o.backend.empty()) {
-      MN_CHECK(o.backend == "gloo" || o.backend == "nccl", ValueError, "--backend '", o.backend,
-               "' is not supported; use gloo (CPU) or nccl (CUDA), or leave --backend out for one process");
+      MN_CHECK(o.backend == "gloo" || o.backend == "nccl" || o.backend == "mpi", ValueError, "--backend '", o.backend,
+               "' is not supported; use gloo (CPU), nccl (CUDA) or mpi (CPU, under mpirun), or leave --backend out "
+               "for one process");
       if (o.backend == "nccl") {
         MN_CHECK(dist::is_backend_available("nccl"), RuntimeError,
                  "--backend nccl needs a CUDA build with NCCL, and this build has no CUDA; use --backend gloo "
@@ -1044,13 +1050,15 @@ int main(int argc, char** argv) {
         MN_CHECK(cuda_available(), DeviceError, "--device ", o.device,
                  ": CUDA is not available here (no usable GPU), so --backend nccl cannot run; use --backend gloo");
       } else {
-        MN_CHECK(device.is_cpu(), ValueError, "--backend gloo trains on the CPU; use --backend nccl with --device ",
-                 o.device, ", or --device cpu");
+        MN_CHECK(device.is_cpu(), ValueError, "--backend ", o.backend,
+                 " trains on the CPU; use --backend nccl with --device ", o.device, ", or --device cpu");
       }
+      if (o.backend == "mpi") dist::check_backend("mpi");  // a build without MPI says how to get it
       dist::EnvConfig env;
       try {
-        env = dist::from_env();
+        env = dist::launch_env(o.backend);  // mpi: MPI's rank and size, no MASTER_ADDR / MASTER_PORT
       } catch (const Error& e) {
+        if (o.backend == "mpi") throw;
         throw ValueError(str("--backend ", o.backend, " runs one process per rank under a launcher (mn-run "
                              "--nproc-per-node N mn-train --backend ", o.backend, " ...): ", e.what()));
       }
@@ -1071,7 +1079,9 @@ int main(int argc, char** argv) {
     if (device.is_cuda())
       MN_CHECK(cuda_available() && device.index < cuda_device_count(), DeviceError, "--device ", o.device,
                ": CUDA is not available here (built without CUDA, or no usable GPU); use --device cpu");
-    const bool tty = dist.main() && isatty(STDOUT_FILENO) != 0;
+    // Open MPI gives every rank a pseudo-terminal, wherever mpirun's own output goes (a log file, a pipe):
+    // under --backend mpi isatty says nothing, so rank 0 writes as to a log (with --json the JSON line only).
+    const bool tty = dist.main() && isatty(STDOUT_FILENO) != 0 && dist.backend != "mpi";
     const fs::path out_dir(o.out);
     check_writable_directory(out_dir);
     if (dist.active) dist::setup_ddp(dist.rank, dist.world_size, dist.backend);

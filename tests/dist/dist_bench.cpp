@@ -22,6 +22,10 @@
 //   mn_dist_bench compare --nodes 2 [...]
 //       The same with the 2 ranks as 2 "nodes" x 1 rank on this machine: two mn-run processes (--nnodes 2,
 //       node ranks 0 and 1, node 0 serving the store on a free port), rank r pinned to CPU r (--cpu r).
+// --backend mpi (allreduce, ddp): the same over the MPI process group, ranks started by mpirun instead, e.g.
+//   mpirun -np 2 --bind-to core mn_dist_bench allreduce --backend mpi
+//   mpirun -np 2 --bind-to core -x OMP_NUM_THREADS=1 mn_dist_bench ddp --backend mpi --batch 32 --steps 100
+// beside mn-run --nproc-per-node 2 --bind-cores mn_dist_bench allreduce | ddp ... for Gloo.
 // Rank 0 prints the results.
 #include <sched.h>
 #include <sys/resource.h>
@@ -69,12 +73,13 @@ long voluntary_switches() {
 
 void bench_allreduce(int argc, char** argv) {
   const size_t max_bytes = std::stoull(arg_value(argc, argv, "--max-bytes", std::to_string(size_t{64} << 20)));
-  dist::EnvConfig env = dist::from_env();
-  dist::setup_ddp(env.rank, env.world_size, "gloo", "env://", std::chrono::milliseconds(120'000));
+  const std::string backend = arg_value(argc, argv, "--backend", "gloo");
+  dist::EnvConfig env = dist::launch_env(backend);
+  dist::setup_ddp(env.rank, env.world_size, backend, "env://", std::chrono::milliseconds(120'000));
   auto pg = dist::default_process_group();
   const int world = pg->size();
   if (pg->rank() == 0) {
-    std::printf("Gloo allreduce (sum, f32), %d ranks on 127.0.0.1\n", world);
+    std::printf("%s allreduce (sum, f32), %d ranks on this machine\n", backend.c_str(), world);
     std::printf("%12s %8s %12s %12s %12s %12s\n", "bytes", "iters", "time [us]", "algbw [GB/s]", "busbw [GB/s]",
                 "csw/call");
   }
@@ -134,13 +139,14 @@ void pin_to_cpu(int k) {
 
 void bench_ddp(int argc, char** argv) {
   if (const std::string cpu = arg_value(argc, argv, "--cpu", ""); !cpu.empty()) pin_to_cpu(std::stoi(cpu));
-  const bool distributed = std::getenv("WORLD_SIZE") != nullptr;
+  const std::string backend = arg_value(argc, argv, "--backend", "gloo");
+  const bool distributed = std::getenv("WORLD_SIZE") != nullptr || backend == "mpi";
   int rank = 0, world = 1;
   if (distributed) {
-    dist::EnvConfig env = dist::from_env();
+    dist::EnvConfig env = dist::launch_env(backend);
     rank = env.rank;
     world = env.world_size;
-    dist::setup_ddp(rank, world, "gloo", "env://", std::chrono::milliseconds(120'000));
+    dist::setup_ddp(rank, world, backend, "env://", std::chrono::milliseconds(120'000));
   }
   const int64_t batch = std::stoll(arg_value(argc, argv, "--batch", distributed ? "32" : "64"));
   const int steps = std::stoi(arg_value(argc, argv, "--steps", "20"));
@@ -198,7 +204,7 @@ void bench_ddp(int argc, char** argv) {
   } else if (rank == 0) {
     const int64_t global_batch = batch * world;
     std::printf("CNN2 layerwise 4x672: %s, batch %lld per rank (%lld global), %d steps\n",
-                distributed ? (std::to_string(world) + " ranks, DDP over Gloo").c_str() : "1 process, no DDP",
+                distributed ? (std::to_string(world) + " ranks, DDP over " + backend).c_str() : "1 process, no DDP",
                 static_cast<long long>(batch), static_cast<long long>(global_batch), steps);
     std::printf("  trainable floats %lld, bytes all-reduced per step %zu\n",
                 static_cast<long long>(model.trainable_parameter_count()), ddp ? ddp->bytes_per_step() : size_t{0});
@@ -340,8 +346,8 @@ int main(int argc, char** argv) {
       bench_compare(argc, argv);
     } else {
       std::fprintf(stderr,
-                   "usage: mn_dist_bench allreduce [--max-bytes N] | ddp [--batch B] [--steps S] | "
-                   "compare [--batch B] [--steps S] [--repeats R] [--nodes 1|2] [--no-bind]\n");
+                   "usage: mn_dist_bench allreduce [--max-bytes N] [--backend gloo|mpi] | ddp [--batch B] [--steps S] "
+                   "[--backend gloo|mpi] | compare [--batch B] [--steps S] [--repeats R] [--nodes 1|2] [--no-bind]\n");
       return 2;
     }
   } catch (const std::exception& e) {

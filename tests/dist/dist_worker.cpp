@@ -13,6 +13,8 @@
 //   dist_worker buffer_mismatch  rank 1 uses another mapper seed: wrap_ddp must fail on every rank
 //   dist_worker kill          rank --kill-rank raises SIGKILL after --after-step steps; the others must stop
 //                             with a clear error within the collective timeout
+//   dist_worker stall         rank --stall-rank sleeps --stall-seconds before its all-reduce: the others' wait
+//                             must fail after the collective --timeout, naming it, and later collectives at once
 //   dist_worker env           reads the environment only (bad-variable tests)
 //   dist_worker backend_mismatch --backends B0,B1,...  rank r calls setup_ddp with backend Br: when they
 //                             differ, every rank must fail with the same message naming them
@@ -21,6 +23,9 @@
 //                             passes, an all-reduce over the ranks and the launcher's variables are checked
 //   dist_worker affinity      under mn-run --bind-cores: every rank runs on its own, equally large set of CPUs
 //                             and OMP_NUM_THREADS is that set's size
+//
+// --backend mpi (any mode; default gloo): the same checks over the MPI process group, under
+// mpirun -np N instead of mn-run (rank and size from dist::launch_env).
 //
 // Exit codes: 0 passed, 1 a check failed or an error, 3 training stopped by a communication error (kill).
 #include <sched.h>
@@ -56,6 +61,7 @@ namespace {
 
 int g_rank = 0;
 int g_failures = 0;
+std::string g_backend = "gloo";  // --backend
 
 #define WORKER_CHECK(cond, ...)                                                                          \
   do {                                                                                                   \
@@ -79,9 +85,9 @@ bool has_flag(int argc, char** argv, const std::string& name) {
 }
 
 void setup_from_env(Milliseconds timeout) {
-  dist::EnvConfig env = dist::from_env();
+  dist::EnvConfig env = dist::launch_env(g_backend);
   g_rank = env.rank;
-  dist::setup_ddp(env.rank, env.world_size, "gloo", "env://", timeout);
+  dist::setup_ddp(env.rank, env.world_size, g_backend, "env://", timeout);
 }
 
 // ---- collectives ----
@@ -107,7 +113,8 @@ void run_collectives() {
   auto pg = dist::default_process_group();
   const int rank = pg->rank(), world = pg->size();
   const char* io_thread = std::getenv("MN_GLOO_IO_THREAD");
-  const int expected_batch = io_thread != nullptr && std::string(io_thread) == "normal" ? 0 : 1;
+  const bool gloo_batch_loop = g_backend == "gloo" && (io_thread == nullptr || std::string(io_thread) != "normal");
+  const int expected_batch = gloo_batch_loop ? 1 : 0;
   WORKER_CHECK(batch_threads() == expected_batch, "expected ", expected_batch,
                " SCHED_BATCH thread (Gloo's event loop), found ", batch_threads());
   const double triangle = world * (world + 1) / 2.0;  // sum of (rank + 1)
@@ -660,6 +667,33 @@ int run_restart(int argc, char** argv) {
                t.to_vector<float>()[0]);
   dist::cleanup_ddp();
   return 0;
+// ---- stall ----
+
+// Exit 3 when the expected timeout error came (and the next collective failed at once), 1 otherwise.
+int run_stall(int argc, char** argv) {
+  const int stall_rank = std::stoi(arg_value(argc, argv, "--stall-rank", "1"));
+  const double stall_s = std::stod(arg_value(argc, argv, "--stall-seconds", "20"));
+  const double timeout_s = std::stod(arg_value(argc, argv, "--timeout", "2"));
+  setup_from_env(Milliseconds(static_cast<int64_t>(timeout_s * 1000)));
+  auto pg = dist::default_process_group();
+  if (pg->rank() == stall_rank) std::this_thread::sleep_for(std::chrono::duration<double>(stall_s));
+  Tensor t = ones({16});
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    pg->allreduce(t)->wait();
+  } catch (const Error& e) {
+    const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    std::fprintf(stderr, "rank %d: all-reduce failed after %.2f s: %s\n", pg->rank(), waited, e.what());
+    try {
+      pg->barrier()->wait();
+    } catch (const Error& later) {
+      std::fprintf(stderr, "rank %d: then: %s\n", pg->rank(), later.what());
+      return waited >= 0.9 * timeout_s && waited < timeout_s + 5 ? 3 : 1;
+    }
+    return 1;
+  }
+  std::fprintf(stderr, "rank %d: the all-reduce completed although rank %d stalled\n", pg->rank(), stall_rank);
+  return 1;
 }
 
 // ---- affinity ----
@@ -700,6 +734,7 @@ void run_affinity() {
 
 int main(int argc, char** argv) {
   const std::string mode = argc > 1 ? argv[1] : "";
+  g_backend = arg_value(argc, argv, "--backend", "gloo");
   try {
     if (mode == "collectives") {
       run_collectives();
@@ -715,6 +750,8 @@ int main(int argc, char** argv) {
       run_buffer_mismatch();
     } else if (mode == "kill") {
       return run_kill(argc, argv);
+    } else if (mode == "stall") {
+      return run_stall(argc, argv);
     } else if (mode == "affinity") {
       run_affinity();
     } else if (mode == "backend_mismatch") {
@@ -735,7 +772,7 @@ int main(int argc, char** argv) {
     } else {
       std::fprintf(stderr,
                    "usage: dist_worker collectives|equivalence|no_sync|module_equivalence|gradient_sync|"
-                   "buffer_mismatch|kill|affinity|env|backend_mismatch|restart [options]\n");
+                   "buffer_mismatch|kill|stall|affinity|env|backend_mismatch|restart [options] [--backend gloo|mpi]\n");
       return 2;
     }
   } catch (const std::exception& e) {

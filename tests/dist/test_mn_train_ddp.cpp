@@ -218,10 +218,11 @@ TEST_CASE("mn-train --backend: clear errors") {
   TempDir dir("mn_train_ddp_test");
   const std::string small = str("--limit 64 --epochs 1 --out ", dir / "x");
   {
-    const CommandResult r = run(str(kTrain, " --backend mpi ", small));
+    const CommandResult r = run(str(kTrain, " --backend ucc ", small));
     INFO(r.all());
     CHECK(r.status != 0);
-    CHECK(r.all().find("--backend 'mpi' is not supported; use gloo (CPU) or nccl (CUDA)") != std::string::npos);
+    CHECK(r.all().find("--backend 'ucc' is not supported; use gloo (CPU), nccl (CUDA) or mpi (CPU, under mpirun)") !=
+          std::string::npos);
   }
   {
     const CommandResult r = run(str(kRun, " --nproc-per-node 2 ", kTrain, " --backend bogus ", small));
@@ -259,3 +260,46 @@ TEST_CASE("mn-train --backend: clear errors") {
     CHECK(r.all().find("--backend gloo trains on the CPU") != std::string::npos);
   }
 }
+
+// ---- --backend mpi (builds with MPI; MN_MPIRUN_NP is "mpirun [flags] -n", from tests/dist/tests.cmake) ----
+
+TEST_CASE("mn-train --backend mpi: errors") {
+  TempDir dir("mn_train_mpi_errors");
+  const std::string small = str("--limit 64 --epochs 1 --out ", dir / "x");
+  const CommandResult r = run(str("env RANK=1 WORLD_SIZE=2 ", kTrain, " --backend mpi ", small));
+  INFO(r.all());
+  CHECK(r.status != 0);
+  if (dist::is_backend_available("mpi"))  // one process without mpirun is rank 0 of 1
+    CHECK(r.all().find("but MPI started this process as rank 0 of 1") != std::string::npos);
+  else
+    CHECK(r.all().find("backend 'mpi' is not available in this build (built without MPI") != std::string::npos);
+}
+
+#ifdef MN_MPIRUN_NP
+// With 2 ranks every all-reduced value is the sum of the same two addends under either backend (a + b ==
+// b + a in floating point), so the runs agree bit for bit; against one process up to summation order.
+TEST_CASE("mn-train --backend mpi under mpirun: 2 ranks match mn-run over Gloo and one process") {
+  if (!have_data()) {
+    MESSAGE("skipped: Fashion-MNIST not found in " << data::default_fashion_mnist_root());
+    return;
+  }
+  TempDir dir("mn_train_mpi_test");
+  const std::string args = str(kCommon, " --epochs 2 --batch-size 64 --out ");
+  only_json_line(run(str(kTrain, " ", kCommon, " --epochs 2 --batch-size 128 --out ", dir / "single")), 2);
+  const json gloo = only_json_line(run(ddp(2, args + (dir / "gloo"))), 2);
+  // No launcher variables of mn-run's: rank and size come from Open MPI.
+  const json j = only_json_line(run(str("env -u RANK -u WORLD_SIZE -u MASTER_ADDR -u MASTER_PORT ", MN_MPIRUN_NP,
+                                        " 2 ", kTrain, " --backend mpi ", args, dir / "mpi")), 2);
+  CHECK(j["world_size"] == 2);
+  CHECK(j["backend"] == "mpi");
+  CHECK(j["global_batch_size"] == 128);
+  CHECK(j["bytes_per_step"] == gloo["bytes_per_step"]);
+  CHECK(j["test_accuracy"] == gloo["test_accuracy"]);
+  CHECK(j["train_accuracy"] == gloo["train_accuracy"]);
+  const auto mpi = tensors_with_prefix(dir / "mpi/checkpoint.safetensors", "latent/");
+  REQUIRE(mpi.size() == 4);
+  CHECK(mpi == tensors_with_prefix(dir / "gloo/checkpoint.safetensors", "latent/"));
+  CHECK(largest_difference(tensors_with_prefix(dir / "single/checkpoint.safetensors", "latent/"), mpi, true) < 1e-4);
+  CHECK(csv_rows(dir / "mpi/metrics.csv") == 3);
+}
+#endif

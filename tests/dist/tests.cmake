@@ -135,11 +135,11 @@ mn_dist_failure_test(dist_backend_mismatch_2 60
   "rank 0: error: setup_ddp: rank 1 chose backend 'nccl' but rank 0 chose 'gloo'; every rank must use the same backend"
   "rank 1: error: setup_ddp: rank 1 chose backend 'nccl' but rank 0 chose 'gloo'; every rank must use the same backend")
 mn_dist_failure_test(dist_backend_mismatch_3 60
-  "${MN_RUN}@@--nproc-per-node@@3@@${MN_DIST_WORKER}@@backend_mismatch@@--backends@@gloo,gloo,mpi"
-  "rank 0: error: setup_ddp: rank 2 chose backend 'mpi' but rank 0 chose 'gloo'"
-  "rank 1: error: setup_ddp: rank 2 chose backend 'mpi' but rank 0 chose 'gloo'"
-  "rank 2: error: setup_ddp: rank 2 chose backend 'mpi' but rank 0 chose 'gloo'")
-# The whole job with a job token (every rank proves it to rank 0's store), and a rank with another token.
+  "${MN_RUN}@@--nproc-per-node@@3@@${MN_DIST_WORKER}@@backend_mismatch@@--backends@@gloo,gloo,ucc"
+  "rank 0: error: setup_ddp: rank 2 chose backend 'ucc' but rank 0 chose 'gloo'"
+  "rank 1: error: setup_ddp: rank 2 chose backend 'ucc' but rank 0 chose 'gloo'"
+  "rank 2: error: setup_ddp: rank 2 chose backend 'ucc' but rank 0 chose 'gloo'")
+# The whole job with a job token (every rank proves it to the launcher's store).
 add_test(NAME dist_collectives_job_token_2
          COMMAND ${CMAKE_COMMAND} -E env MN_JOB_TOKEN=dist-test-secret
                  $<TARGET_FILE:mn-run> --nproc-per-node 2 ${MN_DIST_WORKER} collectives)
@@ -204,3 +204,55 @@ foreach(case "two nodes x 1 rank*" "two nodes x 2 ranks*" "a node that never arr
   set_tests_properties(dist_multinode_${id} PROPERTIES LABELS dist TIMEOUT 90
                        FAIL_REGULAR_EXPRESSION "test cases: +0 [|]")
 endforeach()
+# ---- the MPI backend (builds with MPI): the worker's Gloo checks over MPI, ranks started by mpirun ----
+# Open MPI refuses to run as root without --allow-run-as-root and more ranks than cores without
+# --oversubscribe; --bind-to none leaves placement to the scheduler (tests run side by side). Its default
+# transports (shared memory between the ranks of one machine) work here; nothing else needs setting.
+if(MN_MPI_ENABLED AND MPIEXEC_EXECUTABLE)
+  set(MN_MPIRUN ${MPIEXEC_EXECUTABLE})
+  execute_process(COMMAND ${MPIEXEC_EXECUTABLE} --version OUTPUT_VARIABLE mn_mpirun_version ERROR_QUIET)
+  if(mn_mpirun_version MATCHES "Open MPI|OpenRTE")
+    list(APPEND MN_MPIRUN --allow-run-as-root --oversubscribe --bind-to none)
+  endif()
+  string(JOIN "@@" MN_MPIRUN_JOINED ${MN_MPIRUN})
+
+  # mn_mpi_test(<name> <nproc> <worker args>...): passes when every rank exits 0.
+  function(mn_mpi_test name nproc)
+    add_test(NAME ${name} COMMAND ${MN_MPIRUN} ${MPIEXEC_NUMPROC_FLAG} ${nproc} ${MN_DIST_WORKER} ${ARGN} --backend mpi)
+    set_tests_properties(${name} PROPERTIES LABELS dist TIMEOUT 120)
+  endfunction()
+  foreach(nproc 2 3)
+    mn_mpi_test(mpi_collectives_${nproc} ${nproc} collectives)
+    mn_mpi_test(mpi_equivalence_${nproc} ${nproc} equivalence --steps 3)
+    mn_mpi_test(mpi_equivalence_two_forwards_${nproc} ${nproc} equivalence --steps 3 --two-forwards)
+    mn_mpi_test(mpi_equivalence_compile_${nproc} ${nproc} equivalence --steps 3 --compile)
+    mn_mpi_test(mpi_no_sync_${nproc} ${nproc} no_sync)
+  endforeach()
+  mn_mpi_test(mpi_module_equivalence_2 2 module_equivalence --steps 3)
+  mn_mpi_test(mpi_module_equivalence_3 3 module_equivalence --steps 3)
+  mn_mpi_test(mpi_gradient_sync_2 2 gradient_sync)
+  mn_dist_failure_test(mpi_buffer_mismatch_3 60
+    "${MN_MPIRUN_JOINED}@@${MPIEXEC_NUMPROC_FLAG}@@3@@${MN_DIST_WORKER}@@buffer_mismatch@@--backend@@mpi"
+    "rank 0: error: DDP: the mapper buffers and scales of group '0' differ between rank 0 and rank 1")
+  # A rank killed mid-training: mpirun stops the job (the survivors do not wait for a collective timeout).
+  mn_dist_failure_test(mpi_kill_rank_3 30
+    "${MN_MPIRUN_JOINED}@@${MPIEXEC_NUMPROC_FLAG}@@3@@${MN_DIST_WORKER}@@kill@@--kill-rank@@1@@--after-step@@2@@--timeout@@60@@--backend@@mpi"
+    "rank 1: raising SIGKILL after step 2")
+  # A rank that stops calling collectives: the others' wait fails after the collective timeout (2 s), the
+  # group is broken, and the job ends long before the stalled rank would have woken up.
+  mn_dist_failure_test(mpi_collective_timeout_2 30
+    "${MN_MPIRUN_JOINED}@@${MPIEXEC_NUMPROC_FLAG}@@2@@${MN_DIST_WORKER}@@stall@@--stall-rank@@1@@--stall-seconds@@60@@--timeout@@2@@--backend@@mpi"
+    "rank 0: all-reduce failed after 2.[0-9]+ s: MPI allreduce of 16 f32 elements .sum. on rank 0 of 2 did not complete within the collective timeout of 2 s"
+    "rank 0: then: MPI barrier on rank 0 of 2 was not run: the process group is broken")
+  # setup_ddp's rank must be MPI's: one process started without mpirun is rank 0 of 1.
+  add_test(NAME mpi_rank_mismatch
+           COMMAND ${CMAKE_COMMAND} -E env RANK=1 WORLD_SIZE=2 ${MN_DIST_WORKER} collectives --backend mpi)
+  set_tests_properties(mpi_rank_mismatch PROPERTIES LABELS dist TIMEOUT 60
+                       PASS_REGULAR_EXPRESSION "asked for rank 1 of 2 .*but MPI started this process as rank 0 of 1")
+
+  # mn-train --backend mpi under mpirun (tests/dist/test_mn_train_ddp.cpp's cases under MN_MPIRUN_NP).
+  if(TARGET mn_dist_train_test)
+    string(JOIN " " mn_mpirun_command ${MN_MPIRUN} ${MPIEXEC_NUMPROC_FLAG})
+    target_compile_definitions(mn_dist_train_test PRIVATE MN_MPIRUN_NP="${mn_mpirun_command}")
+  endif()
+endif()
