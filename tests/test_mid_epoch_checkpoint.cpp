@@ -16,11 +16,13 @@
 #include "nn/layers.h"
 #include "nn/safetensors.h"
 #include "nn/train/loggers.h"
+#include "tests/checkpoint_run_support.h"
 #include "tests/temp_dir.h"
 #include "tests/test_support.h"
 
 using namespace mn;
 using mn::testing::read_bytes;
+using mn::testing::without_seconds;
 using mn::testing::TempDir;
 
 namespace {
@@ -48,8 +50,9 @@ std::shared_ptr<nn::Sequential> mlp_with_dropout() {
       std::make_shared<nn::Linear>(16, 3)});
 }
 
-// Stands for a crash: thrown once the global step reaches `step` (after the step's checkpoint writers,
-// being one of them itself, registered after ModelCheckpoint).
+// Stands for a crash: throws once the global step reaches `step` (after the step's checkpoint writers,
+// being one of them itself, registered after ModelCheckpoint); the fit reports it as a RuntimeError
+// naming CrashAt.
 struct Crash : std::runtime_error {
   Crash() : std::runtime_error("crash") {}
 };
@@ -76,31 +79,20 @@ train::TrainerConfig plain_config() {
   return c;
 }
 
-// The metrics file without its seconds column (the second).
-std::string without_seconds(const std::string& path) {
-  std::ifstream in(path);
-  std::string line, out;
-  while (std::getline(in, line)) {
-    const size_t a = line.find(','), b = line.find(',', a + 1);
-    out += line.substr(0, a) + line.substr(b) + "\n";
-  }
-  return out;
-}
-
 // One plain-module fit into `dir`, crashing after `crash_step` (0: never) and resuming when `resume`.
-// Throws Crash when it crashes.
+// Throws when it crashes.
 void plain_fit(const std::filesystem::path& dir, int64_t crash_step, bool resume, int64_t every_n_steps = 3) {
   auto net = mlp_with_dropout();
   data::DataLoader train_loader = classification_loader();
   data::DataLoader val = validation_loader();
   std::vector<std::shared_ptr<train::Callback>> callbacks{
-      std::make_shared<train::CsvLogger>((dir / "metrics.csv").string()),
+      std::make_shared<train::CsvLogger>(dir / "metrics.csv"),
       std::make_shared<train::EarlyStopping>(train::history_keys::kValTotalLoss, 5),
-      std::make_shared<train::ModelCheckpoint>((dir / "ckpt.safetensors").string(), 1,
+      std::make_shared<train::ModelCheckpoint>(dir / "ckpt.safetensors", 1,
                                                train::CheckpointMetadata{{{"k", "v"}}, ""}, every_n_steps)};
   if (crash_step > 0) callbacks.push_back(std::make_shared<CrashAt>(crash_step));
   train::Trainer trainer(*net, train_loader, &val, train::classification(), plain_config(), callbacks);
-  if (resume) trainer.load_checkpoint((dir / "ckpt.safetensors").string());
+  if (resume) trainer.load_checkpoint(dir / "ckpt.safetensors");
   trainer.fit();
 }
 
@@ -120,8 +112,8 @@ TEST_CASE("mid-epoch checkpoint: a plain module's fit resumed after a crash ends
   CHECK(schema_version(dir / "straight/ckpt.safetensors") == 1);  // the last save is an epoch end
 
   // Steps 1-4 are epoch 1, 5-8 epoch 2: the save at step 6 sits after batch 4 of epoch 2; crash at 7.
-  CHECK_THROWS_AS(plain_fit(dir / "crashed", 7, false), Crash);
-  const std::string mid = (dir / "crashed/ckpt.safetensors").string();
+  CHECK_THROWS_WITH_AS(plain_fit(dir / "crashed", 7, false), doctest::Contains("CrashAt"), RuntimeError);
+  const std::string mid = dir / "crashed/ckpt.safetensors";
   CHECK(schema_version(mid) == 2);
   const train::ModuleCheckpoint saved = train::read_module_checkpoint(mid);
   REQUIRE(saved.trainer_state->progress.has_value());
@@ -144,9 +136,9 @@ TEST_CASE("mid-epoch checkpoint: a resumed fit can crash and resume again, and t
   std::filesystem::create_directories(dir / "straight");
   std::filesystem::create_directories(dir / "twice");
   plain_fit(dir / "straight", 0, false);
-  CHECK_THROWS_AS(plain_fit(dir / "twice", 4, false), Crash);  // saved at 3 (epoch 1, batch 6)
-  CHECK_THROWS_AS(plain_fit(dir / "twice", 11, true), Crash);  // saved at 9 (epoch 3, batch 2)
-  const train::ModuleCheckpoint saved = train::read_module_checkpoint((dir / "twice/ckpt.safetensors").string());
+  CHECK_THROWS_WITH_AS(plain_fit(dir / "twice", 4, false), doctest::Contains("CrashAt"), RuntimeError);  // saved at 3 (epoch 1, batch 6)
+  CHECK_THROWS_WITH_AS(plain_fit(dir / "twice", 11, true), doctest::Contains("CrashAt"), RuntimeError);  // saved at 9 (epoch 3, batch 2)
+  const train::ModuleCheckpoint saved = train::read_module_checkpoint(dir / "twice/ckpt.safetensors");
   CHECK(saved.trainer_state->global_step == 9);
   CHECK(saved.trainer_state->progress->batches == 2);
 
@@ -155,7 +147,7 @@ TEST_CASE("mid-epoch checkpoint: a resumed fit can crash and resume again, and t
     auto net = mlp_with_dropout();
     data::DataLoader train_loader = classification_loader();
     train::Trainer trainer(*net, train_loader, nullptr, train::classification(), plain_config());
-    trainer.load_checkpoint((dir / "twice/ckpt.safetensors").string());
+    trainer.load_checkpoint(dir / "twice/ckpt.safetensors");
     CHECK(trainer.global_step() == 9);
     CHECK(trainer.state().progress == saved.trainer_state->progress);
     trainer.set_epoch(2);  // forgets the position
@@ -192,8 +184,8 @@ TEST_CASE("mid-epoch checkpoint: a MappingTrainer with stability noise resumes e
     trainer.fit();
   };
   fit("straight", 0, false);
-  CHECK_THROWS_AS(fit("crashed", 12, false), Crash);  // 8 steps per epoch; saved at 10 (epoch 2, batch 2)
-  const mapping::CheckpointInfo info = mapping::read_checkpoint((dir / "crashed/ckpt.safetensors").string());
+  CHECK_THROWS_WITH_AS(fit("crashed", 12, false), doctest::Contains("CrashAt"), RuntimeError);  // 8 steps per epoch; saved at 10 (epoch 2, batch 2)
+  const mapping::CheckpointInfo info = mapping::read_checkpoint(dir / "crashed/ckpt.safetensors");
   CHECK(info.schema_version == mapping::kMidEpochCheckpointSchemaVersion);
   REQUIRE(info.trainer_state->progress.has_value());
   CHECK(info.trainer_state->progress->batches == 2);
@@ -300,7 +292,7 @@ TEST_CASE("mid-epoch checkpoint under data parallel: every rank's sums are recor
   train::TrainerConfig c = plain_config();
   c.max_epochs = 1;
   TwoRanks dp(0);
-  const std::string path = (dir / "ckpt.safetensors").string();
+  const std::string path = dir / "ckpt.safetensors";
   std::vector<std::shared_ptr<train::Callback>> callbacks{
       std::make_shared<train::ModelCheckpoint>(path, 1, train::CheckpointMetadata{}, 1),
       std::make_shared<CrashAt>(1)};
@@ -317,7 +309,7 @@ TEST_CASE("mid-epoch checkpoint under data parallel: every rank's sums are recor
     train::Trainer trainer(*net, train_loader, nullptr, train::classification(), c, callbacks);
     trainer.set_data_parallel(&dp);
     CHECK(trainer.is_main_process());
-    CHECK_THROWS_AS(trainer.fit(), Crash);
+    CHECK_THROWS_WITH_AS(trainer.fit(), doctest::Contains("CrashAt"), RuntimeError);
     CHECK_FALSE(probe->progress);
   }
   const train::ModuleCheckpoint saved = train::read_module_checkpoint(path);

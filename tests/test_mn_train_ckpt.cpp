@@ -7,7 +7,6 @@
 #include <doctest/doctest.h>
 #include <signal.h>
 #include <sys/wait.h>
-#include <unistd.h>
 
 #include <chrono>
 #include <filesystem>
@@ -16,6 +15,7 @@
 #include <thread>
 
 #include "nn/safetensors.h"
+#include "tests/checkpoint_run_support.h"
 #include "tests/mn_train_exe.h"
 #include "tests/run_command.h"
 #include "tests/temp_dir.h"
@@ -25,6 +25,8 @@ namespace fs = std::filesystem;
 using json = nlohmann::json;
 using mn::testing::CommandResult;
 using mn::testing::read_bytes;
+using mn::testing::check_same_run;
+using mn::testing::without_seconds;
 using mn::testing::TempDir;
 
 namespace {
@@ -40,17 +42,6 @@ void require_ok(const CommandResult& r) {
   REQUIRE(r.status == 0);
 }
 
-// metrics.csv without its seconds column (the second).
-std::string without_seconds(const std::string& path) {
-  std::ifstream in(path);
-  std::string line, out;
-  while (std::getline(in, line)) {
-    const size_t a = line.find(','), b = line.find(',', a + 1);
-    out += line.substr(0, a) + line.substr(b) + "\n";
-  }
-  return out;
-}
-
 size_t rows(const std::string& path) {
   std::ifstream in(path);
   std::string line;
@@ -59,28 +50,6 @@ size_t rows(const std::string& path) {
   return n;
 }
 
-json trainer_state(const std::string& checkpoint) {
-  return json::parse(safetensors::load(checkpoint).metadata.at("trainer_state"));
-}
-
-// The files a finished run leaves, compared with the uninterrupted run's.
-void check_same_run(const std::string& dir, const std::string& straight) {
-  CHECK(read_bytes(dir + "/checkpoint.safetensors") == read_bytes(straight + "/checkpoint.safetensors"));
-  CHECK(read_bytes(dir + "/weights.safetensors") == read_bytes(straight + "/weights.safetensors"));
-  CHECK(without_seconds(dir + "/metrics.csv") == without_seconds(straight + "/metrics.csv"));
-  CHECK(rows(dir + "/metrics.csv") == 3);
-}
-
-// Starts `exe args` in the background (exec'd by the child itself, so the pid is mn-train's).
-pid_t spawn(const std::string& exe, const std::string& args) {
-  const std::string command = "exec " + exe + " " + args + " >/dev/null 2>&1";
-  const pid_t pid = ::fork();
-  if (pid == 0) {
-    ::execl("/bin/sh", "sh", "-c", command.c_str(), static_cast<char*>(nullptr));
-    ::_exit(127);
-  }
-  return pid;
-}
 
 }  // namespace
 
@@ -90,7 +59,7 @@ TEST_CASE("mn-train --checkpoint-every: stopped after step 14 and resumed, the r
   TempDir dir("mn_train_ckpt");
   const std::string common = str(kRun, " --limit 640");
   require_ok(run(exe, str(common, " --json --out ", dir / "straight")));
-  CHECK(trainer_state(dir / "straight/checkpoint.safetensors").at("global_step") == 20);
+  CHECK(mn::testing::checkpoint_trainer_state(dir / "straight/checkpoint.safetensors").at("global_step") == 20);
 
   // Saves at steps 3, 6, 9 (epoch 1), the epoch end (10), then 12 (epoch 2 after batch 2); dies at 14.
   const CommandResult crashed =
@@ -98,7 +67,7 @@ TEST_CASE("mn-train --checkpoint-every: stopped after step 14 and resumed, the r
   CHECK(crashed.status != 0);
   const std::string checkpoint = dir / "crashed/checkpoint.safetensors";
   CHECK(safetensors::load(checkpoint).metadata.at("schema_version") == "2");
-  const json state = trainer_state(checkpoint);
+  const json state = mn::testing::checkpoint_trainer_state(checkpoint);
   CHECK(state.at("epoch") == 1);
   CHECK(state.at("global_step") == 12);
   CHECK(state.at("progress").at("batches") == 2);
@@ -111,12 +80,13 @@ TEST_CASE("mn-train --checkpoint-every: stopped after step 14 and resumed, the r
   require_ok(resumed);
   CHECK(resumed.out.find("in epoch 2 after batch 2 (step 12)") != std::string::npos);
   check_same_run(dir / "crashed", dir / "straight");
+  CHECK(rows(dir / "crashed/metrics.csv") == 3);
 
   {  // --auto-resume: one command line for the first start and the restart
     const std::string line = str(common, " --json --auto-resume --checkpoint-every 3 --crash-after-step 14 --out ",
                                  dir / "auto");
     CHECK(run(exe, line).status != 0);  // started afresh (no checkpoint), crashed at step 14
-    CHECK(trainer_state(dir / "auto/checkpoint.safetensors").at("global_step") == 12);
+    CHECK(mn::testing::checkpoint_trainer_state(dir / "auto/checkpoint.safetensors").at("global_step") == 12);
     // A restart by mn-run --max-restarts: the same command line, TORCHELASTIC_RESTART_COUNT=1, which also
     // disarms the crash hook.
     const CommandResult restarted = mn::testing::run_command(str("TORCHELASTIC_RESTART_COUNT=1 ", exe, " ", line));
@@ -129,10 +99,10 @@ TEST_CASE("mn-train --checkpoint-every: stopped after step 14 and resumed, the r
     CHECK(read_bytes(dir / "auto/checkpoint.safetensors") == read_bytes(dir / "straight/checkpoint.safetensors"));
   }
   {  // --auto-resume refuses another run's checkpoint, and does not go with --resume
-    const CommandResult other = run(exe, str(common, " --seed 4 --auto-resume --out ", dir / "crashed"));
+    const CommandResult other = run(exe, str(common, " --lr 0.5 --auto-resume --out ", dir / "crashed"));
     INFO(other.all());
     CHECK(other.status != 0);
-    CHECK(other.err.find("--seed: the run has 3, the command line 4") != std::string::npos);
+    CHECK(other.err.find("--lr: the run has 0.01, the command line 0.5") != std::string::npos);
     const CommandResult both = run(exe, str(common, " --auto-resume --resume --out ", dir / "crashed"));
     CHECK(both.status != 0);
     CHECK(both.all().find("excludes") != std::string::npos);
@@ -148,7 +118,7 @@ TEST_CASE("mn-train --checkpoint-every: killed with SIGKILL once a mid-epoch che
   require_ok(run(exe, str(common, " --out ", dir / "straight")));
 
   const std::string checkpoint = dir / "killed/checkpoint.safetensors";
-  const pid_t pid = spawn(exe, str(common, " --checkpoint-every 3 --out ", dir / "killed"));
+  const pid_t pid = mn::testing::spawn_command(str(exe, " ", common, " --checkpoint-every 3 --out ", dir / "killed"));
   REQUIRE(pid > 0);
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
   while (!fs::exists(checkpoint) && std::chrono::steady_clock::now() < deadline)
@@ -159,7 +129,7 @@ TEST_CASE("mn-train --checkpoint-every: killed with SIGKILL once a mid-epoch che
   REQUIRE(fs::exists(checkpoint));
   CHECK(WIFSIGNALED(status));
   CHECK(WTERMSIG(status) == SIGKILL);
-  const json state = trainer_state(checkpoint);
+  const json state = mn::testing::checkpoint_trainer_state(checkpoint);
   MESSAGE("killed after the checkpoint of step " << state.at("global_step"));
   CHECK(state.contains("progress"));  // a mid-epoch one (the first epoch has 50 steps)
 

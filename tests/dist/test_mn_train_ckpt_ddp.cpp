@@ -7,7 +7,6 @@
 #include <doctest/doctest.h>
 #include <signal.h>
 #include <sys/wait.h>
-#include <unistd.h>
 
 #include <chrono>
 #include <filesystem>
@@ -18,6 +17,7 @@
 
 #include "nn/data/fashion_mnist.h"
 #include "nn/safetensors.h"
+#include "tests/checkpoint_run_support.h"
 #include "tests/run_command.h"
 #include "tests/temp_dir.h"
 
@@ -26,6 +26,8 @@ namespace fs = std::filesystem;
 using json = nlohmann::json;
 using mn::testing::CommandResult;
 using mn::testing::read_bytes;
+using mn::testing::check_same_run;
+using mn::testing::without_seconds;
 using mn::testing::TempDir;
 
 namespace {
@@ -48,25 +50,6 @@ void require_ok(const CommandResult& r) {
   REQUIRE(r.status == 0);
 }
 
-std::string without_seconds(const std::string& path) {
-  std::ifstream in(path);
-  std::string line, out;
-  while (std::getline(in, line)) {
-    const size_t a = line.find(','), b = line.find(',', a + 1);
-    out += line.substr(0, a) + line.substr(b) + "\n";
-  }
-  return out;
-}
-
-json trainer_state(const std::string& checkpoint) {
-  return json::parse(safetensors::load(checkpoint).metadata.at("trainer_state"));
-}
-
-void check_same_run(const std::string& dir, const std::string& straight) {
-  CHECK(read_bytes(dir + "/checkpoint.safetensors") == read_bytes(straight + "/checkpoint.safetensors"));
-  CHECK(read_bytes(dir + "/weights.safetensors") == read_bytes(straight + "/weights.safetensors"));
-  CHECK(without_seconds(dir + "/metrics.csv") == without_seconds(straight + "/metrics.csv"));
-}
 
 // The pids of `parent`'s children (the launcher's ranks).
 std::vector<pid_t> children(pid_t parent) {
@@ -93,7 +76,7 @@ TEST_CASE("mn-train --checkpoint-every under DDP: rank 1 dies after step 14; the
   INFO(crashed.all());
   CHECK(crashed.status != 0);
   CHECK(crashed.all().find("rank 1 (pid") != std::string::npos);
-  const json state = trainer_state(dir / "job/checkpoint.safetensors");
+  const json state = mn::testing::checkpoint_trainer_state(dir / "job/checkpoint.safetensors");
   CHECK(state.at("global_step") == 12);
   CHECK(state.at("progress").at("batches") == 2);
   REQUIRE(state.at("progress").at("sums").size() == 2);  // both ranks' sums
@@ -113,13 +96,7 @@ TEST_CASE("mn-train --checkpoint-every under DDP: a rank killed with SIGKILL onc
   require_ok(mn::testing::run_command(ddp(str("--limit 3200 --out ", dir / "straight"))));
 
   const std::string checkpoint = dir / "killed/checkpoint.safetensors";
-  const std::string command = "exec " + ddp(str("--limit 3200 --checkpoint-every 3 --out ", dir / "killed")) +
-                              " >/dev/null 2>&1";
-  const pid_t launcher = ::fork();
-  if (launcher == 0) {
-    ::execl("/bin/sh", "sh", "-c", command.c_str(), static_cast<char*>(nullptr));
-    ::_exit(127);
-  }
+  const pid_t launcher = mn::testing::spawn_command(ddp(str("--limit 3200 --checkpoint-every 3 --out ", dir / "killed")));
   REQUIRE(launcher > 0);
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
   while (!fs::exists(checkpoint) && std::chrono::steady_clock::now() < deadline)
@@ -132,7 +109,7 @@ TEST_CASE("mn-train --checkpoint-every under DDP: a rank killed with SIGKILL onc
   CHECK(WIFEXITED(status));
   CHECK(WEXITSTATUS(status) != 0);  // the launcher reports the dead rank and stops the other
   REQUIRE(fs::exists(checkpoint));
-  const json state = trainer_state(checkpoint);
+  const json state = mn::testing::checkpoint_trainer_state(checkpoint);
   MESSAGE("killed after the checkpoint of step " << state.at("global_step"));
   CHECK(state.contains("progress"));
 
