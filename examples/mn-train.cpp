@@ -1091,8 +1091,7 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_flag("--auto-resume", o.auto_resume,
                "--resume when --out holds a checkpoint, else start the run: one command line for the first start and "
-               "for restarts (mn-run --max-restarts); the checkpoint must be this run's, as with --resume")
-      ->excludes("--resume");
+               "for restarts (mn-run --max-restarts); the checkpoint must be this run's, as with --resume");
   // Hidden test hooks (CrashAfterStep): not in --help.
   app.add_option("--crash-after-step", o.crash_after_step, "test hook: SIGKILL after this global step")
       ->check(whole_number_at_least(0))
@@ -1139,7 +1138,10 @@ int main(int argc, char** argv) {
     }
     canonicalize_augment(o);
     MN_CHECK(o.val_split >= 0 && o.val_split < 1, ValueError, "--val-split must be in [0, 1), got ", o.val_split);
-    // --auto-resume: the same command line starts the run and continues it after a restart.
+    // --auto-resume: the same command line starts the run and continues it after a restart. (Checked on the
+    // values, not with CLI11's excludes, which a --write-config file's "resume=false" would trip.)
+    MN_CHECK(!(o.resume && o.auto_resume), ValueError,
+             "--auto-resume already resumes when --out holds a checkpoint; give it or --resume, not both");
     if (o.auto_resume && fs::exists(fs::path(o.out) / "checkpoint.safetensors")) o.resume = true;
     if (o.resume) {
       const std::string checkpoint = (fs::path(o.out) / "checkpoint.safetensors").string();
