@@ -654,6 +654,18 @@ int DistributedDataParallel::rank() const { return reducer_->group().rank(); }
 
 int DistributedDataParallel::world_size() const { return reducer_->group().size(); }
 
+std::vector<std::vector<double>> DistributedDataParallel::all_gather(const std::vector<double>& values) {
+  ProcessGroup& group = reducer_->group();
+  std::vector<int64_t> bits(values.size());
+  if (!values.empty()) std::memcpy(bits.data(), values.data(), values.size() * sizeof(double));
+  const std::vector<int64_t> all =
+      allgather_values(group, bits, group.backend() == "nccl" ? device_ : kCPU);
+  std::vector<std::vector<double>> out(static_cast<size_t>(group.size()), std::vector<double>(values.size()));
+  for (size_t r = 0; r < out.size(); ++r)
+    if (!values.empty()) std::memcpy(out[r].data(), all.data() + r * values.size(), values.size() * sizeof(double));
+  return out;
+}
+
 size_t DistributedDataParallel::bytes_per_step() const { return reducer_->bytes_per_step(); }
 
 std::vector<std::vector<std::string>> DistributedDataParallel::bucket_parameter_names() const {

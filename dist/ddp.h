@@ -129,6 +129,8 @@ class DistributedDataParallel : public train::DataParallel {
   train::Metrics average_metrics(const train::Metrics& metrics, int64_t samples) override;
   int rank() const override;
   int world_size() const override;
+  // Every rank's values in rank order, exact (doubles travel as their bits in an i64 all-gather).
+  std::vector<std::vector<double>> all_gather(const std::vector<double>& values) override;
 
   // Bytes all-reduced per synchronised step: the reduced parameters only (4 bytes per value).
   size_t bytes_per_step() const;

@@ -7,6 +7,9 @@
 //   drop_last:     the tail is cut to a multiple of num_replicas, so every rank gets floor(n / num_replicas).
 // Rank r takes positions r, r + num_replicas, r + 2 num_replicas, ... Equal shard sizes keep the
 // all-reduced mean of per-rank means equal to the mean over all the samples.
+// A fit resumed from a mid-epoch checkpoint (train::TrainerState::progress) continues the epoch at
+// DataLoader::batch(b): every rank skips the first b x batch_size positions of its own shard, which
+// together are the first b global batches, whatever the rank count of the same global batch.
 //
 //   auto sampler = std::make_shared<DistributedSampler>(train.size(), world_size, rank, /*shuffle=*/true,
 //                                                       /*seed=*/42);

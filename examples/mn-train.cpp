@@ -20,7 +20,8 @@
 // the last epoch), train_accuracy (running accuracy over the last epoch's batches), trainable_params,
 // target_params, compression_ratio, epochs (completed in total), seconds and steps_per_second (of
 // this invocation's training, validation included), cpu_threads (see --threads), interrupted,
-// stopped_early (--early-stopping-patience), weights and curves (the files written).
+// stopped_early (--early-stopping-patience), weights and curves (the files written); with
+// --checkpoint-every also checkpoint_saves and checkpoint_seconds (files written and time spent writing).
 //
 // Validation: by default the trainer's validation pass runs on the test set (metrics.csv's test_*
 // columns are its val_* metrics), so --early-stopping-patience and --scheduler plateau then select on
@@ -73,12 +74,23 @@
 // a changed FILE. --strategy direct --init-from FILE starts from FILE's weights. --classes 0-4 (or 5,7,9)
 // trains and tests on those labels only (before --limit); the model keeps its 10 outputs. All of them
 // are run options (recorded in the config, checked by --resume). examples/transfer.sh compares them.
+//
+// Mid-epoch checkpoints and restarts: --checkpoint-every STEPS also writes the checkpoint (atomically)
+// after every STEPS optimizer steps inside an epoch, with the position in the epoch (batches trained), the
+// epoch's metric sums so far (every rank's under --backend), the global step and, as always, the optimizer
+// state, the random generators' positions and the callbacks' and scheduler's state; --resume from it
+// continues at the next batch and ends with the checkpoint and metrics.csv of the uninterrupted run, byte
+// for byte (metrics.csv's seconds column aside). It does not define the run: a resume may change or drop
+// it. --auto-resume resumes when --out holds a checkpoint and starts the run otherwise, so one command
+// line serves the first start and every restart (mn-run --max-restarts); a checkpoint of another run is
+// refused as with --resume.
 #include <CLI/CLI.hpp>
 #include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <csignal>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -173,6 +185,12 @@ struct Options {
   std::vector<std::string> augment;   // --augment: "crop" (RandomCrop 28, padding 2), "flip" (p 0.5); empty: off
   double val_split = 0;               // --val-split F: validate on a stratified F of the training set (0: test set)
   bool direct() const { return strategy == "direct"; }
+  // Mid-epoch checkpoints and restarts (issue 20). None defines the run (not in kRunOptions: a resume may
+  // change them).
+  int64_t checkpoint_every = 0;  // --checkpoint-every STEPS: also save after every STEPS optimizer steps (0: epoch ends)
+  bool auto_resume = false;      // --auto-resume: --resume when --out holds a checkpoint, else start the run
+  int64_t crash_after_step = 0;  // hidden test hook --crash-after-step N (see CrashAfterStep); 0: off
+  int crash_rank = 0;            // hidden --crash-rank R: the rank that crashes
 };
 
 // The data-parallel job this process belongs to (a job of one when --backend is not given).
@@ -612,6 +630,8 @@ struct Summary {
   // --val-split: the validation part's last-epoch and per-epoch figures, and the test loss at the end.
   double val_accuracy = NAN, val_loss = NAN, test_loss = NAN;
   std::vector<double> val_accuracy_per_epoch, val_loss_per_epoch;
+  int64_t checkpoint_saves = 0;    // checkpoint files written by this invocation (rank 0)
+  double checkpoint_seconds = 0;   // ... and the time spent writing them
 };
 
 std::vector<std::pair<std::string, std::vector<std::string>>> weight_bias_groups(const nn::Module& target) {
@@ -684,6 +704,32 @@ void canonicalize_augment(Options& o) {
   for (const char* name : {"crop", "flip"})
     if (std::count(o.augment.begin(), o.augment.end(), name) > 0) canonical.push_back(name);
   o.augment = canonical;
+}
+
+// --crash-after-step N, a hidden test hook: the process sends itself SIGKILL (a crash: nothing flushed, no
+// handler runs) at the first batch or epoch end where the trainer's global step has reached N, after that
+// hook's checkpoint writers (it runs among them, registered after ModelCheckpoint). Only on --crash-rank
+// (0 by default; the single process of a run without --backend), and only in a job's first attempt
+// (TORCHELASTIC_RESTART_COUNT unset or 0), so an `mn-run --max-restarts` restart with the same command
+// line does not crash again. The tests use it to stop a run at an exact step.
+class CrashAfterStep : public train::Callback {
+ public:
+  explicit CrashAfterStep(int64_t step) : step_(step) {}
+  std::string name() const override { return "CrashAfterStep"; }
+  bool saves_checkpoints() const override { return true; }  // after ModelCheckpoint (registered before it)
+  void on_batch_end(train::Trainer& trainer, int64_t, const train::LossOutput&) override { check(trainer); }
+  void on_epoch_end(train::Trainer& trainer, int64_t, const train::Metrics&) override { check(trainer); }
+
+ private:
+  void check(const train::Trainer& trainer) const {
+    if (trainer.global_step() >= step_) std::raise(SIGKILL);
+  }
+  int64_t step_;
+};
+
+bool first_attempt() {
+  const char* restarts = std::getenv("TORCHELASTIC_RESTART_COUNT");
+  return restarts == nullptr || *restarts == '\0' || std::string(restarts) == "0";
 }
 
 // Builds the model (the target, or a MappingModel around it), its trainer and the callbacks, resumes,
@@ -780,10 +826,13 @@ Summary run(const Options& o, Device device, const data::Dataset& train_set, con
   if (o.early_stopping_patience > 0)
     callbacks.push_back(std::make_shared<train::EarlyStopping>(train::history_keys::kValTotalLoss,
                                                                 o.early_stopping_patience));
-  if (dist.main()) {
-    callbacks.push_back(std::make_shared<train::ModelCheckpoint>(
-        checkpoint, 1, train::CheckpointMetadata{{{"program", "mn-train"}}, run_config(o, dist.world_size).dump()}));
-  }
+  // On every rank: its mid-epoch saves (--checkpoint-every) gather the ranks' metric sums; rank 0 writes.
+  auto saver = std::make_shared<train::ModelCheckpoint>(
+      checkpoint, 1, train::CheckpointMetadata{{{"program", "mn-train"}}, run_config(o, dist.world_size).dump()},
+      o.checkpoint_every);
+  callbacks.push_back(saver);
+  if (o.crash_after_step > 0 && dist.rank == o.crash_rank && first_attempt())
+    callbacks.push_back(std::make_shared<CrashAfterStep>(o.crash_after_step));
   std::unique_ptr<train::Trainer> trainer;
   nn::Module& direct_module = reparametrized ? static_cast<nn::Module&>(*reparametrized) : *target;
   if (o.direct()) {
@@ -795,10 +844,18 @@ Summary run(const Options& o, Device device, const data::Dataset& train_set, con
     trainer = std::make_unique<mapping::MappingTrainer>(*model, train_loader, validation, loss, trainer_config(o),
                                                         callbacks);
   }
+  int64_t resumed_batches = 0;  // a mid-epoch checkpoint: the batches of its epoch already trained
   if (o.resume) {
     trainer->load_checkpoint(checkpoint);  // in place: the trained tensors stay the same tensors
-    if (!o.json && dist.main())
-      std::printf("resumed %s at epoch %lld\n", checkpoint.c_str(), static_cast<long long>(trainer->epoch()));
+    if (const auto progress = trainer->state().progress) resumed_batches = progress->batches;
+    if (!o.json && dist.main()) {
+      if (resumed_batches > 0)
+        std::printf("resumed %s in epoch %lld after batch %lld (step %lld)\n", checkpoint.c_str(),
+                    static_cast<long long>(trainer->epoch() + 1), static_cast<long long>(resumed_batches),
+                    static_cast<long long>(trainer->global_step()));
+      else
+        std::printf("resumed %s at epoch %lld\n", checkpoint.c_str(), static_cast<long long>(trainer->epoch()));
+    }
   }
 
   // Wrapped after the move and the resume: the wrapper broadcasts rank 0's trainable tensors (the
@@ -839,13 +896,15 @@ Summary run(const Options& o, Device device, const data::Dataset& train_set, con
   Summary s;
   s.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   s.epochs = trainer->epoch();
-  s.steps = (trainer->epoch() - first_epoch) * train_loader.size();
+  s.steps = (trainer->epoch() - first_epoch) * train_loader.size() - (trainer->epoch() > first_epoch ? resumed_batches : 0);
   s.test_accuracy = history.last(train::history_keys::kValAccuracy);
   s.train_accuracy = history.last(train::history_keys::kTrainAccuracy);
   s.trainable_params = trainable;
   s.target_params = target_params;
   if (ddp) s.bytes_per_step = static_cast<int64_t>(ddp->bytes_per_step());
   s.compile_report = trainer->compile_report();
+  s.checkpoint_saves = saver->saves();
+  s.checkpoint_seconds = saver->save_seconds();
   if (model) s.fixed_bytes = static_cast<int64_t>(model->generator().fixed_bytes());
   s.interrupted = sigint->interrupted() && trainer->epoch() < o.epochs;
   s.stopped_early = !s.interrupted && trainer->epoch() < o.epochs;
@@ -1029,6 +1088,22 @@ int main(int argc, char** argv) {
                  "once at the end (default 0: validate on the test set)")
       ->check(CLI::Range(0.0, 1.0))
       ->capture_default_str();
+  // Mid-epoch checkpoints and restarts (issue 20).
+  app.add_option("--checkpoint-every", o.checkpoint_every,
+                 "also write the checkpoint after every STEPS optimizer steps inside epochs, with the position in "
+                 "the epoch, so --resume continues at the next batch exactly (default 0: at epoch ends only)")
+      ->check(whole_number_at_least(0))
+      ->capture_default_str();
+  app.add_flag("--auto-resume", o.auto_resume,
+               "--resume when --out holds a checkpoint, else start the run: one command line for the first start and "
+               "for restarts (mn-run --max-restarts); the checkpoint must be this run's, as with --resume");
+  // Hidden test hooks (CrashAfterStep): not in --help.
+  app.add_option("--crash-after-step", o.crash_after_step, "test hook: SIGKILL after this global step")
+      ->check(whole_number_at_least(0))
+      ->group("");
+  app.add_option("--crash-rank", o.crash_rank, "test hook: the rank --crash-after-step kills")
+      ->check(whole_number_at_least(0))
+      ->group("");
   CLI11_PARSE(app, argc, argv);
 
   DistInfo dist;
@@ -1071,6 +1146,11 @@ int main(int argc, char** argv) {
     }
     canonicalize_augment(o);
     MN_CHECK(o.val_split >= 0 && o.val_split < 1, ValueError, "--val-split must be in [0, 1), got ", o.val_split);
+    // --auto-resume: the same command line starts the run and continues it after a restart. (Checked on the
+    // values, not with CLI11's excludes, which a --write-config file's "resume=false" would trip.)
+    MN_CHECK(!(o.resume && o.auto_resume), ValueError,
+             "--auto-resume already resumes when --out holds a checkpoint; give it or --resume, not both");
+    if (o.auto_resume && fs::exists(fs::path(o.out) / "checkpoint.safetensors")) o.resume = true;
     if (o.resume) {
       const std::string checkpoint = (fs::path(o.out) / "checkpoint.safetensors").string();
       adopt_saved_run(o, app, saved_run_config(checkpoint), dist.world_size, checkpoint);
@@ -1131,6 +1211,10 @@ int main(int argc, char** argv) {
         j["val_loss_per_epoch"] = per_epoch_loss;
       }
       if (!o.augment.empty()) j["augment"] = o.augment;
+      if (o.checkpoint_every > 0) {  // what the checkpoints cost
+        j["checkpoint_saves"] = s.checkpoint_saves;
+        j["checkpoint_seconds"] = s.checkpoint_seconds;
+      }
       if (!s.compile_report.empty()) j["compiled"] = s.compile_report;
       if (!s.exported.empty()) j["weights"] = s.exported;
       if (!o.direct()) j["fixed_bytes"] = s.fixed_bytes;
@@ -1158,7 +1242,12 @@ int main(int argc, char** argv) {
     }
     if (s.interrupted) {
       // What was saved: the checkpoint of the last completed epoch, if any epoch ever completed.
-      if (s.epochs > 0)
+      if (o.checkpoint_every > 0 && fs::exists(out_dir / "checkpoint.safetensors"))
+        std::fprintf(stderr, "mn-train: interrupted (SIGINT); %s holds the last checkpoint written (at an epoch end "
+                     "or every %lld steps), and `mn-train --out %s --resume` continues from there\n",
+                     (out_dir / "checkpoint.safetensors").c_str(), static_cast<long long>(o.checkpoint_every),
+                     out_dir.c_str());
+      else if (s.epochs > 0)
         std::fprintf(stderr, "mn-train: interrupted (SIGINT); %s holds epoch %lld, and `mn-train --out %s --resume` "
                      "continues from there\n", (out_dir / "checkpoint.safetensors").c_str(),
                      static_cast<long long>(s.epochs), out_dir.c_str());

@@ -114,9 +114,9 @@ Loaded read(const std::string& path) {
   if (!version.is_number_integer() || version.get<int64_t>() < 1)
     invalid(path, str("schema_version must be a positive integer, got ", version.dump()));
   info.schema_version = version.get<int64_t>();
-  if (info.schema_version > kCheckpointSchemaVersion)
+  if (info.schema_version > kMidEpochCheckpointSchemaVersion)
     throw ValueError(str("checkpoint ", path, " has schema_version ", info.schema_version,
-                         ", newer than this library supports (", kCheckpointSchemaVersion,
+                         ", newer than this library supports (", kMidEpochCheckpointSchemaVersion,
                          "); upgrade mapping_networks to read it"));
 
   for (const char* key : {"strategy", "seed", "latent_dims", "groups", "parameter_scaling", "spec", "mapper"})
@@ -413,7 +413,8 @@ void save_checkpoint(const std::string& path, const MappingModel& model, const C
 
   safetensors::StringMap metadata;
   metadata["format"] = encode(kFormat);
-  metadata["schema_version"] = encode(kCheckpointSchemaVersion);
+  const bool mid_epoch = extras.trainer_state && extras.trainer_state->progress;
+  metadata["schema_version"] = encode(mid_epoch ? kMidEpochCheckpointSchemaVersion : kCheckpointSchemaVersion);
   metadata["package_version"] = encode(kPackageVersion);
   metadata["strategy"] = encode(gen.strategy());
   metadata["seed"] = encode(gen.options().seed);

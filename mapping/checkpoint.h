@@ -11,13 +11,13 @@
 //   optimizer/<key>      optimizer state (nn::optim::Optimizer::state_dict) when a trainer state is given
 //   loss/<name>          trainable loss coefficients (MappingLoss rho's), when there are any
 // Metadata (every value is a JSON document, as safetensors metadata must be strings):
-//   format "mapping_networks.checkpoint", schema_version 1, package_version, strategy, seed,
+//   format "mapping_networks.checkpoint", schema_version 1 (2 with a mid-epoch trainer state), package_version, strategy, seed,
 //   latent_dims {group: L}, groups [[group, [parameter names]]...], parameter_scaling,
 //   mapper {alpha, default, groups: {group: description}}, spec [[name, [shape]]...] in spec order,
 //   add_ons {lrd_rank, prune_fraction} (only when either is set: LRD and pruning change what the
 //   latents generate, so they must match on load; the pruning masks are rebuilt, never stored),
 //   trainer_state {epoch, should_stop, scheduler_epoch, [scheduler_state, scheduler_step_metric],
-//   [callbacks {key: state}], optimizer_lr, history, rng} (optional),
+//   [callbacks {key: state}], optimizer_lr, history, rng, [global_step], [progress]} (optional),
 //   metadata {user strings}, config (optional JSON), finetuning {pretrained, hash, block_size, alpha,
 //   group_alpha} (strategy "finetuning": the pretrained file's path and FNV-1a 64 content hash, never its
 //   tensors; loading into a model whose pretrained file has another hash is a ValueError naming both).
@@ -49,6 +49,9 @@
 namespace mn::mapping {
 
 inline constexpr int64_t kCheckpointSchemaVersion = 1;
+// The version of a checkpoint whose trainer state holds a mid-epoch position (TrainerState::progress), so
+// that builds which cannot continue an epoch refuse it; the newest this build reads.
+inline constexpr int64_t kMidEpochCheckpointSchemaVersion = 2;
 // Keep in step with project(VERSION) in CMakeLists.txt.
 inline constexpr const char* kPackageVersion = "0.1.0";
 

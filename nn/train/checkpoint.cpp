@@ -19,6 +19,9 @@ using json = nlohmann::json;
 constexpr const char* kFormat = "mn.train.checkpoint";
 constexpr const char* kLegacyDirectFormat = "mn-train.direct";
 constexpr int64_t kSchemaVersion = 1;
+// A mid-epoch state (trainer_state.progress): a reader that does not know the position would restart the
+// epoch with advanced optimizer and random state, so such files carry a version older builds refuse.
+constexpr int64_t kMidEpochSchemaVersion = 2;
 constexpr const char* kOptimizerPrefix = "optimizer/";
 
 bool starts_with(const std::string& s, const std::string& prefix) { return s.rfind(prefix, 0) == 0; }
@@ -78,7 +81,7 @@ void save_module_checkpoint(const std::string& path, const Trainer& trainer, con
   safetensors::StringMap meta;
   try {
     meta["format"] = json(kFormat).dump();
-    meta["schema_version"] = json(kSchemaVersion).dump();
+    meta["schema_version"] = json(s.progress ? kMidEpochSchemaVersion : kSchemaVersion).dump();
     meta["trainer_state"] = detail::trainer_state_json(s).dump();
     meta["metadata"] = json(metadata.metadata).dump();
     if (!metadata.config.empty()) meta["config"] = json::parse(metadata.config).dump();
@@ -109,8 +112,8 @@ ModuleCheckpoint read_module_checkpoint(const std::string& path) {
     out.metadata.metadata = {{"program", "mn-train"}};
   } else {
     const json version = metadata_value(path, file, "schema_version");
-    MN_CHECK(version.is_number_integer() && version.get<int64_t>() <= kSchemaVersion, ValueError, "checkpoint ", path,
-             " has schema_version ", version.dump(), "; this build reads up to ", kSchemaVersion,
+    MN_CHECK(version.is_number_integer() && version.get<int64_t>() <= kMidEpochSchemaVersion, ValueError, "checkpoint ",
+             path, " has schema_version ", version.dump(), "; this build reads up to ", kMidEpochSchemaVersion,
              " (written by a newer version?)");
     try {
       out.trainer_state = detail::parse_trainer_state(metadata_value(path, file, "trainer_state"));

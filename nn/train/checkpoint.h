@@ -3,7 +3,7 @@
 //
 // Tensors: the module's state dict under its own names (f32/i64 as they are), and optimizer/<key>
 // (nn::optim::Optimizer::state_dict). Metadata (JSON values): format "mn.train.checkpoint",
-// schema_version 1, trainer_state (see trainer_state_to_json), metadata {user strings}, config
+// schema_version 1 (2 when the trainer state holds a mid-epoch position), trainer_state (see trainer_state_to_json), metadata {user strings}, config
 // (optional JSON). Written atomically (a failed save leaves the old file intact).
 //
 // mapping::MappingTrainer writes mapping checkpoints instead (seed-only, mapping/checkpoint.h), through

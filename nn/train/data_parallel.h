@@ -5,7 +5,9 @@
 //   auto ddp = mn::dist::wrap_ddp(model);          // any nn::Module
 //   trainer.set_data_parallel(&ddp);               // no_sync for accumulation, metrics over all ranks
 #include <cstdint>
+#include <vector>
 
+#include "core/error.h"
 #include "nn/train/history.h"
 
 namespace mn::train {
@@ -23,6 +25,13 @@ class DataParallel {
   virtual Metrics average_metrics(const Metrics& metrics, int64_t samples) = 0;
   virtual int rank() const = 0;
   virtual int world_size() const = 0;
+  // Every rank's `values` (each rank passes as many), in rank order and bit for bit: what a mid-epoch
+  // checkpoint records of each rank's metric sums (Trainer::sync_epoch_progress). A collective.
+  virtual std::vector<std::vector<double>> all_gather(const std::vector<double>& values) {
+    (void)values;
+    throw RuntimeError("DataParallel::all_gather: this data-parallel implementation cannot gather values across "
+                       "ranks, which a mid-epoch checkpoint needs");
+  }
 };
 
 }  // namespace mn::train

@@ -18,25 +18,24 @@ int64_t batch_samples(const Batch& batch) {
 
 // Sample-weighted means of a pass's loss metrics.
 struct EpochAverages {
-  double task = 0.0, total = 0.0, accuracy = 0.0;
-  int64_t samples = 0, accuracy_samples = 0;
+  PassSums sums;
 
   void add(const LossOutput& out, int64_t n) {
     const double total_value = out.metrics.count("total") ? out.metrics.at("total") : out.total.detach().item();
     const auto task_it = out.metrics.find("task");
-    task += (task_it != out.metrics.end() ? task_it->second : total_value) * static_cast<double>(n);
-    total += total_value * static_cast<double>(n);
-    samples += n;
+    sums.task += (task_it != out.metrics.end() ? task_it->second : total_value) * static_cast<double>(n);
+    sums.total += total_value * static_cast<double>(n);
+    sums.samples += n;
     if (const auto acc = out.metrics.find("accuracy"); acc != out.metrics.end()) {
-      accuracy += acc->second * static_cast<double>(n);
-      accuracy_samples += n;
+      sums.accuracy += acc->second * static_cast<double>(n);
+      sums.accuracy_samples += n;
     }
   }
   Metrics finish(const char* task_key, const char* total_key, const char* accuracy_key) const {
     Metrics m;
-    m[task_key] = task / static_cast<double>(samples);
-    m[total_key] = total / static_cast<double>(samples);
-    if (accuracy_samples > 0) m[accuracy_key] = accuracy / static_cast<double>(accuracy_samples);
+    m[task_key] = sums.task / static_cast<double>(sums.samples);
+    m[total_key] = sums.total / static_cast<double>(sums.samples);
+    if (sums.accuracy_samples > 0) m[accuracy_key] = sums.accuracy / static_cast<double>(sums.accuracy_samples);
     return m;
   }
 };
@@ -77,7 +76,9 @@ void Trainer::fire(const char* hook, Hook&& call) {
 
 // ---- passes ----
 
-Metrics Trainer::fit_epoch(DataLoader& loader) {
+Metrics Trainer::fit_epoch(DataLoader& loader) { return train_pass(loader, nullptr, false); }
+
+Metrics Trainer::train_pass(DataLoader& loader, const EpochProgress* resume, bool expose) {
   ActiveLoader active(active_loader_, loader);
   module_.train();
   optimizer_->zero_grad();
@@ -87,16 +88,42 @@ Metrics Trainer::fit_epoch(DataLoader& loader) {
   int64_t index = 0;
   const int64_t batches = loader.size(), k = config_.accumulation_steps;
   const int64_t first_step = current_epoch_ * batches;
-  for (const Batch& batch : loader) {
+  if (resume != nullptr) {
+    MN_CHECK(resume->batches < batches, ValueError, trainer_name(), ": the restored state stopped after batch ",
+             resume->batches, " of epoch ", current_epoch_ + 1, ", but the training loader has ", batches,
+             " batches per epoch (another data set size or batch size?)");
+    index = resume->batches;
+    nonfinite_steps_ = resume->nonfinite_steps;
+    averages.sums = resumed_sums(*resume);
+  }
+  // The position is state()'s while the pass runs (cleared however it ends).
+  struct Exposed {
+    Trainer& t;
+    bool on;
+    ~Exposed() {
+      if (on) t.pass_sums_ = nullptr;
+      t.gathered_sums_.clear();
+    }
+  } exposed{*this, expose};
+  if (expose) {
+    pass_sums_ = &averages.sums;
+    pass_batches_ = index;
+  }
+  while (index < batches) {
     check_interrupt();
-    fire("on_batch_start", [&](Callback& cb) { cb.on_batch_start(*this, index); });
+    const Batch batch = loader.batch(index);
+    const int64_t b = index;
+    fire("on_batch_start", [&](Callback& cb) { cb.on_batch_start(*this, b); });
     // The window's last micro-batch: a full window's k-th, or the epoch's last batch.
-    window_last_batch_ = std::min(index - index % k + k, batches) - 1;
-    const StepPosition position{index, first_step + index};
+    window_last_batch_ = std::min(b - b % k + k, batches) - 1;
+    const StepPosition position{b, first_step + b};
     const LossOutput out = train_step(batch, k, &position);
-    fire("on_batch_end", [&](Callback& cb) { cb.on_batch_end(*this, index, out); });
+    // Counted before on_batch_end, so a state captured there includes this batch.
     averages.add(out, batch_samples(batch));
     ++index;
+    if (expose) pass_batches_ = index;
+    gathered_sums_.clear();
+    fire("on_batch_end", [&](Callback& cb) { cb.on_batch_end(*this, b, out); });
     if (should_stop_) break;
   }
   window_last_batch_ = -1;
@@ -107,7 +134,7 @@ Metrics Trainer::fit_epoch(DataLoader& loader) {
     log_warning(str("warning: ", trainer_name(), ": ", nonfinite_steps_, " of ", index, " steps of epoch ", current_epoch_ + 1,
                     " were not finite"));
   }
-  last_pass_samples_ = averages.samples;
+  last_pass_samples_ = averages.sums.samples;
   return averages.finish(history_keys::kTrainTaskLoss, history_keys::kTrainTotalLoss, history_keys::kTrainAccuracy);
 }
 
@@ -133,8 +160,8 @@ Metrics Trainer::evaluate(DataLoader& loader) {
     throw;
   }
   module_.train(was_training);
-  MN_CHECK(averages.samples > 0, ValueError, trainer_name(), ": the validation loader yielded no batches");
-  last_pass_samples_ = averages.samples;
+  MN_CHECK(averages.sums.samples > 0, ValueError, trainer_name(), ": the validation loader yielded no batches");
+  last_pass_samples_ = averages.sums.samples;
   return averages.finish(history_keys::kValTaskLoss, history_keys::kValTotalLoss, history_keys::kValAccuracy);
 }
 
@@ -182,7 +209,10 @@ History Trainer::fit(bool auto_lr_find) {
       fire("on_epoch_start", [&](Callback& cb) { cb.on_epoch_start(*this, epoch); });
       const double epoch_lr = learning_rate();
       train_loader_.set_epoch(static_cast<uint64_t>(epoch));
-      Metrics metrics = reduce(fit_epoch(train_loader_));
+      // A restored mid-epoch position continues its epoch (the first one run here), once.
+      const std::optional<EpochProgress> resume = std::move(resume_progress_);
+      resume_progress_.reset();
+      Metrics metrics = reduce(train_pass(train_loader_, resume ? &*resume : nullptr, true));
       if (val_loader_ != nullptr) {
         fire("on_validation_start", [&](Callback& cb) { cb.on_validation_start(*this); });
         const Metrics val = reduce(evaluate(*val_loader_));

@@ -97,17 +97,40 @@ std::string JsonLogger::record(int64_t epoch, double seconds, const Metrics& met
 
 // ---- checkpoints ----
 
-ModelCheckpoint::ModelCheckpoint(std::string path, int64_t every_n_epochs, CheckpointMetadata metadata)
-    : path_(std::move(path)), every_n_epochs_(every_n_epochs), metadata_(std::move(metadata)) {
+ModelCheckpoint::ModelCheckpoint(std::string path, int64_t every_n_epochs, CheckpointMetadata metadata,
+                                 int64_t every_n_steps)
+    : path_(std::move(path)),
+      every_n_epochs_(every_n_epochs),
+      metadata_(std::move(metadata)),
+      every_n_steps_(every_n_steps) {
   MN_CHECK(!path_.empty(), ValueError, "ModelCheckpoint: the path must be non-empty");
   MN_CHECK(every_n_epochs >= 1, ValueError, "ModelCheckpoint: every_n_epochs must be at least 1, got ",
            every_n_epochs);
+  MN_CHECK(every_n_steps >= 0, ValueError, "ModelCheckpoint: every_n_steps must be >= 0 (0: only at epoch ends), got ",
+           every_n_steps);
+}
+
+void ModelCheckpoint::save(Trainer& trainer) {
+  if (!trainer.is_main_process()) return;
+  const auto start = std::chrono::steady_clock::now();
+  trainer.save_checkpoint(path_, metadata_);
+  save_seconds_ += seconds_since(start);
+  ++saves_;
+}
+
+void ModelCheckpoint::on_batch_end(Trainer& trainer, int64_t batch, const LossOutput&) {
+  if (every_n_steps_ == 0 || !trainer.at_step_boundary() || trainer.global_step() % every_n_steps_ != 0) return;
+  // The epoch's last batch: its end (validation, history, the epoch-end save) follows. A stop requested
+  // at this batch ends the epoch here, which a resumed fit could not know.
+  if (batch + 1 >= trainer.active_loader().size() || trainer.should_stop()) return;
+  trainer.sync_epoch_progress();
+  save(trainer);
 }
 
 void ModelCheckpoint::on_epoch_end(Trainer& trainer, int64_t epoch, const Metrics&) {
   const bool last = epoch + 1 >= trainer.config().max_epochs;
   if ((epoch + 1) % every_n_epochs_ != 0 && !last) return;
-  trainer.save_checkpoint(path_, metadata_);
+  save(trainer);
   saved_epoch_ = trainer.epoch();
 }
 
@@ -116,7 +139,7 @@ void ModelCheckpoint::on_fit_start(Trainer& trainer) { saved_epoch_ = trainer.ep
 void ModelCheckpoint::on_fit_end(Trainer& trainer) {
   // A fit that stopped (early stopping, an interrupt, an error) after an epoch between two saves.
   if (trainer.epoch() != saved_epoch_) {
-    trainer.save_checkpoint(path_, metadata_);
+    save(trainer);
     saved_epoch_ = trainer.epoch();
   }
 }

@@ -69,21 +69,37 @@ class JsonLogger : public EpochFileLogger {
 // Saves trainer.save_checkpoint(path) every `every_n_epochs` epochs and after the last one, and when
 // the fit ends (early stopping, an interrupt, an error) after a completed epoch not saved yet. Runs
 // after the other callbacks, so the checkpoint holds their state of that epoch.
+// every_n_steps > 0 also saves inside epochs, after every optimizer step whose global_step() is a
+// multiple of it (except on an epoch's last batch, whose epoch-end save follows, and when a callback has
+// asked the fit to stop): a mid-epoch checkpoint, from which the fit continues at the next batch exactly
+// as if never interrupted (TrainerState::progress).
+// Under data parallel every rank must hold one (the mid-epoch saves gather the ranks' metric sums, a
+// collective), and only rank 0 writes (Trainer::is_main_process).
 class ModelCheckpoint : public Callback {
  public:
-  explicit ModelCheckpoint(std::string path, int64_t every_n_epochs = 1, CheckpointMetadata metadata = {});
+  explicit ModelCheckpoint(std::string path, int64_t every_n_epochs = 1, CheckpointMetadata metadata = {},
+                           int64_t every_n_steps = 0);
   std::string name() const override { return "ModelCheckpoint"; }
   bool saves_checkpoints() const override { return true; }
   void on_fit_start(Trainer& trainer) override;
+  void on_batch_end(Trainer& trainer, int64_t batch, const LossOutput& output) override;
   void on_epoch_end(Trainer& trainer, int64_t epoch, const Metrics& metrics) override;
   void on_fit_end(Trainer& trainer) override;
   const std::string& path() const { return path_; }
+  int64_t every_n_steps() const { return every_n_steps_; }
+  // Files this callback wrote (on this process) and the seconds spent writing them.
+  int64_t saves() const { return saves_; }
+  double save_seconds() const { return save_seconds_; }
 
  private:
+  void save(Trainer& trainer);
   std::string path_;
   int64_t every_n_epochs_;
   CheckpointMetadata metadata_;
+  int64_t every_n_steps_;
   int64_t saved_epoch_ = 0;  // trainer.epoch() at the last save (or at fit start)
+  int64_t saves_ = 0;
+  double save_seconds_ = 0.0;
 };
 
 // "epoch e/E: train 84.50% (loss 0.4321), test 85.12% (loss 0.4012), 3.2 s" after every epoch: accuracy

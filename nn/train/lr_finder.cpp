@@ -109,7 +109,7 @@ LRFinderResult Trainer::lr_find(double min_lr, double max_lr, int64_t num_iterat
   const int64_t saved_epoch = epoch_, saved_current_epoch = current_epoch_;
   const bool saved_should_stop = should_stop_, saved_callbacks_enabled = callbacks_enabled_;
   const bool saved_training = module_.is_training();
-  const int64_t saved_pending = pending_batches_;
+  const int64_t saved_pending = pending_batches_, saved_global_step = global_step_;
 
   auto restore = [&] {
     {
@@ -132,6 +132,7 @@ LRFinderResult Trainer::lr_find(double min_lr, double max_lr, int64_t num_iterat
     should_stop_ = saved_should_stop;
     callbacks_enabled_ = saved_callbacks_enabled;
     pending_batches_ = saved_pending;
+    global_step_ = saved_global_step;
     module_.train(saved_training);
   };
 

@@ -28,6 +28,32 @@ std::map<std::string, double> parse_scalar_state(const json& j) {
   return out;
 }
 
+// The progress sums must come back exactly, non-finite values included (an epoch mean of inf is not one
+// of NaN): numbers as they are, the others as strings.
+json exact_number(double v) {
+  if (std::isfinite(v)) return v;
+  return std::isnan(v) ? "nan" : (v > 0 ? "inf" : "-inf");
+}
+double parse_exact_number(const json& v) {
+  if (v.is_number()) return v.get<double>();
+  const std::string text = v.get<std::string>();
+  if (text == "nan") return std::numeric_limits<double>::quiet_NaN();
+  if (text == "inf") return std::numeric_limits<double>::infinity();
+  if (text == "-inf") return -std::numeric_limits<double>::infinity();
+  throw ValueError(str("expected a number, \"nan\", \"inf\" or \"-inf\", got ", v.dump()));
+}
+
+json progress_json(const EpochProgress& p) {
+  json sums = json::array();
+  for (const PassSums& s : p.sums)
+    sums.push_back({{"task", exact_number(s.task)},
+                    {"total", exact_number(s.total)},
+                    {"accuracy", exact_number(s.accuracy)},
+                    {"samples", s.samples},
+                    {"accuracy_samples", s.accuracy_samples}});
+  return {{"batches", p.batches}, {"nonfinite_steps", p.nonfinite_steps}, {"sums", sums}};
+}
+
 }  // namespace
 
 template <class T>
@@ -72,6 +98,8 @@ json trainer_state_json(const TrainerState& s) {
               {"trainer_offset", s.rng.trainer_offset},
               {"global_seed", s.rng.global_seed},
               {"global_offset", s.rng.global_offset}};
+  if (s.global_step) j["global_step"] = *s.global_step;
+  if (s.progress) j["progress"] = progress_json(*s.progress);
   return j;
 }
 
@@ -94,6 +122,29 @@ TrainerState parse_trainer_state(const json& j) {
     s.rng.trainer_offset = whole_number<uint64_t>(r.at("trainer_offset"));
     s.rng.global_seed = whole_number<uint64_t>(r.at("global_seed"));
     s.rng.global_offset = whole_number<uint64_t>(r.at("global_offset"));
+  }
+  if (j.contains("global_step")) s.global_step = whole_number<int64_t>(j.at("global_step"));
+  if (j.contains("progress")) {
+    const json& p = j.at("progress");
+    EpochProgress progress;
+    progress.batches = whole_number<int64_t>(p.at("batches"));
+    progress.nonfinite_steps = whole_number<int64_t>(p.at("nonfinite_steps"));
+    for (const json& sum : p.at("sums")) {
+      PassSums rank;
+      rank.task = parse_exact_number(sum.at("task"));
+      rank.total = parse_exact_number(sum.at("total"));
+      rank.accuracy = parse_exact_number(sum.at("accuracy"));
+      rank.samples = whole_number<int64_t>(sum.at("samples"));
+      rank.accuracy_samples = whole_number<int64_t>(sum.at("accuracy_samples"));
+      if (rank.samples < 0 || rank.accuracy_samples < 0 || rank.accuracy_samples > rank.samples)
+        throw ValueError(str("progress: sample counts must satisfy 0 <= accuracy_samples <= samples, got ",
+                             sum.dump()));
+      progress.sums.push_back(rank);
+    }
+    if (progress.batches < 1 || progress.nonfinite_steps < 0 || progress.sums.empty())
+      throw ValueError(str("progress: expected batches >= 1, nonfinite_steps >= 0 and the sums of at least one "
+                           "rank, got ", p.dump()));
+    s.progress = std::move(progress);
   }
   return s;
 }

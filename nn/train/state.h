@@ -4,6 +4,7 @@
 #include <map>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "nn/optim.h"
 #include "nn/train/history.h"
@@ -13,6 +14,27 @@ namespace mn::train {
 struct RngState {
   uint64_t trainer_seed = 0, trainer_offset = 0;  // the trainer's generator (noise, probes)
   uint64_t global_seed = 0, global_offset = 0;    // mn::default_generator() (dropout)
+};
+
+// The running sums of one rank's training pass, from which the epoch's means are formed (sample-weighted:
+// task and total are sums of loss x batch size, accuracy of accuracy x batch size).
+struct PassSums {
+  double task = 0.0, total = 0.0, accuracy = 0.0;
+  int64_t samples = 0, accuracy_samples = 0;
+  bool operator==(const PassSums&) const = default;
+};
+
+// Where a fit stood inside an epoch when its state was captured between two optimizer steps (a mid-epoch
+// checkpoint): the next fit() continues epoch TrainerState::epoch at batch `batches` with these sums,
+// instead of starting the epoch over.
+struct EpochProgress {
+  int64_t batches = 0;          // batches of the epoch trained (and stepped) so far, >= 1
+  int64_t nonfinite_steps = 0;  // the epoch's non-finite steps so far (on_nonfinite "warn")
+  // The pass's sums per data-parallel rank, in rank order (one entry without data parallel). A resume
+  // with the same number of ranks gives each rank its own; with another, rank 0 takes their total and the
+  // others start from zero (the epoch's means are then the same up to rounding).
+  std::vector<PassSums> sums;
+  bool operator==(const EpochProgress&) const = default;
 };
 
 struct TrainerState {
@@ -33,11 +55,18 @@ struct TrainerState {
   std::map<std::string, std::map<std::string, double>> callback_states;
   History history;
   RngState rng;
+  // Optimizer steps of the run's training passes so far (restored epochs included); absent in files
+  // written before it was recorded (the trainer then counts the restored epochs' steps itself).
+  std::optional<int64_t> global_step;
+  // Set when captured mid-epoch (see EpochProgress); absent: captured between epochs.
+  std::optional<EpochProgress> progress;
 };
 
 // The state without its optimizer tensors as JSON text (they are stored as tensors beside it):
 // epoch, should_stop, scheduler_epoch, [optimizer_lr], [scheduler_state, scheduler_step_metric],
-// [callbacks], history, rng. NaN and infinities are written as null and read back as NaN.
+// [callbacks], history, rng, [global_step], [progress {batches, nonfinite_steps, sums [{task, total,
+// accuracy, samples, accuracy_samples} per rank]}]. NaN and infinities are written as null and read back
+// as NaN, except in progress's sums, which keep them exactly ("nan", "inf", "-inf").
 std::string trainer_state_to_json(const TrainerState& state);
 // The inverse; a malformed document is a ValueError naming what is wrong (the optimizer map stays empty).
 TrainerState trainer_state_from_json(const std::string& text);

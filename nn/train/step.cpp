@@ -180,6 +180,7 @@ void Trainer::optimizer_step() {
   optimizer_->step();
   optimizer_->zero_grad();
   pending_batches_ = 0;
+  ++global_step_;
 }
 
 void Trainer::finish_accumulation_window() {

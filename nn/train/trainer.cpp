@@ -148,6 +148,7 @@ void Trainer::set_epoch(int64_t epoch) {
   MN_CHECK(epoch >= 0, ValueError, trainer_name(), ": epoch must be non-negative, got ", epoch);
   epoch_ = epoch;
   current_epoch_ = epoch;
+  resume_progress_.reset();  // a restored position belongs to the restored epoch
 }
 
 void Trainer::set_max_epochs(int64_t max_epochs) {
@@ -175,7 +176,58 @@ TrainerState Trainer::state() const {
   s.rng.trainer_offset = generator_.offset();
   s.rng.global_seed = default_generator().seed();
   s.rng.global_offset = default_generator().offset();
+  s.global_step = global_step_;
+  if (at_step_boundary()) {
+    EpochProgress progress{.batches = pass_batches_, .nonfinite_steps = nonfinite_steps_, .sums = {}};
+    if (data_parallel_ == nullptr) progress.sums = {*pass_sums_};
+    else progress.sums = gathered_sums_;  // empty unless sync_epoch_progress ran at this batch
+    if (!progress.sums.empty()) s.progress = std::move(progress);
+  } else if (pass_sums_ == nullptr && resume_progress_) {
+    s.progress = resume_progress_;  // restored and not yet continued
+  }
   return s;
+}
+
+bool Trainer::at_step_boundary() const { return pass_sums_ != nullptr && pass_batches_ > 0 && pending_batches_ == 0; }
+
+bool Trainer::is_main_process() const { return data_parallel_ == nullptr || data_parallel_->rank() == 0; }
+
+void Trainer::sync_epoch_progress() {
+  if (pass_sums_ == nullptr || data_parallel_ == nullptr) return;
+  const PassSums& mine = *pass_sums_;
+  const std::vector<std::vector<double>> all = data_parallel_->all_gather(
+      {mine.task, mine.total, mine.accuracy, static_cast<double>(mine.samples),
+       static_cast<double>(mine.accuracy_samples)});
+  std::vector<PassSums> gathered;
+  for (const std::vector<double>& v : all) {
+    MN_CHECK(v.size() == 5, RuntimeError, trainer_name(), ": sync_epoch_progress gathered ", v.size(),
+             " values from a rank, expected 5");
+    gathered.push_back({v[0], v[1], v[2], static_cast<int64_t>(v[3]), static_cast<int64_t>(v[4])});
+  }
+  gathered_sums_ = std::move(gathered);
+}
+
+PassSums Trainer::resumed_sums(const EpochProgress& progress) const {
+  const int world = data_parallel_ != nullptr ? data_parallel_->world_size() : 1;
+  const int rank = data_parallel_ != nullptr ? data_parallel_->rank() : 0;
+  if (static_cast<int>(progress.sums.size()) == world) return progress.sums[static_cast<size_t>(rank)];
+  // Another number of ranks: their total goes to rank 0, so the epoch's all-reduced means still count
+  // every sample once.
+  PassSums total;
+  if (rank != 0) return total;
+  for (const PassSums& s : progress.sums) {
+    total.task += s.task;
+    total.total += s.total;
+    total.accuracy += s.accuracy;
+    total.samples += s.samples;
+    total.accuracy_samples += s.accuracy_samples;
+  }
+  return total;
+}
+
+int64_t Trainer::steps_per_epoch() const {
+  const int64_t batches = train_loader_.size(), k = config_.accumulation_steps;
+  return batches / k + (batches % k != 0 && !config_.discard_partial_accumulation ? 1 : 0);
 }
 
 void Trainer::load_state(const TrainerState& s) {
@@ -206,6 +258,12 @@ void Trainer::load_state(const TrainerState& s) {
   default_generator().set_offset(s.rng.global_offset);
   pending_batches_ = 0;
   scheduler_step_pending_ = false;
+  resume_progress_ = s.progress;
+  // Files from before the step count was recorded: the restored epochs' steps (a restored position sits
+  // on a window boundary).
+  global_step_ = s.global_step ? *s.global_step
+                               : s.epoch * steps_per_epoch() +
+                                     (s.progress ? s.progress->batches / config_.accumulation_steps : 0);
 }
 
 std::vector<std::string> Trainer::callback_keys() const {

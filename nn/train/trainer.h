@@ -27,6 +27,10 @@
 //     [val_task_loss, val_total_loss, val_accuracy], lr - one value per completed epoch. Epoch means
 //     are weighted by batch size.
 //   * fit() continues from the stored epoch up to max_epochs, and starts with should_stop cleared.
+//   * A state captured between two optimizer steps of an epoch (ModelCheckpoint's every_n_steps) holds the
+//     position: after load_state, fit() continues that epoch at the next batch (on_epoch_start fires for
+//     it again, on_batch_start/end with the batch indices that follow) with the epoch's metric sums so far,
+//     so the run's steps, history and final state are those of the uninterrupted fit, bit for bit.
 //   * Randomness the trainer draws (a subclass's noise, probes) comes from its own generator, seeded
 //     from config.seed; together with the global generator (dropout) its position is part of the
 //     resumable state, so the same seed gives the same losses, also across a save and resume.
@@ -35,6 +39,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -90,7 +95,7 @@ class Trainer {
 
   // ---- state ----
   int64_t epoch() const { return epoch_; }                  // completed epochs
-  void set_epoch(int64_t epoch);
+  void set_epoch(int64_t epoch);  // also forgets a restored mid-epoch position
   int64_t current_epoch() const { return current_epoch_; }  // the epoch running (or last run)
   bool should_stop() const { return should_stop_; }
   void set_should_stop(bool stop) { should_stop_ = stop; }
@@ -99,8 +104,24 @@ class Trainer {
   void set_learning_rate(double lr);
   void set_max_epochs(int64_t max_epochs);
   const History& history() const { return history_; }
+  // Captured between two optimizer steps of fit's training pass (at_step_boundary()), the state holds
+  // the position in the epoch (TrainerState::progress): the next fit() after load_state continues that
+  // epoch at the next batch, with the epoch's metric sums so far, and ends as the uninterrupted fit would.
+  // Captured elsewhere inside an epoch it holds only the completed epochs (as between epochs); so it does
+  // under data parallel unless sync_epoch_progress() ran at this batch.
   TrainerState state() const;
+  // Restores a state (a mid-epoch one: fit() continues its epoch; set_epoch forgets that position).
   void load_state(const TrainerState& state);
+  // Optimizer steps of the fit's training passes so far, restored ones included.
+  int64_t global_step() const { return global_step_; }
+  // Inside fit's training pass, after at least one batch, with no gradient accumulated since the last
+  // optimizer step: where state() records a resumable position in the epoch.
+  bool at_step_boundary() const;
+  // Data parallel: gathers every rank's metric sums of the epoch so far, so that state() at this batch
+  // records them all (a collective: every rank calls it at the same batch). Otherwise nothing.
+  void sync_epoch_progress();
+  // The process that writes files for the job: true without data parallel, else rank 0 only.
+  bool is_main_process() const;
 
   // ---- parts ----
   nn::Module& module() { return module_; }
@@ -185,6 +206,11 @@ class Trainer {
   LossOutput backward_step(const data::Batch& batch, int64_t accumulation_steps);  // without the step
   LossOutput compiled_backward_step(const data::Batch& batch, int64_t accumulation_steps);
   void optimizer_step();
+  // fit_epoch's loop, continuing `resume` when given; with `expose` (fit's own pass, whose epoch the
+  // trainer knows) its position and sums are state()'s while it runs.
+  Metrics train_pass(data::DataLoader& loader, const EpochProgress* resume, bool expose);
+  PassSums resumed_sums(const EpochProgress& progress) const;  // this rank's share of a saved position
+  int64_t steps_per_epoch() const;  // optimizer steps of a whole epoch of the train loader
   void finish_accumulation_window();
   void rebuild_scheduler();
   double scheduler_metric(const Metrics& metrics) const;
@@ -230,6 +256,12 @@ class Trainer {
   int64_t nonfinite_steps_ = 0;  // this epoch's non-finite steps (on_nonfinite "warn")
   const data::DataLoader* active_loader_ = nullptr;
   std::atomic<bool> interrupt_requested_{false};
+  // Mid-epoch positions (state(), load_state, ModelCheckpoint's every_n_steps).
+  int64_t global_step_ = 0;                     // optimizer steps, see global_step()
+  const PassSums* pass_sums_ = nullptr;         // fit's training pass running: its sums so far
+  int64_t pass_batches_ = 0;                    // ... and the batches it has trained
+  std::vector<PassSums> gathered_sums_;         // sync_epoch_progress at the current batch (rank order)
+  std::optional<EpochProgress> resume_progress_;  // loaded, for the next fit() to continue
 };
 
 }  // namespace mn::train

@@ -255,4 +255,15 @@ if(MN_MPI_ENABLED AND MPIEXEC_EXECUTABLE)
     string(JOIN " " mn_mpirun_command ${MN_MPIRUN} ${MPIEXEC_NUMPROC_FLAG})
     target_compile_definitions(mn_dist_train_test PRIVATE MN_MPIRUN_NP="${mn_mpirun_command}")
   endif()
+# mn-train --checkpoint-every under mn-run: a rank dies after a mid-epoch checkpoint (the hidden
+# --crash-after-step hook, or SIGKILL from the test); the resumed job ends byte for byte as the straight one.
+if(TARGET mn-train)
+  add_executable(mn_dist_train_ckpt_test ${CMAKE_CURRENT_SOURCE_DIR}/dist/test_mn_train_ckpt_ddp.cpp
+                                         ${CMAKE_CURRENT_SOURCE_DIR}/main.cpp)
+  target_link_libraries(mn_dist_train_ckpt_test PRIVATE mn::mapping_networks doctest::doctest)
+  target_compile_definitions(mn_dist_train_ckpt_test PRIVATE MN_TRAIN_EXE="$<TARGET_FILE:mn-train>"
+                                                             MN_RUN_EXE="$<TARGET_FILE:mn-run>")
+  add_dependencies(mn_dist_train_ckpt_test mn-train mn-run)
+  add_test(NAME dist_mn_train_checkpoint COMMAND mn_dist_train_ckpt_test --no-intro=true)
+  set_tests_properties(dist_mn_train_checkpoint PROPERTIES LABELS dist TIMEOUT 300)
 endif()
