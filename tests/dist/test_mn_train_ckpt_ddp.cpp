@@ -4,6 +4,7 @@
 // checkpoint, each rank's DistributedSampler shard continuing after the batches trained) and ends with the
 // uninterrupted job's checkpoint, weights and metrics.csv (seconds aside), byte for byte. The checkpoint
 // records both ranks' metric sums, so the resumed epoch's all-reduced means are the same bits.
+// Under mn-run --max-restarts 1 the launcher restarts the job itself and --auto-resume picks the checkpoint up.
 #include <doctest/doctest.h>
 #include <signal.h>
 #include <sys/wait.h>
@@ -115,4 +116,32 @@ TEST_CASE("mn-train --checkpoint-every under DDP: a rank killed with SIGKILL onc
 
   require_ok(mn::testing::run_command(ddp(str("--resume --out ", dir / "killed"))));
   check_same_run(dir / "killed", dir / "straight");
+}
+
+TEST_CASE("mn-run --max-restarts 1: a rank killed with SIGKILL mid-epoch; the job restarts itself and ends as the straight one") {
+  if (!have_data()) {
+    MESSAGE("skipped: Fashion-MNIST not found in " << data::default_fashion_mnist_root());
+    return;
+  }
+  TempDir dir("mn_train_ckpt_ddp_restart");
+  require_ok(mn::testing::run_command(ddp(str("--limit 3200 --out ", dir / "straight"))));
+
+  // Issue 20's elastic case: the launcher restarts both ranks with the same command line, and
+  // --auto-resume continues from the last mid-epoch checkpoint.
+  const std::string checkpoint = dir / "job/checkpoint.safetensors";
+  const pid_t launcher = mn::testing::spawn_command(str(kRun, " --max-restarts 1 --nproc-per-node 2 ", kTrain, " ",
+                                                        kCommon, " --limit 3200 --auto-resume --checkpoint-every 3 --out ",
+                                                        dir / "job"));
+  REQUIRE(launcher > 0);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+  while (!fs::exists(checkpoint) && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  const std::vector<pid_t> ranks = children(launcher);
+  REQUIRE(ranks.size() == 2);
+  ::kill(ranks.front(), SIGKILL);
+  int status = 0;
+  REQUIRE(::waitpid(launcher, &status, 0) == launcher);
+  CHECK(WIFEXITED(status));
+  CHECK(WEXITSTATUS(status) == 0);  // restarted once, then finished
+  check_same_run(dir / "job", dir / "straight");
 }
