@@ -255,6 +255,8 @@ if(MN_MPI_ENABLED AND MPIEXEC_EXECUTABLE)
     string(JOIN " " mn_mpirun_command ${MN_MPIRUN} ${MPIEXEC_NUMPROC_FLAG})
     target_compile_definitions(mn_dist_train_test PRIVATE MN_MPIRUN_NP="${mn_mpirun_command}")
   endif()
+endif()
+
 # mn-train --checkpoint-every under mn-run: a rank dies after a mid-epoch checkpoint (the hidden
 # --crash-after-step hook, or SIGKILL from the test); the resumed job ends byte for byte as the straight one.
 if(TARGET mn-train)
