@@ -667,6 +667,8 @@ int run_restart(int argc, char** argv) {
                t.to_vector<float>()[0]);
   dist::cleanup_ddp();
   return 0;
+}
+
 // ---- stall ----
 
 // Exit 3 when the expected timeout error came (and the next collective failed at once), 1 otherwise.
