@@ -83,7 +83,13 @@ TEST_CASE("mn-train --checkpoint-every under DDP: rank 1 dies after step 14; the
   REQUIRE(state.at("progress").at("sums").size() == 2);  // both ranks' sums
   CHECK(state.at("progress").at("sums")[1].at("samples") == 64);
 
-  require_ok(mn::testing::run_command("TORCHELASTIC_RESTART_COUNT=1 " + line));
+  // The same command line again, now under --max-restarts 1: its first attempt resumes at step 12 and
+  // crashes again at step 14 (mn-run sets TORCHELASTIC_RESTART_COUNT=0 for it); the restarted attempt
+  // resumes from step 12 once more and finishes.
+  const std::string restarting = str(kRun, " --max-restarts 1", line.substr(kRun.size()));
+  const CommandResult finished = mn::testing::run_command(restarting);
+  require_ok(finished);
+  CHECK(finished.all().find("mn-run: restart 1/1 after rank 1") != std::string::npos);
   check_same_run(dir / "job", dir / "straight");
 }
 
