@@ -60,6 +60,23 @@ std::vector<pid_t> children(pid_t parent) {
   return out;
 }
 
+// Starts `command` (mn-run and its 2 ranks), kills rank `which` with SIGKILL as soon as `checkpoint`
+// exists, and returns the launcher's exit code.
+int run_killing_a_rank(const std::string& command, const std::string& checkpoint, size_t which) {
+  const pid_t launcher = mn::testing::spawn_command(command);
+  REQUIRE(launcher > 0);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+  while (!fs::exists(checkpoint) && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  const std::vector<pid_t> ranks = children(launcher);
+  REQUIRE(ranks.size() == 2);
+  ::kill(ranks.at(which), SIGKILL);
+  int status = 0;
+  REQUIRE(::waitpid(launcher, &status, 0) == launcher);
+  REQUIRE(WIFEXITED(status));
+  return WEXITSTATUS(status);
+}
+
 }  // namespace
 
 TEST_CASE("mn-train --checkpoint-every under DDP: rank 1 dies after step 14; the restarted job ends as the straight one") {
@@ -103,18 +120,8 @@ TEST_CASE("mn-train --checkpoint-every under DDP: a rank killed with SIGKILL onc
   require_ok(mn::testing::run_command(ddp(str("--limit 3200 --out ", dir / "straight"))));
 
   const std::string checkpoint = dir / "killed/checkpoint.safetensors";
-  const pid_t launcher = mn::testing::spawn_command(ddp(str("--limit 3200 --checkpoint-every 3 --out ", dir / "killed")));
-  REQUIRE(launcher > 0);
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
-  while (!fs::exists(checkpoint) && std::chrono::steady_clock::now() < deadline)
-    std::this_thread::sleep_for(std::chrono::milliseconds(1));
-  const std::vector<pid_t> ranks = children(launcher);
-  REQUIRE(ranks.size() == 2);
-  ::kill(ranks.back(), SIGKILL);
-  int status = 0;
-  REQUIRE(::waitpid(launcher, &status, 0) == launcher);
-  CHECK(WIFEXITED(status));
-  CHECK(WEXITSTATUS(status) != 0);  // the launcher reports the dead rank and stops the other
+  // The launcher reports the dead rank and stops the other.
+  CHECK(run_killing_a_rank(ddp(str("--limit 3200 --checkpoint-every 3 --out ", dir / "killed")), checkpoint, 1) != 0);
   REQUIRE(fs::exists(checkpoint));
   const json state = mn::testing::checkpoint_trainer_state(checkpoint);
   MESSAGE("killed after the checkpoint of step " << state.at("global_step"));
@@ -135,19 +142,8 @@ TEST_CASE("mn-run --max-restarts 1: a rank killed with SIGKILL mid-epoch; the jo
   // Issue 20's elastic case: the launcher restarts both ranks with the same command line, and
   // --auto-resume continues from the last mid-epoch checkpoint.
   const std::string checkpoint = dir / "job/checkpoint.safetensors";
-  const pid_t launcher = mn::testing::spawn_command(str(kRun, " --max-restarts 1 --nproc-per-node 2 ", kTrain, " ",
-                                                        kCommon, " --limit 3200 --auto-resume --checkpoint-every 3 --out ",
-                                                        dir / "job"));
-  REQUIRE(launcher > 0);
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
-  while (!fs::exists(checkpoint) && std::chrono::steady_clock::now() < deadline)
-    std::this_thread::sleep_for(std::chrono::milliseconds(1));
-  const std::vector<pid_t> ranks = children(launcher);
-  REQUIRE(ranks.size() == 2);
-  ::kill(ranks.front(), SIGKILL);
-  int status = 0;
-  REQUIRE(::waitpid(launcher, &status, 0) == launcher);
-  CHECK(WIFEXITED(status));
-  CHECK(WEXITSTATUS(status) == 0);  // restarted once, then finished
+  const std::string command = str(kRun, " --max-restarts 1 --nproc-per-node 2 ", kTrain, " ", kCommon,
+                                  " --limit 3200 --auto-resume --checkpoint-every 3 --out ", dir / "job");
+  CHECK(run_killing_a_rank(command, checkpoint, 0) == 0);  // restarted once, then finished
   check_same_run(dir / "job", dir / "straight");
 }
