@@ -284,6 +284,7 @@ std::vector<Tensor> CompiledFunction::capture(Entry& entry, const std::vector<Te
   entry.outputs = outputs;
   return outputs_of(entry);
 }
+
 std::vector<Tensor> CompiledFunction::outputs_of(Entry& entry) {
   std::vector<Tensor> out = fresh_copies(entry.outputs);
   if (!entry.backward) return out;
@@ -300,7 +301,6 @@ std::vector<Tensor> CompiledFunction::outputs_of(Entry& entry) {
   autograd::attach(node, b.leaves, differentiable);
   return out;
 }
-
 
 std::string CompiledFunction::explain() const {
   std::ostringstream os;
