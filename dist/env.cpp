@@ -48,29 +48,27 @@ uint16_t parse_port_variable(const std::string& name, const std::string& text) {
   return static_cast<uint16_t>(value);
 }
 
+namespace {
+
+// The variable's value as an int in [low, INT_MAX] (low is 0 or 1), or ValueError saying what it should be.
+int int_at_least(const std::string& name, const std::string& text, int low) {
+  const char* expected = low == 0 ? " is not a non-negative integer" : " is not a positive integer";
+  int64_t v = 0;
+  try {
+    v = parse_int_variable(name, text);
+  } catch (const ValueError&) {
+    throw ValueError(str("environment variable ", quoted(name, text), expected));
+  }
+  MN_CHECK(v >= low && v <= std::numeric_limits<int>::max(), ValueError, "environment variable ", quoted(name, text),
+           expected);
+  return static_cast<int>(v);
+}
+
+}  // namespace
+
 EnvConfig parse_env(const std::function<std::optional<std::string>(const std::string&)>& lookup) {
-  auto non_negative = [&](const std::string& name, const std::string& text) {
-    int64_t v = 0;
-    try {
-      v = parse_int_variable(name, text);
-    } catch (const ValueError&) {
-      throw ValueError(str("environment variable ", quoted(name, text), " is not a non-negative integer"));
-    }
-    MN_CHECK(v >= 0 && v <= std::numeric_limits<int>::max(), ValueError, "environment variable ",
-             quoted(name, text), " is not a non-negative integer");
-    return static_cast<int>(v);
-  };
-  auto positive = [&](const std::string& name, const std::string& text) {
-    int64_t v = 0;
-    try {
-      v = parse_int_variable(name, text);
-    } catch (const ValueError&) {
-      throw ValueError(str("environment variable ", quoted(name, text), " is not a positive integer"));
-    }
-    MN_CHECK(v >= 1 && v <= std::numeric_limits<int>::max(), ValueError, "environment variable ",
-             quoted(name, text), " is not a positive integer");
-    return static_cast<int>(v);
-  };
+  auto non_negative = [](const std::string& name, const std::string& text) { return int_at_least(name, text, 0); };
+  auto positive = [](const std::string& name, const std::string& text) { return int_at_least(name, text, 1); };
 
   EnvConfig config;
   const std::string world_text = required(lookup, "WORLD_SIZE");
@@ -115,16 +113,8 @@ AgentStore parse_agent_store(const std::function<std::optional<std::string>(cons
              "environment variable ", quoted("TORCHELASTIC_USE_AGENT_STORE", v), " is not True or False");
     agent.used = v == "True" || v == "true" || v == "1";
   }
-  if (auto text = lookup("TORCHELASTIC_RESTART_COUNT"); text && !text->empty()) {
-    int64_t count = -1;
-    try {
-      count = parse_int_variable("TORCHELASTIC_RESTART_COUNT", *text);
-    } catch (const ValueError&) {
-    }
-    MN_CHECK(count >= 0 && count <= std::numeric_limits<int>::max(), ValueError, "environment variable ",
-             quoted("TORCHELASTIC_RESTART_COUNT", *text), " is not a non-negative integer");
-    agent.restart_count = static_cast<int>(count);
-  }
+  if (auto text = lookup("TORCHELASTIC_RESTART_COUNT"); text && !text->empty())
+    agent.restart_count = int_at_least("TORCHELASTIC_RESTART_COUNT", *text, 0);
   return agent;
 }
 
@@ -139,16 +129,7 @@ std::optional<int> int_variable_at_least(const std::function<std::optional<std::
                                          const std::string& name, int low) {
   const std::optional<std::string> text = lookup(name);
   if (!text || text->empty()) return std::nullopt;
-  const char* expected = low == 0 ? " is not a non-negative integer" : " is not a positive integer";
-  int64_t v = 0;
-  try {
-    v = parse_int_variable(name, *text);
-  } catch (const ValueError&) {
-    throw ValueError(str("environment variable ", quoted(name, *text), expected));
-  }
-  MN_CHECK(v >= low && v <= std::numeric_limits<int>::max(), ValueError, "environment variable ", quoted(name, *text),
-           expected);
-  return static_cast<int>(v);
+  return int_at_least(name, *text, low);
 }
 
 }  // namespace
