@@ -4,6 +4,7 @@
 #include <unordered_map>
 #include <unordered_set>
 
+#include "autograd/autocast.h"
 #include "autograd/function.h"
 #include "autograd/ops.h"
 
@@ -36,10 +37,15 @@ void accumulate_into(Tensor& slot, const Tensor& g) {
 
 // A node's gradient for its input i must have that input's shape, dtype and device (recorded when the
 // node was created): a wrong backward formula fails here, naming itself, instead of being broadcast
-// into the gradients downstream.
-void validate_gradient(const Node& node, size_t i, const Tensor& g) {
+// into the gradients downstream. One difference is expected: an op that promoted a 16-bit input
+// (bf16 + f32 -> f32) returns that input's gradient in the promoted dtype; it is converted to the
+// input's dtype here, as PyTorch's engine does.
+void conform_gradient(const Node& node, size_t i, Tensor& g) {
   if (i >= node.input_meta.size()) return;  // nodes built without attach() (GraphRoot) record none
   const InputMeta& want = node.input_meta[i];
+  if (g.dtype() != want.dtype && is_floating_point(g.dtype()) && is_floating_point(want.dtype) &&
+      g.sizes() == want.shape && g.device() == want.device)
+    g = to_dtype(g, want.dtype);
   if (g.sizes() == want.shape && g.dtype() == want.dtype && g.device() == want.device) return;
   throw RuntimeError(str(node.name(), " returned a gradient of shape ", g.sizes(), " (", g.dtype(), " on ",
                          g.device(), ") for its input ", i, ", which has shape ", want.shape, " (", want.dtype, " on ",
@@ -55,6 +61,9 @@ struct RunOptions {
 };
 
 void run(const std::vector<Edge>& roots, TensorList root_grads, const RunOptions& opt) {
+  // Backward formulas compute in the dtypes the forward pass chose; an open autocast scope must not
+  // recast them (autograd/autocast.h).
+  amp::AutocastOff no_autocast;
   auto graph_root = std::make_shared<GraphRoot>(std::move(root_grads));
   graph_root->next_edges = roots;
 
@@ -147,7 +156,7 @@ void run(const std::vector<Edge>& roots, TensorList root_grads, const RunOptions
       TensorList& buf = buffers[e.node.get()];
       if (buf.size() < e.node->num_outputs) buf.resize(e.node->num_outputs);
       if (i < outs.size() && outs[i].defined()) {
-        validate_gradient(*node, i, outs[i]);
+        conform_gradient(*node, i, outs[i]);
         accumulate_into(buf[e.input_nr], outs[i]);
       }
       if (--deps[e.node.get()] == 0) {

@@ -18,7 +18,7 @@ class AutogradTensorHooks final : public detail::TensorHooks {
     auto& m = autograd::ensure_meta(t);
     MN_CHECK(!m.grad_fn || on, RuntimeError,
              "requires_grad_(false) on a non-leaf tensor; use detach() to get a tensor without history");
-    MN_CHECK(!on || t.dtype() == DType::f32, TypeError, "only f32 tensors can require gradients, got ", t.dtype());
+    MN_CHECK(!on || is_floating_point(t.dtype()), TypeError, "only floating-point tensors (f32, bf16, f16) can require gradients, got ", t.dtype());
     m.requires_grad = on;
   }
 

@@ -100,7 +100,12 @@ double Tensor::item() const {
   MN_CHECK(numel() == 1, ValueError, "item() expects a tensor with one element, got shape ", sizes());
   capture::unsupported("Tensor::item() reads a value on the host");
   Tensor host = device().is_cpu() ? *this : to(kCPU);
-  if (host.dtype() == DType::f32) return *host.data<float>();
+  switch (host.dtype()) {
+    case DType::f32: return *host.data<float>();
+    case DType::bf16: return static_cast<float>(*host.data<BFloat16>());
+    case DType::f16: return static_cast<float>(*host.data<Half>());
+    case DType::i64: break;
+  }
   return static_cast<double>(*host.data<int64_t>());
 }
 
@@ -153,13 +158,13 @@ std::string Tensor::str() const {
   std::ostringstream os;
   os << "tensor(";
   std::vector<double> values;
-  if (dtype() == DType::f32) {
+  if (is_floating_point(dtype())) {
     for (float f : to_vector<float>()) values.push_back(f);
   } else {
     for (int64_t i : to_vector<int64_t>()) values.push_back(static_cast<double>(i));
   }
   int64_t pos = 0;
-  print_rec(os, values, sizes(), 0, pos, dtype() == DType::f32, 7);
+  print_rec(os, values, sizes(), 0, pos, is_floating_point(dtype()), 7);
   os << ", shape=" << sizes() << ", dtype=" << dtype();
   if (!device().is_cpu()) os << ", device=" << device();
   if (requires_grad()) os << ", requires_grad=true";

@@ -18,6 +18,18 @@ void ensure_registered() {
   });
 }
 
+namespace lowp {
+
+Tensor widen(const Tensor& t) {
+  Tensor wide = empty(t.sizes(), TensorOptions(DType::f32).with_device(t.device()));
+  copy(t.device(), t, wide);
+  return wide;
+}
+
+void narrow_into(const Tensor& wide, Tensor& target) { copy(target.device(), wide, target); }
+
+}  // namespace lowp
+
 }  // namespace mn::kernels
 
 namespace mn::detail {

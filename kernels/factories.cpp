@@ -36,7 +36,7 @@ Tensor arange(double start, double end, double step, TensorOptions opts) {
     for (int64_t i = 0; i < n; ++i) v[static_cast<size_t>(i)] = static_cast<decltype(zero)>(start + i * step);
     return v;
   };
-  if (opts.dtype == DType::f32) return from_vector(values(0.0f), Shape{n}, opts);
+  if (is_floating_point(opts.dtype)) return from_vector(values(0.0f), Shape{n}, opts);
   return from_vector(values(int64_t{0}), Shape{n}, opts);
 }
 Tensor arange(int64_t end, TensorOptions opts) { return arange(0.0, static_cast<double>(end), 1.0, opts); }

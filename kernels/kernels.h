@@ -4,6 +4,7 @@
 // possibly with zero or arbitrary strides) and writes preallocated outputs. The CPU versions live in
 // kernels/cpu/<family>.cpp, the CUDA twins in kernels/cuda/<family>.cu; both must agree.
 #include <cstdint>
+#include <type_traits>
 
 #include "core/random.h"
 #include "core/tensor.h"
@@ -20,6 +21,24 @@ MN_HOST_DEVICE inline int64_t saturating_i64(F v) {
   if (v >= F(9223372036854775808.0)) return INT64_MAX;
   if (v < F(-9223372036854775808.0)) return INT64_MIN;
   return static_cast<int64_t>(v);
+}
+
+// The element conversion of every copy on both backends, between f32, i64, bf16 and f16: 16-bit
+// values pass through f32 (exact when widening, one rounding when narrowing, as PyTorch converts),
+// floats become i64 through saturating_i64.
+template <class D, class S>
+MN_HOST_DEVICE inline D convert_element(S x) {
+  if constexpr (std::is_same_v<D, S>) {
+    return x;
+  } else if constexpr (std::is_same_v<S, BFloat16> || std::is_same_v<S, Half>) {
+    return convert_element<D>(static_cast<float>(x));
+  } else if constexpr (std::is_same_v<D, BFloat16> || std::is_same_v<D, Half>) {
+    return D(static_cast<float>(x));
+  } else if constexpr (std::is_same_v<D, int64_t>) {
+    return saturating_i64(x);
+  } else {
+    return static_cast<D>(x);
+  }
 }
 
 // After a switch over an op enum that lists every case (no default, so -Wswitch names a missing
@@ -87,7 +106,8 @@ inline Op<WhereFn> where("where");
 using FillFn = void(Tensor& out, double value);
 inline Op<FillFn> fill("fill");
 
-// dst = src elementwise (same shape; src may be expanded; converts dtype).
+// dst = src elementwise (same shape; src may be expanded; converts dtype with convert_element). Takes
+// bf16/f16 itself on both backends: it is how every other kernel's 16-bit arguments are widened.
 using CopyFn = void(const Tensor& src, Tensor& dst);
 inline Op<CopyFn> copy("copy");
 

@@ -4,6 +4,7 @@
 #include <set>
 #include <sstream>
 
+#include "autograd/autocast.h"
 #include "autograd/node.h"
 #include "autograd/ops.h"
 #include "core/allocator.h"
@@ -210,7 +211,12 @@ void ParameterGenerator::check_overrides(const LatentOverrides& latents) const {
 ParameterTree ParameterGenerator::generate_group_parameters(size_t index, const LatentOverrides& latents) const {
   MN_CHECK(index < groups_.size(), IndexError, "generate_group_parameters: group ", index, " of ", groups_.size());
   check_overrides(latents);
-  return groups_[index].local_spec.unflatten(generate_group(groups_[index], latents));
+  return groups_[index].local_spec.unflatten(generate_group_f32(groups_[index], latents));
+}
+
+Tensor ParameterGenerator::generate_group_f32(const Group& g, const LatentOverrides& latents) const {
+  amp::AutocastOff f32;
+  return generate_group(g, latents);
 }
 
 Tensor ParameterGenerator::generate_group(const Group& g, const LatentOverrides& latents) const {
@@ -319,7 +325,7 @@ SingleVectorGenerator::SingleVectorGenerator(ParameterSpec spec, int64_t latent_
 
 ParameterTree SingleVectorGenerator::generate_parameters(const LatentOverrides& latents) const {
   check_overrides(latents);
-  ParameterTree tree = spec_.unflatten(generate_group(groups_[0], latents));
+  ParameterTree tree = spec_.unflatten(generate_group_f32(groups_[0], latents));
   spec_.validate_tree(tree);
   return tree;
 }
@@ -356,7 +362,7 @@ ParameterTree GroupedGenerator::generate_parameters(const LatentOverrides& laten
   // All groups' outputs, concatenated into one flat vector (the spec's own layout when the groups
   // follow spec order), then cut into views.
   std::vector<Tensor> flats;
-  for (const auto& g : groups_) flats.push_back(generate_group(g, latents));
+  for (const auto& g : groups_) flats.push_back(generate_group_f32(g, latents));
   Tensor flat = flats.size() == 1 ? flats[0] : cat(flats, 0);
   flats.clear();
   // One split node over the concatenation: its backward writes the flat gradient once. (A narrow per
@@ -384,7 +390,7 @@ ParameterTree LazyLayerwiseGenerator::generate_parameters(const LatentOverrides&
   check_overrides(latents);
   std::vector<std::pair<std::string, Tensor>> items;
   for (const auto& g : groups_) {
-    const ParameterTree part = g.local_spec.unflatten(generate_group(g, latents));  // one split node
+    const ParameterTree part = g.local_spec.unflatten(generate_group_f32(g, latents));  // one split node
     items.insert(items.end(), part.items().begin(), part.items().end());
     // Returns freed temporaries to the device between groups; synchronises, so it is optional.
     if (options_.empty_cache_on_cuda && options_.device.is_cuda()) empty_cache(options_.device);

@@ -106,6 +106,9 @@ class ParameterGenerator {
   // generator whose mapper output is not theta_g itself (lrd, finetuning) turns it into theta_g here,
   // and every caller (generate_parameters, generate_group_parameters, streaming) sees the same values.
   virtual Tensor generate_group(const Group& g, const LatentOverrides& latents) const;
+  // What every caller uses: generate_group with autocast off, so the generated parameters are f32
+  // (an autocast scope casts them where the target's ops use them; autograd/autocast.h).
+  Tensor generate_group_f32(const Group& g, const LatentOverrides& latents) const;
 
   ParameterSpec spec_;
   std::vector<Group> groups_;

@@ -17,6 +17,7 @@
 #include "core/random.h"
 #include "core/tensor.h"
 
+#include "autograd/autocast.h"    // mn::autocast, mixed precision
 #include "autograd/checkpoint.h"  // recomputation in backward
 #include "autograd/engine.h"
 #include "autograd/gradcheck.h"

@@ -568,62 +568,11 @@ std::string hex_byte(uint8_t b) {
 // ---------------------------------------------------------------------------------------------
 // Half and bfloat16
 
-float half_bits_to_float(uint16_t bits) {
-  const uint32_t sign = static_cast<uint32_t>(bits & 0x8000u) << 16;
-  uint32_t exponent = (bits >> 10) & 0x1fu;
-  uint32_t mantissa = bits & 0x3ffu;
-  if (exponent == 0x1f)  // inf, or NaN with its payload kept
-    return f32_from_bits(sign | 0x7f800000u | (mantissa << 13));
-  if (exponent == 0) {
-    if (mantissa == 0) return f32_from_bits(sign);  // +-0
-    // Subnormal: mantissa x 2^-24. Shift the leading one up to the implicit-bit position; every
-    // half subnormal is a normal float.
-    int32_t unbiased = -14;
-    while ((mantissa & 0x400u) == 0) {
-      mantissa <<= 1;
-      --unbiased;
-    }
-    return f32_from_bits(sign | static_cast<uint32_t>(unbiased + 127) << 23 | (mantissa & 0x3ffu) << 13);
-  }
-  return f32_from_bits(sign | (exponent + 112) << 23 | mantissa << 13);  // rebias 15 -> 127
-}
-
-float bfloat16_bits_to_float(uint16_t bits) { return f32_from_bits(static_cast<uint32_t>(bits) << 16); }
-
-uint16_t float_to_half_bits(float value) {
-  const uint32_t bits = std::bit_cast<uint32_t>(value);
-  const uint16_t sign = static_cast<uint16_t>((bits >> 16) & 0x8000u);
-  const uint32_t magnitude = bits & 0x7fffffffu;
-  if (magnitude >= 0x7f800000u) {
-    if (magnitude == 0x7f800000u) return sign | 0x7c00u;
-    // NaN: keep the top payload bits and set the quiet bit so the result cannot become inf.
-    return static_cast<uint16_t>(sign | 0x7e00u | ((magnitude >> 13) & 0x3ffu));
-  }
-  if (magnitude >= 0x477ff000u) return sign | 0x7c00u;  // >= 65520 rounds past 65504 to inf
-  const uint32_t exponent = magnitude >> 23;
-  if (exponent < 113) {  // below 2^-14: a half subnormal (or zero)
-    if (exponent < 101) return sign;  // below 2^-25 (or a tie at exactly 2^-25): rounds to zero
-    // value / 2^-24 = (1.mantissa) * 2^(exponent - 103) = significand >> (126 - exponent)
-    const uint32_t significand = (magnitude & 0x7fffffu) | 0x800000u;
-    const uint32_t shift = 126 - exponent;  // 14 .. 25
-    uint32_t result = significand >> shift;
-    const uint32_t remainder = significand & ((1u << shift) - 1);
-    const uint32_t halfway = 1u << (shift - 1);
-    if (remainder > halfway || (remainder == halfway && (result & 1u))) ++result;  // may carry into the smallest normal
-    return static_cast<uint16_t>(sign | result);
-  }
-  uint32_t result = (exponent - 112) << 10 | ((magnitude >> 13) & 0x3ffu);
-  const uint32_t remainder = magnitude & 0x1fffu;
-  if (remainder > 0x1000u || (remainder == 0x1000u && (result & 1u))) ++result;  // a carry bumps the exponent
-  return static_cast<uint16_t>(sign | result);
-}
-
-uint16_t float_to_bfloat16_bits(float value) {
-  const uint32_t bits = std::bit_cast<uint32_t>(value);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x0040u);  // quiet NaN
-  const uint32_t rounding_bias = 0x7fffu + ((bits >> 16) & 1u);
-  return static_cast<uint16_t>((bits + rounding_bias) >> 16);
-}
+// One implementation of the conversions for the whole engine: core/half.h.
+float half_bits_to_float(uint16_t bits) { return half_bits::f32_from_f16(bits); }
+float bfloat16_bits_to_float(uint16_t bits) { return half_bits::f32_from_bf16(bits); }
+uint16_t float_to_half_bits(float value) { return half_bits::f16_from_f32(value); }
+uint16_t float_to_bfloat16_bits(float value) { return half_bits::bf16_from_f32(value); }
 
 // ---------------------------------------------------------------------------------------------
 // File
@@ -773,8 +722,13 @@ std::vector<uint8_t> serialize(const NamedTensors& tensors, const StringMap& met
       throw ValueError(str("safetensors: duplicate tensor name '", name, "' (entries #", seen[name], " and #",
                            plan.size(), ")"));
     if (!tensor.defined()) throw ValueError(str("safetensors: tensor '", name, "' is undefined"));
-    const bool is_float = tensor.dtype() == DType::f32;
-    const StoredType* out = &stored_type(is_float ? kFloatOutputs[0] : kIntOutputs[0]);
+    const bool is_float = is_floating_point(tensor.dtype());
+    // A 16-bit tensor is written in its own format unless an override says otherwise.
+    const Stored natural = tensor.dtype() == DType::bf16  ? Stored::BF16
+                           : tensor.dtype() == DType::f16 ? Stored::F16
+                           : is_float                     ? kFloatOutputs[0]
+                                                          : kIntOutputs[0];
+    const StoredType* out = &stored_type(natural);
     if (auto it = dtypes.find(name); it != dtypes.end()) {
       ++overrides_used;
       out = is_float ? pick_output(kFloatOutputs, it->second) : pick_output(kIntOutputs, it->second);
@@ -784,6 +738,7 @@ std::vector<uint8_t> serialize(const NamedTensors& tensors, const StringMap& met
                              is_float ? output_list(kFloatOutputs) : output_list(kIntOutputs)));
     }
     Tensor host = tensor.device().is_cpu() ? tensor : tensor.to(kCPU);
+    if (is_reduced_precision(host.dtype())) host = host.to(DType::f32);  // exact; encode() reads f32
     const uint64_t bytes = static_cast<uint64_t>(host.numel()) * out->bytes;
     plan.push_back(Planned{&name, host, out, buffer_size, buffer_size + bytes});
     buffer_size += bytes;

@@ -78,7 +78,8 @@ void save(const std::string& path, const StateDict& state_dict, const StringMap&
   save(path, NamedTensors(state_dict.begin(), state_dict.end()), metadata, dtypes);
 }
 
-// Exact IEEE half / bfloat16 conversions, exposed for tests and for other readers and writers.
+// Exact IEEE half / bfloat16 conversions (core/half.h's, which tensors of dtype f16 / bf16 use too),
+// exposed for other readers and writers. A NaN stays a NaN (canonical quiet pattern).
 float half_bits_to_float(uint16_t bits);
 float bfloat16_bits_to_float(uint16_t bits);
 uint16_t float_to_half_bits(float value);      // round to nearest even; overflow gives +-inf

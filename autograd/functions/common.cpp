@@ -12,13 +12,20 @@ void check_same_dtype(const char* op, const Tensor& a, const Tensor& b) {
            " and ", b.dtype(), b.sizes());
 }
 
+DType result_dtype(const char* op, const Tensor& a, const Tensor& b) {
+  if (a.dtype() != b.dtype() && is_floating_point(a.dtype()) && is_floating_point(b.dtype()))
+    return promote_types(a.dtype(), b.dtype());
+  check_same_dtype(op, a, b);
+  return a.dtype();
+}
+
 void check_defined(const char* op, const Tensor& t, const char* arg) {
   MN_CHECK(t.defined(), ValueError, op, ": argument '", arg, "' is an undefined tensor");
 }
 
 void check_float(const char* op, const Tensor& t, const char* arg) {
-  MN_CHECK(t.dtype() == DType::f32, TypeError, op, ": expected '", arg, "' of dtype f32, got ", t.dtype(),
-           " with shape ", t.sizes());
+  MN_CHECK(is_floating_point(t.dtype()), TypeError, op, ": expected '", arg,
+           "' of a floating-point dtype (f32, bf16 or f16), got ", t.dtype(), " with shape ", t.sizes());
 }
 
 void check_dim(const char* op, const Tensor& t, int expected, const char* arg) {

@@ -13,6 +13,9 @@ namespace mn::detail {
 void check_same_device(const char* op, const Tensor& a, const Tensor& b);
 // Same dtype; message names the op and both dtypes.
 void check_same_dtype(const char* op, const Tensor& a, const Tensor& b);
+// The dtype of an elementwise result of a and b: two floating dtypes promote (bf16 + f32 -> f32, as
+// PyTorch; the kernel widens the 16-bit operand), anything else must match (TypeError otherwise).
+DType result_dtype(const char* op, const Tensor& a, const Tensor& b);
 void check_defined(const char* op, const Tensor& t, const char* arg);
 void check_float(const char* op, const Tensor& t, const char* arg);
 void check_dim(const char* op, const Tensor& t, int expected, const char* arg);

@@ -21,9 +21,9 @@ Tensor binary_raw(BinaryOp op, const Tensor& a, const Tensor& b, const char* nam
   detail::check_defined(name, a, "a");
   detail::check_defined(name, b, "b");
   detail::check_same_device(name, a, b);
-  detail::check_same_dtype(name, a, b);
+  const DType dtype = detail::result_dtype(name, a, b);
   const Shape shape = broadcast_shapes(a.sizes(), b.sizes());
-  Tensor out = empty(shape, TensorOptions(compare ? DType::f32 : a.dtype()).with_device(a.device()));
+  Tensor out = empty(shape, TensorOptions(compare ? DType::f32 : dtype).with_device(a.device()));
   kernels::binary(a.device(), op, detail::expand_view(a, shape), detail::expand_view(b, shape), out);
   return out;
 }
@@ -409,9 +409,9 @@ Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b) {
   detail::check_float("where", cond, "cond");
   detail::check_same_device("where", cond, a);
   detail::check_same_device("where", a, b);
-  detail::check_same_dtype("where", a, b);
+  const DType dtype = detail::result_dtype("where", a, b);
   const Shape shape = broadcast_shapes(cond.sizes(), broadcast_shapes(a.sizes(), b.sizes()));
-  Tensor out = empty(shape, a.options());
+  Tensor out = empty(shape, TensorOptions(dtype).with_device(a.device()));
   kernels::where(a.device(), detail::expand_view(cond, shape), detail::expand_view(a, shape),
                  detail::expand_view(b, shape), out);
   if (autograd::needs_grad({&a, &b}))

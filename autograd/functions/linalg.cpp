@@ -2,6 +2,7 @@
 // with views (1-D operands gain and then lose a unit dim, batch dims broadcast with expand and
 // flatten into one). Backward formulas are products with transposed views, so they are recorded
 // under create_graph and double backward works.
+#include "autograd/autocast.h"
 #include "autograd/functions/common.h"
 
 namespace mn {
@@ -18,6 +19,7 @@ void check_operands(const char* op, const Tensor& a, const Tensor& b) {
   detail::check_same_device(op, a, b);
   detail::check_float(op, a, "a");
   detail::check_float(op, b, "b");
+  detail::check_same_dtype(op, a, b);
 }
 
 void check_inner(const char* op, const Tensor& a, const Tensor& b, int64_t ka, int64_t kb) {
@@ -43,7 +45,7 @@ Tensor product_in_layout(bool transposed, const Tensor& lhs, const Tensor& rhs) 
 
 // out = a @ b through the gemm kernel, with the backward dA = G B^T, dB = A^T G.
 Tensor matrix_product(const char* backward_name, const Tensor& a, const Tensor& b, const Shape& out_shape) {
-  Tensor out = empty(out_shape, TensorOptions(DType::f32).with_device(a.device()));
+  Tensor out = empty(out_shape, a.options());
   kernels::gemm(a.device(), a, b, out, 1.0, 0.0);
   if (autograd::needs_grad({&a, &b})) {
     // Each operand is only needed for the other one's gradient.
@@ -66,7 +68,8 @@ Tensor matrix_product(const char* backward_name, const Tensor& a, const Tensor& 
 
 }  // namespace
 
-Tensor mm(const Tensor& a, const Tensor& b) {
+Tensor mm(const Tensor& a_in, const Tensor& b_in) {
+  const Tensor a = amp::cast_lower(a_in), b = amp::cast_lower(b_in);  // autograd/autocast.h
   check_operands("mm", a, b);
   detail::check_dim("mm", a, 2, "a");
   detail::check_dim("mm", b, 2, "b");
@@ -74,7 +77,8 @@ Tensor mm(const Tensor& a, const Tensor& b) {
   return matrix_product("MmBackward", a, b, {a.size(0), b.size(1)});
 }
 
-Tensor bmm(const Tensor& a, const Tensor& b) {
+Tensor bmm(const Tensor& a_in, const Tensor& b_in) {
+  const Tensor a = amp::cast_lower(a_in), b = amp::cast_lower(b_in);
   check_operands("bmm", a, b);
   detail::check_dim("bmm", a, 3, "a");
   detail::check_dim("bmm", b, 3, "b");
@@ -84,7 +88,8 @@ Tensor bmm(const Tensor& a, const Tensor& b) {
   return matrix_product("BmmBackward", a, b, {a.size(0), a.size(1), b.size(2)});
 }
 
-Tensor matmul(const Tensor& a, const Tensor& b) {
+Tensor matmul(const Tensor& a_in, const Tensor& b_in) {
+  const Tensor a = amp::cast_lower(a_in), b = amp::cast_lower(b_in);
   check_operands("matmul", a, b);
   MN_CHECK(a.dim() >= 1 && b.dim() >= 1, ValueError, "matmul: both arguments need at least 1 dimension, got shapes ",
            a.sizes(), " and ", b.sizes());

@@ -2,6 +2,7 @@
 // backward itself is recorded (create_graph) the same formula is written with differentiable ops:
 //   softmax:     dx = y * (g - sum(g * y))
 //   log_softmax: dx = g - exp(y) * sum(g)
+#include "autograd/autocast.h"
 #include "autograd/functions/common.h"
 
 namespace mn {
@@ -11,7 +12,8 @@ using autograd::TensorList;
 
 namespace {
 
-Tensor softmax_op(const Tensor& x, int64_t dim, bool log) {
+Tensor softmax_op(const Tensor& x_in, int64_t dim, bool log) {
+  const Tensor x = amp::cast_f32(x_in);  // an f32 op under autocast (autograd/autocast.h)
   const char* name = log ? "log_softmax" : "softmax";
   detail::check_defined(name, x, "x");
   detail::check_float(name, x, "x");

@@ -246,7 +246,10 @@ Tensor to_dtype(const Tensor& x, DType dtype) {
   if (x.dtype() == dtype) return x;
   Tensor out = empty(x.sizes(), TensorOptions(dtype).with_device(x.device()));
   kernels::copy(x.device(), x, out);
-  return out;  // i64 <-> f32 conversions carry no gradient
+  // Between floating dtypes the gradient converts back (rounding when x is 16-bit); to or from i64
+  // no gradient flows.
+  if (!is_floating_point(x.dtype()) || !is_floating_point(dtype)) return out;
+  return record_view("ToCopyBackward", x, out, [from = x.dtype()](const Tensor& g) { return to_dtype(g, from); });
 }
 
 Tensor to_device(const Tensor& x, Device device) {

@@ -153,12 +153,13 @@ void copy_cpu(const Tensor& src, Tensor& dst) {
     if (src.numel() > 0) std::memcpy(dst.raw_data(), src.raw_data(), dst.nbytes());
     return;
   }
-  if (dst.dtype() == DType::f32) {
-    if (src.dtype() == DType::f32) return map<float, float>(dst, [](float x) { return x; }, src);
-    return map<float, int64_t>(dst, [](int64_t x) { return static_cast<float>(x); }, src);
-  }
-  if (src.dtype() == DType::i64) return map<int64_t, int64_t>(dst, [](int64_t x) { return x; }, src);
-  map<int64_t, float>(dst, [](float x) { return saturating_i64(x); }, src);
+  visit_dtype(dst.dtype(), [&](auto dst_tag) {
+    visit_dtype(src.dtype(), [&](auto src_tag) {
+      using D = decltype(dst_tag);
+      using S = decltype(src_tag);
+      map<D, S>(dst, [](S x) { return convert_element<D>(x); }, src);
+    });
+  });
 }
 
 void random_cpu(Tensor& out, Distribution dist, double p1, double p2, const PhiloxState& state) {
@@ -177,7 +178,7 @@ void register_cpu_elementwise() {
   binary_params.set(DeviceType::CPU, binary_params_cpu);
   where.set(DeviceType::CPU, where_cpu);
   fill.set(DeviceType::CPU, fill_cpu);
-  copy.set(DeviceType::CPU, copy_cpu);
+  copy.set(DeviceType::CPU, copy_cpu, /*reduced_precision=*/true);
   random_fill.set(DeviceType::CPU, random_cpu);
 }
 

@@ -5,7 +5,8 @@
 // host -> device and device -> host (dense staging on the side that needs it, one cudaMemcpyAsync, then
 // a stream synchronise, as PyTorch's blocking copy does: the host may reuse or read its buffer as soon
 // as copy returns), and device -> device across devices (cudaMemcpyPeerAsync). src may be any strided
-// or expanded view; dst any non-overlapping view; f32 <-> i64 conversions truncate like the CPU.
+// or expanded view; dst any non-overlapping view; conversions between f32, i64, bf16 and f16 are
+// kernels::convert_element, as on the CPU.
 //
 // random_fill computes the very values of the CPU fill (core/philox.h): one thread per counter block
 // of four values.
@@ -25,25 +26,16 @@ using cuda::Strided;
 
 // ---- device kernels ----
 
-// The element conversion of every copy; f32 -> i64 saturates like the CPU's (kernels.h).
-template <class D, class S>
-__device__ inline D convert(S x) {
-  if constexpr (std::is_same_v<D, int64_t> && std::is_floating_point_v<S>)
-    return saturating_i64(x);
-  else
-    return static_cast<D>(x);
-}
-
 template <class S, class D>
 __global__ void convert_dense_kernel(const S* __restrict__ src, D* __restrict__ dst, int64_t n) {
   MN_CUDA_KERNEL_LOOP(i, n)
-    dst[i] = convert<D>(src[i]);
+    dst[i] = convert_element<D>(src[i]);
 }
 
 template <class S, class D>
 __global__ void copy_strided_kernel(const S* src, Strided src_layout, D* dst, Strided dst_layout, int64_t n) {
   MN_CUDA_KERNEL_LOOP(i, n)
-    dst[dst_layout.offset(i)] = convert<D>(src[src_layout.offset(i)]);
+    dst[dst_layout.offset(i)] = convert_element<D>(src[src_layout.offset(i)]);
 }
 
 template <class T>
@@ -102,11 +94,11 @@ void copy_on_device(const Tensor& src, Tensor& dst) {
       MN_CUDA_CHECK(cudaMemcpyAsync(dst.raw_data(), src.raw_data(), dst.nbytes(), cudaMemcpyDeviceToDevice, stream));
     return;
   }
-  const bool src_f32 = src.dtype() == DType::f32, dst_f32 = dst.dtype() == DType::f32;
-  if (src_f32 && dst_f32) return launch_convert<float, float>(src, dst, dense, stream);
-  if (src_f32) return launch_convert<float, int64_t>(src, dst, dense, stream);
-  if (dst_f32) return launch_convert<int64_t, float>(src, dst, dense, stream);
-  launch_convert<int64_t, int64_t>(src, dst, dense, stream);
+  visit_dtype(src.dtype(), [&](auto src_tag) {
+    visit_dtype(dst.dtype(), [&](auto dst_tag) {
+      launch_convert<decltype(src_tag), decltype(dst_tag)>(src, dst, dense, stream);
+    });
+  });
 }
 
 // A dense tensor with src's values in `dtype` on src's device (src itself when it already is one).
@@ -230,7 +222,7 @@ void random_cuda(Tensor& out, Distribution dist, double p1, double p2, const Phi
 }  // namespace
 
 void register_cuda_copy() {
-  copy.set(DeviceType::CUDA, copy_cuda);
+  copy.set(DeviceType::CUDA, copy_cuda, /*reduced_precision=*/true);
   fill.set(DeviceType::CUDA, fill_cuda);
   random_fill.set(DeviceType::CUDA, random_cuda);
 }

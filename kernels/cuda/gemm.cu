@@ -6,6 +6,7 @@
 // view, read with CUBLAS_OP_T); other views are copied to a dense buffer first (only the distinct
 // matrices: one when the batch is broadcast). Batches go through cublasGemmStridedBatchedEx with a
 // batch stride of 0 for a broadcast operand. TF32 is used only when cuda::set_allow_tf32(true).
+// bf16 and f16 operands run natively (cuBLAS with f32 accumulation, the tensor cores' mode).
 //
 // Handles: one cuBLAS handle per (thread, device, stream), created on first use and bound to that
 // stream for good, so a handle's workspace is only ever used in one stream's order. Handles of an
@@ -88,7 +89,7 @@ namespace {
 // get the transpose of our row-major matrix, its leading dimension and the batch stride.
 struct BlasOperand {
   Tensor keep_alive;  // a dense copy when the view could not be read in place
-  const float* data = nullptr;
+  const void* data = nullptr;  // f32, bf16 or f16 elements
   int64_t rows = 0, cols = 0;  // of our (row-major) matrix
   bool transpose = false;
   int64_t ld = 1;
@@ -126,13 +127,13 @@ BlasOperand blas_operand(const Tensor& t) {
     const Shape sizes = broadcast ? Shape{op.rows, op.cols} : Shape{t.size(0), op.rows, op.cols};
     const Shape strides = broadcast ? Shape{t.stride(d - 2), t.stride(d - 1)} : t.strides();
     const Tensor view = make_view(t.storage(), sizes, strides, t.storage_offset(), t.dtype());
-    src = empty(sizes, TensorOptions(DType::f32).with_device(t.device()));
+    src = empty(sizes, TensorOptions(t.dtype()).with_device(t.device()));
     copy(t.device(), view, src);  // on the current stream, ahead of the GEMM
     op.keep_alive = src;
     op.batch_stride = broadcast ? 0 : op.rows * op.cols;
     blas_layout(op.rows, op.cols, op.cols, 1, op.transpose, op.ld);
   }
-  op.data = static_cast<const float*>(src.raw_data());
+  op.data = src.raw_data();
   return op;
 }
 
@@ -145,7 +146,32 @@ void check_int(int64_t v, const char* what) {
   MN_CHECK(v <= INT_MAX, ValueError, "gemm: ", what, " = ", v, " exceeds what cuBLAS takes (2^31 - 1)");
 }
 
+cudaDataType_t blas_type(DType t) {
+  switch (t) {
+    case DType::bf16: return CUDA_R_16BF;
+    case DType::f16: return CUDA_R_16F;
+    case DType::f32: break;
+    case DType::i64: throw TypeError("gemm: i64 operands are not supported");
+  }
+  return CUDA_R_32F;
+}
+
 void gemm_cuda(const Tensor& a, const Tensor& b, Tensor& out, double alpha, double beta) {
+  // Registered as taking 16-bit tensors: one dtype for all three runs natively below (bf16/f16 inputs
+  // and output, f32 accumulation on the tensor cores); a mix, or an empty sum on 16-bit data, runs in
+  // f32 on widened copies like any other kernel (kernels/dispatch.h).
+  const DType dtype = out.dtype();
+  const bool uniform = a.dtype() == dtype && b.dtype() == dtype;
+  if (is_reduced_precision(dtype) || is_reduced_precision(a.dtype()) || is_reduced_precision(b.dtype())) {
+    if (!uniform || a.size(-1) == 0) {
+      const Tensor wa = lowp::is_reduced(a) ? lowp::widen(a) : a, wb = lowp::is_reduced(b) ? lowp::widen(b) : b;
+      if (!is_reduced_precision(dtype)) return gemm_cuda(wa, wb, out, alpha, beta);
+      Tensor wide = lowp::widen(out);
+      gemm_cuda(wa, wb, wide, alpha, beta);
+      lowp::narrow_into(wide, out);
+      return;
+    }
+  }
   const int device = out.device().index;
   cuda::check_on_device("gemm", out, device, "out");
   cuda::check_on_device("gemm", a, device, "a");
@@ -155,13 +181,14 @@ void gemm_cuda(const Tensor& a, const Tensor& b, Tensor& out, double alpha, doub
   if (m == 0 || n == 0 || batch == 0) return;
 
   cudaStream_t stream = cuda::stream_of(out);
-  float* c = static_cast<float*>(out.raw_data());
+  void* c = out.raw_data();
   const float fa = static_cast<float>(alpha), fb = static_cast<float>(beta);
   if (k == 0) {  // an empty sum: out = beta * out (never read when beta == 0)
     if (fb == 0.0f) {
       MN_CUDA_CHECK(cudaMemsetAsync(c, 0, out.nbytes(), stream));
     } else if (fb != 1.0f) {
-      scale_kernel<<<cuda::blocks_for(out.numel()), cuda::kThreads, 0, stream>>>(c, fb, out.numel());
+      scale_kernel<<<cuda::blocks_for(out.numel()), cuda::kThreads, 0, stream>>>(static_cast<float*>(c), fb,
+                                                                                  out.numel());
       MN_CUDA_CHECK_LAUNCH();
     }
     return;
@@ -169,25 +196,28 @@ void gemm_cuda(const Tensor& a, const Tensor& b, Tensor& out, double alpha, doub
   for (int64_t v : {m, n, k, lhs.ld, rhs.ld, batch}) check_int(v, "a dimension");
 
   cublasHandle_t handle = cuda::cublas_handle(device, stream);
-  const cublasComputeType_t compute = cuda::allow_tf32() ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
+  // f32 operands use TF32 tensor cores only when allowed; 16-bit operands always accumulate in f32.
+  const cublasComputeType_t compute =
+      dtype == DType::f32 && cuda::allow_tf32() ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
+  const cudaDataType_t type = blas_type(dtype);
   // Column-major C^T (n x m, ldc = n) = op(B) (n x k) * op(A) (k x m).
   const cublasOperation_t op_b = rhs.transpose ? CUBLAS_OP_T : CUBLAS_OP_N;
   const cublasOperation_t op_a = lhs.transpose ? CUBLAS_OP_T : CUBLAS_OP_N;
   const int in = static_cast<int>(n), im = static_cast<int>(m), ik = static_cast<int>(k);
   if (batch == 1) {
-    MN_CUBLAS_CHECK(cublasGemmEx(handle, op_b, op_a, in, im, ik, &fa, rhs.data, CUDA_R_32F, static_cast<int>(rhs.ld),
-                                 lhs.data, CUDA_R_32F, static_cast<int>(lhs.ld), &fb, c, CUDA_R_32F, in, compute,
+    MN_CUBLAS_CHECK(cublasGemmEx(handle, op_b, op_a, in, im, ik, &fa, rhs.data, type, static_cast<int>(rhs.ld),
+                                 lhs.data, type, static_cast<int>(lhs.ld), &fb, c, type, in, compute,
                                  CUBLAS_GEMM_DEFAULT));
     return;
   }
   MN_CUBLAS_CHECK(cublasGemmStridedBatchedEx(
-      handle, op_b, op_a, in, im, ik, &fa, rhs.data, CUDA_R_32F, static_cast<int>(rhs.ld), rhs.batch_stride,
-      lhs.data, CUDA_R_32F, static_cast<int>(lhs.ld), lhs.batch_stride, &fb, c, CUDA_R_32F, in, m * n,
+      handle, op_b, op_a, in, im, ik, &fa, rhs.data, type, static_cast<int>(rhs.ld), rhs.batch_stride,
+      lhs.data, type, static_cast<int>(lhs.ld), lhs.batch_stride, &fb, c, type, in, m * n,
       static_cast<int>(batch), compute, CUBLAS_GEMM_DEFAULT));
 }
 
 }  // namespace
 
-void register_cuda_gemm() { gemm.set(DeviceType::CUDA, &gemm_cuda); }
+void register_cuda_gemm() { gemm.set(DeviceType::CUDA, &gemm_cuda, /*reduced_precision=*/true); }
 
 }  // namespace mn::kernels

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <vector>
 
+#include "autograd/autocast.h"
 #include "autograd/functions/common.h"
 #include "nn/functional.h"
 
@@ -71,8 +72,10 @@ TensorList recorded_backward(const GradContext& c, const Tensor& g, const Tensor
 
 }  // namespace
 
-Tensor batch_norm(const Tensor& x, Tensor running_mean, Tensor running_var, const Tensor& weight, const Tensor& bias,
+Tensor batch_norm(const Tensor& x_in, Tensor running_mean, Tensor running_var, const Tensor& weight_in, const Tensor& bias_in,
                   bool training, double momentum, double eps) {
+  // an f32 op under autocast (autograd/autocast.h)
+  const Tensor x = amp::cast_f32(x_in), weight = amp::cast_f32(weight_in), bias = amp::cast_f32(bias_in);
   detail::check_defined("batch_norm", x, "x");
   detail::check_float("batch_norm", x, "x");
   MN_CHECK(x.dim() >= 2, ValueError, "batch_norm: expected x of shape [N, C] or [N, C, *], got ", x.sizes());

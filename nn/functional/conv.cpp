@@ -4,6 +4,7 @@
 //   <conv(x, W), g> = <x, input_grad(g, W)> = <W, weight_grad(g, x)>.
 // So each of the three is recorded as a differentiable op whose gradients are the other two, and
 // double backward (and higher) works through conv2d.
+#include "autograd/autocast.h"
 #include "autograd/functions/common.h"
 #include "nn/functional.h"
 
@@ -102,12 +103,15 @@ void check_pair(const char* what, std::array<int64_t, 2> v, int64_t minimum) {
 
 }  // namespace
 
-Tensor conv2d(const Tensor& x, const Tensor& weight, const Tensor& bias, std::array<int64_t, 2> stride,
+Tensor conv2d(const Tensor& x_in, const Tensor& weight_in, const Tensor& bias_in, std::array<int64_t, 2> stride,
               std::array<int64_t, 2> padding, std::array<int64_t, 2> dilation, int64_t groups) {
+  // Under autocast, input, weight and bias all run in the lower precision (autograd/autocast.h).
+  const Tensor x = amp::cast_lower(x_in), weight = amp::cast_lower(weight_in), bias = amp::cast_lower(bias_in);
   detail::check_defined("conv2d", x, "x");
   detail::check_defined("conv2d", weight, "weight");
   detail::check_float("conv2d", x, "x");
   detail::check_float("conv2d", weight, "weight");
+  detail::check_same_dtype("conv2d", x, weight);
   detail::check_same_device("conv2d", x, weight);
   MN_CHECK(x.dim() == 3 || x.dim() == 4, ValueError, "conv2d: expected x of shape [N, C, H, W] or [C, H, W], got ",
            x.sizes());
@@ -127,6 +131,7 @@ Tensor conv2d(const Tensor& x, const Tensor& weight, const Tensor& bias, std::ar
            " groups), but x of shape ", x.sizes(), " has ", channels);
   if (bias.defined()) {
     detail::check_float("conv2d", bias, "bias");
+    detail::check_same_dtype("conv2d", x, bias);
     detail::check_same_device("conv2d", x, bias);
     MN_CHECK(bias.dim() == 1 && bias.size(0) == out_channels, ValueError, "conv2d: expected bias of shape [",
              out_channels, "] for weight of shape ", weight.sizes(), ", got ", bias.sizes());

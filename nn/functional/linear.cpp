@@ -1,12 +1,15 @@
 // linear: y = x W^T + b, written with matmul so that it is differentiable to any order. matmul folds
 // the leading dims of x into the rows of one GEMM, reads W^T as a transposed view (no copy) and
 // returns W's gradient in W's own layout.
+#include "autograd/autocast.h"
 #include "autograd/functions/common.h"
 #include "nn/functional.h"
 
 namespace mn::nn::functional {
 
-Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias) {
+Tensor linear(const Tensor& x_in, const Tensor& weight_in, const Tensor& bias_in) {
+  // Under autocast all three run in the lower precision, bias included (autograd/autocast.h).
+  const Tensor x = amp::cast_lower(x_in), weight = amp::cast_lower(weight_in), bias = amp::cast_lower(bias_in);
   detail::check_defined("linear", x, "x");
   detail::check_defined("linear", weight, "weight");
   detail::check_dim("linear", weight, 2, "weight");

@@ -1,5 +1,6 @@
 // Losses: cross entropy (fused log-softmax + NLL with class weights, label smoothing and
 // ignore_index), negative log-likelihood on log-probabilities, and mean squared error.
+#include "autograd/autocast.h"
 #include "autograd/functions/common.h"
 #include "nn/functional.h"
 #include "nn/functional/loss_common.h"
@@ -107,8 +108,10 @@ Tensor cross_entropy_grad(const Tensor& g, const Tensor& logits, const Tensor& t
 
 }  // namespace
 
-Tensor cross_entropy(const Tensor& logits, const Tensor& target, double label_smoothing, Reduction reduction,
-                     int64_t ignore_index, const Tensor& weight) {
+Tensor cross_entropy(const Tensor& logits_in, const Tensor& target, double label_smoothing, Reduction reduction,
+                     int64_t ignore_index, const Tensor& weight_in) {
+  // an f32 op under autocast (autograd/autocast.h)
+  const Tensor logits = amp::cast_f32(logits_in), weight = amp::cast_f32(weight_in);
   check_class_input("cross_entropy", logits, "logits");
   MN_CHECK(label_smoothing >= 0.0 && label_smoothing <= 1.0, ValueError,
            "cross_entropy: label_smoothing must lie in [0, 1], got ", label_smoothing);
@@ -154,8 +157,10 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& target, double label_sm
   throw ValueError("cross_entropy: unknown reduction");
 }
 
-Tensor nll_loss(const Tensor& log_probs, const Tensor& target, Reduction reduction, int64_t ignore_index,
-                const Tensor& weight) {
+Tensor nll_loss(const Tensor& log_probs_in, const Tensor& target, Reduction reduction, int64_t ignore_index,
+                const Tensor& weight_in) {
+  // an f32 op under autocast (autograd/autocast.h)
+  const Tensor log_probs = amp::cast_f32(log_probs_in), weight = amp::cast_f32(weight_in);
   check_class_input("nll_loss", log_probs, "log_probs");
   const Tensor rows_target = checked_target("nll_loss", log_probs, "log_probs", target);
   check_class_weight("nll_loss", log_probs, weight);
@@ -203,7 +208,9 @@ Tensor nll_loss(const Tensor& log_probs, const Tensor& target, Reduction reducti
   throw ValueError("nll_loss: unknown reduction");
 }
 
-Tensor mse_loss(const Tensor& input, const Tensor& target, Reduction reduction) {
+Tensor mse_loss(const Tensor& input_in, const Tensor& target_in, Reduction reduction) {
+  // an f32 op under autocast (autograd/autocast.h)
+  const Tensor input = amp::cast_f32(input_in), target = amp::cast_f32(target_in);
   detail::check_defined("mse_loss", input, "input");
   detail::check_defined("mse_loss", target, "target");
   detail::check_float("mse_loss", input, "input");

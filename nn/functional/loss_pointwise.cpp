@@ -1,6 +1,7 @@
 // Elementwise losses composed from differentiable ops (so they differentiate to any order):
 // binary cross entropy on logits, L1, smooth L1 and the Kullback-Leibler divergence, each with
 // PyTorch 1.13's formula and its gradient at the kinks (sign(0) = 0 for |x - y|).
+#include "autograd/autocast.h"
 #include "autograd/functions/common.h"
 #include "nn/functional.h"
 #include "nn/functional/loss_common.h"
@@ -38,8 +39,10 @@ Tensor zero_like_scalar(const Tensor& like) { return zeros({}, TensorOptions(DTy
 
 }  // namespace
 
-Tensor binary_cross_entropy_with_logits(const Tensor& input, const Tensor& target, const Tensor& weight,
-                                        const Tensor& pos_weight, Reduction reduction) {
+Tensor binary_cross_entropy_with_logits(const Tensor& input_in, const Tensor& target_in, const Tensor& weight_in,
+                                        const Tensor& pos_weight_in, Reduction reduction) {
+  // an f32 op under autocast (autograd/autocast.h)
+  const Tensor input = amp::cast_f32(input_in), target = amp::cast_f32(target_in), weight = amp::cast_f32(weight_in), pos_weight = amp::cast_f32(pos_weight_in);
   const char* op = "binary_cross_entropy_with_logits";
   check_pair(op, input, target);
   check_factor(op, input, weight, "weight");
@@ -53,12 +56,16 @@ Tensor binary_cross_entropy_with_logits(const Tensor& input, const Tensor& targe
   return loss_internal::reduce_loss(op, loss, reduction);
 }
 
-Tensor l1_loss(const Tensor& input, const Tensor& target, Reduction reduction) {
+Tensor l1_loss(const Tensor& input_in, const Tensor& target_in, Reduction reduction) {
+  // an f32 op under autocast (autograd/autocast.h)
+  const Tensor input = amp::cast_f32(input_in), target = amp::cast_f32(target_in);
   check_pair("l1_loss", input, target);
   return loss_internal::reduce_loss("l1_loss", abs(sub(input, target)), reduction);
 }
 
-Tensor smooth_l1_loss(const Tensor& input, const Tensor& target, Reduction reduction, double beta) {
+Tensor smooth_l1_loss(const Tensor& input_in, const Tensor& target_in, Reduction reduction, double beta) {
+  // an f32 op under autocast (autograd/autocast.h)
+  const Tensor input = amp::cast_f32(input_in), target = amp::cast_f32(target_in);
   const char* op = "smooth_l1_loss";
   check_pair(op, input, target);
   MN_CHECK(beta >= 0.0, ValueError, op, ": beta must be non-negative, got ", beta);
@@ -71,7 +78,9 @@ Tensor smooth_l1_loss(const Tensor& input, const Tensor& target, Reduction reduc
   return loss_internal::reduce_loss(op, loss, reduction);
 }
 
-Tensor kl_div(const Tensor& input, const Tensor& target, Reduction reduction, bool log_target) {
+Tensor kl_div(const Tensor& input_in, const Tensor& target_in, Reduction reduction, bool log_target) {
+  // an f32 op under autocast (autograd/autocast.h)
+  const Tensor input = amp::cast_f32(input_in), target = amp::cast_f32(target_in);
   const char* op = "kl_div";
   check_pair(op, input, target);
   Tensor loss;

@@ -7,6 +7,7 @@
 // written with differentiable ops over the [N, groups, L] view so double backward works.
 #include <vector>
 
+#include "autograd/autocast.h"
 #include "autograd/functions/common.h"
 #include "nn/functional.h"
 
@@ -93,8 +94,10 @@ void check_input(const char* op, const Tensor& x, double eps) {
 
 }  // namespace
 
-Tensor layer_norm(const Tensor& x, const std::vector<int64_t>& normalized_shape, const Tensor& weight,
-                  const Tensor& bias, double eps) {
+Tensor layer_norm(const Tensor& x_in, const std::vector<int64_t>& normalized_shape, const Tensor& weight_in,
+                  const Tensor& bias_in, double eps) {
+  // an f32 op under autocast (autograd/autocast.h)
+  const Tensor x = amp::cast_f32(x_in), weight = amp::cast_f32(weight_in), bias = amp::cast_f32(bias_in);
   check_input("layer_norm", x, eps);
   const Shape norm_shape(normalized_shape);
   const int k = norm_shape.size();
@@ -112,7 +115,9 @@ Tensor layer_norm(const Tensor& x, const std::vector<int64_t>& normalized_shape,
   return row_norm("LayerNormBackward", x, weight, bias, s, eps);
 }
 
-Tensor group_norm(const Tensor& x, int64_t num_groups, const Tensor& weight, const Tensor& bias, double eps) {
+Tensor group_norm(const Tensor& x_in, int64_t num_groups, const Tensor& weight_in, const Tensor& bias_in, double eps) {
+  // an f32 op under autocast (autograd/autocast.h)
+  const Tensor x = amp::cast_f32(x_in), weight = amp::cast_f32(weight_in), bias = amp::cast_f32(bias_in);
   check_input("group_norm", x, eps);
   MN_CHECK(x.dim() >= 2, ValueError, "group_norm: expected input of shape [N, C, *], got ", x.sizes());
   const int64_t channels = x.size(1);

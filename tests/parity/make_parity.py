@@ -28,6 +28,9 @@ def save(case, tensors, metadata=None):
             dtype, raw = "F32", t.numpy().astype("<f4").tobytes()
         elif t.dtype == torch.int64:
             dtype, raw = "I64", t.numpy().astype("<i8").tobytes()
+        elif t.dtype in (torch.bfloat16, torch.float16):  # the raw 16-bit patterns
+            dtype = "BF16" if t.dtype == torch.bfloat16 else "F16"
+            raw = t.view(torch.int16).numpy().astype("<i2").tobytes()
         else:
             raise TypeError(f"{name}: unsupported dtype {t.dtype}")
         header[name] = {"dtype": dtype, "shape": list(t.shape), "data_offsets": [offset, offset + len(raw)]}
@@ -577,10 +580,47 @@ def index_ops():
     save("index_ops", out)
 
 
+def mixed_precision():
+    """bf16/f16 conversions (ties, subnormals, overflow, NaN), bf16 ops (PyTorch computes them in f32 and
+    rounds once), and a Linear/ReLU/Linear + conv2d model trained one backward under
+    torch.autocast("cpu", bfloat16)."""
+    torch.manual_seed(1300)
+    out = {}
+    specials = torch.tensor([0.0, -0.0, 1.0, 1.0 + 2**-8, 1.0 + 3 * 2**-8, 1.0 + 2**-9, 1.0 + 2**-11, 1.0 + 3 * 2**-11,
+                             65504.0, 65519.0, 65520.0, 70000.0, -65520.0, 2**-14, 2**-24, 2**-25, 1.5 * 2**-25,
+                             2**-26, 3 * 2**-25, 1e-40, float("inf"), -float("inf"), 3.4e38, 3.3961776e38,
+                             float("nan"), 1 / 3, -2.5e-3])
+    x = torch.cat([specials, torch.randn(300) * 100, torch.randn(100) * 1e-5, torch.randn(100) * 1e5])
+    out.update({"conv_x": x, "conv_bf16": x.bfloat16(), "conv_f16": x.half()})
+
+    a, b = torch.randn(4, 6), torch.randn(4, 6)
+    ab, bb = a.bfloat16(), b.bfloat16()
+    out.update({"op_a": ab, "op_b": bb, "op_add": ab + bb, "op_mul": ab * bb, "op_div": ab / bb,
+                "op_relu": torch.relu(ab), "op_gelu": F.gelu(ab), "op_exp": torch.exp(ab), "op_tanh": torch.tanh(ab),
+                "op_sum1": ab.sum(1), "op_mean": ab.mean(), "op_softmax": torch.softmax(ab, 1),
+                "op_mm": ab @ bb.t(), "op_a16": a.half(), "op_b16": b.half(), "op_add_f16": a.half() + b.half()})
+
+    net = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+    conv = torch.nn.Conv2d(2, 3, 3, padding=1)
+    xs, img, y = torch.randn(5, 6), torch.randn(5, 2, 4, 4), torch.randint(0, 3, (5,))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        h = net(xs)
+        c = conv(img)
+        z = h + c.mean((2, 3))
+        loss = F.cross_entropy(z, y)
+    loss.backward()
+    out.update({"ac_x": xs, "ac_img": img, "ac_y": y, "ac_h": h, "ac_c": c, "ac_loss": loss.float()})
+    for name, p in list(net.named_parameters()) + [("conv." + n, q) for n, q in conv.named_parameters()]:
+        out["ac_" + name] = p.detach()
+        out["ac_" + name + ".grad"] = p.grad
+    save("mixed_precision", out, {"torch": torch.__version__, "h_dtype": h.dtype, "c_dtype": c.dtype,
+                                  "z_dtype": z.dtype, "loss_dtype": loss.dtype})
+
+
 CASES = {"conv2d": conv2d, "pooling": pooling, "batch_norm": batch_norm, "lstm": lstm, "losses": losses,
          "optim": optimizers, "nan": nan_propagation, "adam_beta2": adam_beta2, "var_std": var_std,
          "attention": attention, "losses_ext": losses_ext, "norm_activations": norm_activations,
-         "index_ops": index_ops}
+         "index_ops": index_ops, "mixed_precision": mixed_precision}
 
 if __name__ == "__main__":
     # With no arguments every case is written; otherwise only the named ones. The first six cases draw
