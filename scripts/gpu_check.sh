@@ -17,7 +17,8 @@
 #      NCCL's, then racecheck, synccheck and initcheck over the op tests
 #   7. a summary: tests passed/failed/skipped, GEMM TFLOP/s, allocator hit vs cudaMalloc+cudaFree,
 #      index-heavy kernels' GB/s, mapped step ms ours vs PyTorch vs our CPU backend, mn-train accuracy
-#      and time, the slowest kernels, each sanitizer's errors
+#      and time, the slowest kernels, each sanitizer's errors, and mixed precision: the bf16 epoch's
+#      accuracy against the f32 one, resnet18 direct/layerwise steps/s in f32 and under --amp bf16
 # Outputs go to $OUT when set (the device tool's folder; at most 8 files come back), else
 # out/gpu-check: gpu-check.log (everything), summary.txt, summary.json, gpu_tests.log,
 # mn_bench_cuda_runtime.json, mn_bench_cuda_train_step.json, torch_cuda_step.json, mn-train.log.
@@ -174,6 +175,28 @@ else
   log "mn-train on cuda skipped: $why"
 fi
 
+# ---- mixed precision (issue 23): the same epoch under --amp bf16, and resnet18 steps f32 vs bf16 ----
+# The bf16 epoch's test accuracy is compared with the f32 one above (target: within 0.3 points); the
+# resnet18 runs train a fixed number of batches (--limit) directly and layerwise, in f32 and under
+# autocast bf16, and the summary prints steps/s and the bf16 / f32 speed-up (target >= 2). Their logs stay
+# in the build folder (8 files at most come back from $OUT; gpu-check.log has every line anyway).
+if ((have_gpu)) && built examples/mn-train && [[ -n $data ]]; then
+  rm -rf "$BUILD"/gpu-check-amp-*
+  MN_FASHION_MNIST_DIR=$data phase train_bf16 120 --tee "$BUILD/mn-train-bf16.log" "$BUILD/examples/mn-train" \
+    --device cuda --target cnn2 --strategy layerwise --latent-dim 672 --epochs 1 --batch-size 256 --json \
+    --amp bf16 --out "$BUILD/gpu-check-amp-cnn2"
+  for strategy in direct layerwise; do
+    for amp in f32 bf16; do
+      amp_flag=()
+      [[ $amp == bf16 ]] && amp_flag=(--amp bf16)
+      MN_FASHION_MNIST_DIR=$data phase "resnet18_${strategy}_$amp" 90 \
+        --tee "$BUILD/mn-train-resnet18-$strategy-$amp.log" "$BUILD/examples/mn-train" --device cuda \
+        --target resnet18 --strategy "$strategy" --epochs 1 --limit 6400 --batch-size 128 --json \
+        "${amp_flag[@]+"${amp_flag[@]}"}" --out "$BUILD/gpu-check-amp-resnet18-$strategy-$amp"
+    done
+  done
+fi
+
 # ---- data parallel over NCCL: setup_ddp("nccl") through mn-run's TCP store ----
 # One rank per GPU (NCCL refuses two ranks on one device), at most 2: rank 0 publishes the NCCL unique
 # id in the store, every rank builds its communicator on cuda:LOCAL_RANK, DDP all-reduces the latents'
@@ -246,7 +269,8 @@ fi
 
 rc=0
 ((build_ok)) || rc=1
-for k in tests bench_runtime bench_train_step torch_step train ddp_nccl; do
+for k in tests bench_runtime bench_train_step torch_step train ddp_nccl train_bf16 resnet18_direct_f32 \
+  resnet18_direct_bf16 resnet18_layerwise_f32 resnet18_layerwise_bf16; do
   [[ -n ${RCS[$k]:-} && ${RCS[$k]} != 0 ]] && rc=1 && log "$k failed (exit ${RCS[$k]})"
 done
 # A sanitizer fails the check only when it reports errors (its exit 3). A test that fails only under

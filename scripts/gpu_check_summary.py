@@ -111,6 +111,17 @@ def fmt(v, spec=".2f", unit=""):
     return "n/a" if v is None else f"{v:{spec}}{unit}"
 
 
+def last_json(text):
+    """The last line of a log that is a JSON object (mn-train --json's summary), or None."""
+    for line in reversed(text.strip().splitlines()):
+        if line.startswith("{"):
+            try:
+                return json.loads(line)
+            except ValueError:
+                return None
+    return None
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -234,14 +245,7 @@ def main():
 
     # ---- mn-train ----
     train_log = read(os.path.join(out, "mn-train.log"))
-    train = None
-    for line in reversed(train_log.strip().splitlines()):
-        if line.startswith("{"):
-            try:
-                train = json.loads(line)
-            except ValueError:
-                pass
-            break
+    train = last_json(train_log)
     s["mn_train"] = train
     if train:
         lines.append(f"mn-train:    cuda, cnn2 layerwise 672, 1 epoch batch 256: test accuracy "
@@ -249,6 +253,27 @@ def main():
                      f"{fmt(train.get('steps_per_second'), '.1f')} steps/s")
     elif train_log:
         lines.append("mn-train:    no JSON summary (failed? see mn-train.log)")
+
+    # ---- mixed precision: the bf16 epoch against the f32 one, resnet18 step speed ----
+    amp_dir = args.phase_logs or out  # gpu_check.sh keeps these logs in its build folder
+    bf16 = last_json(read(os.path.join(amp_dir, "mn-train-bf16.log")))
+    s["mn_train_bf16"] = bf16
+    if bf16 and train:
+        gap = (train.get("test_accuracy") or 0) - (bf16.get("test_accuracy") or 0)
+        ok = "ok" if gap <= 0.003 else "OVER"
+        lines.append(f"amp bf16:    cnn2 layerwise 1 epoch: test accuracy {fmt(bf16.get('test_accuracy'), '.4f')} "
+                     f"vs f32 {fmt(train.get('test_accuracy'), '.4f')} (f32 - bf16 = {100 * gap:.2f} points, "
+                     f"target <= 0.3): {ok}; {fmt(bf16.get('steps_per_second'), '.1f')} steps/s")
+    for strategy in ("direct", "layerwise"):
+        runs = {amp: last_json(read(os.path.join(amp_dir, f"mn-train-resnet18-{strategy}-{amp}.log")))
+                for amp in ("f32", "bf16")}
+        s[f"resnet18_{strategy}"] = runs
+        if runs["f32"] and runs["bf16"]:
+            f, b = runs["f32"].get("steps_per_second"), runs["bf16"].get("steps_per_second")
+            ratio = b / f if f and b else None
+            ok = "ok" if ratio is not None and ratio >= 2 else "OVER"
+            lines.append(f"amp bf16:    resnet18 {strategy} b128 steps/s: f32 {fmt(f, '.1f')}, bf16 {fmt(b, '.1f')}, "
+                         f"bf16 / f32 = {fmt(ratio)}x (target >= 2): {ok}")
 
     # ---- the slowest kernels of a few eager training steps (Nsight Compute) ----
     logs = args.phase_logs
