@@ -152,6 +152,42 @@ TEST_CASE("Trainer: accumulation under data parallel communicates only at the en
   CHECK(values(*plain) == values(*net));
 }
 
+namespace {
+// Two ranks whose other rank reports `other` as its starting position (epoch, global step, batch).
+class SplitStart : public FakeDataParallel {
+ public:
+  explicit SplitStart(std::vector<double> other) : other_(std::move(other)) {}
+  int world_size() const override { return 2; }
+  std::vector<std::vector<double>> all_gather(const std::vector<double>& values) override {
+    return {values, other_};
+  }
+
+ private:
+  std::vector<double> other_;
+};
+}  // namespace
+
+TEST_CASE("Trainer: data-parallel ranks that would start at different positions are refused") {
+  const Data d;
+  auto net = mlp();
+  data::DataLoader loader = d.loader();
+  train::Trainer trainer(*net, loader, nullptr, train::classification(), {.max_epochs = 1});
+  // The other rank resumed a mid-epoch checkpoint; this one starts fresh (as a node without the shared
+  // checkpoint directory would under --auto-resume).
+  SplitStart resumed({1, 12, 5});
+  trainer.set_data_parallel(&resumed);
+  const std::string message = error_message([&] { trainer.fit(); });
+  CHECK(contains(message, "ranks start from different positions"));
+  CHECK(contains(message, "rank 0: a fresh start"));
+  CHECK(contains(message, "rank 1: epoch 2, global step 12, batch 5 of its epoch"));
+  CHECK(trainer.global_step() == 0);  // refused before any step
+  // Ranks that agree train.
+  SplitStart agreeing({0, 0, 0});
+  trainer.set_data_parallel(&agreeing);
+  trainer.fit();
+  CHECK(trainer.global_step() > 0);
+}
+
 TEST_CASE("Trainer: checkpoints every N epochs, CSV and JSON logs, and an exact resume") {
   const Data d;
   TempDir dir("mn_train");

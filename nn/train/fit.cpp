@@ -186,6 +186,31 @@ Metrics Trainer::reduce(Metrics local) const {
   return metrics_reducer_ ? metrics_reducer_(local, last_pass_samples_) : local;
 }
 
+// A rank that resumed another checkpoint than the others (or none: a node that does not see the shared
+// checkpoint directory starts fresh under mn-train --auto-resume) would train other batches under the
+// same all-reduce and nobody would notice; compare the positions first.
+void Trainer::check_ranks_start_together() {
+  if (data_parallel_ == nullptr || data_parallel_->world_size() <= 1) return;
+  const double batches = resume_progress_ ? static_cast<double>(resume_progress_->batches) : 0.0;
+  const std::vector<double> mine = {static_cast<double>(epoch_), static_cast<double>(global_step_), batches};
+  const std::vector<std::vector<double>> all = data_parallel_->all_gather(mine);
+  bool same = true;
+  for (const auto& v : all) same = same && v == all.front();
+  if (same) return;
+  std::string positions;
+  for (size_t r = 0; r < all.size(); ++r) {
+    const auto& v = all[r];
+    positions += str(r == 0 ? "" : "; ", "rank ", r, ": ",
+                     v[0] == 0 && v[1] == 0 && v[2] == 0 ? std::string("a fresh start")
+                               : str("epoch ", static_cast<int64_t>(v[0]) + 1, ", global step ",
+                                     static_cast<int64_t>(v[1]), ", batch ", static_cast<int64_t>(v[2]),
+                                     " of its epoch"));
+  }
+  throw RuntimeError(str(trainer_name(), ": the data-parallel ranks start from different positions (", positions,
+                         "); every rank must resume the same checkpoint (on several nodes, the checkpoint "
+                         "directory must be one all nodes share)"));
+}
+
 History Trainer::fit(bool auto_lr_find) {
   if (auto_lr_find) {
     const LRFinderOptions& o = config_.lr_finder;
@@ -200,6 +225,7 @@ History Trainer::fit(bool auto_lr_find) {
           optimizer_->name(), " lr ", learning_rate(), config_.accumulation_steps > 1
               ? str(", accumulation ", config_.accumulation_steps) : std::string()));
 
+  check_ranks_start_together();
   try {
     fire("on_fit_start", [&](Callback& cb) { cb.on_fit_start(*this); });
     for (int64_t epoch = epoch_; epoch < config_.max_epochs; ++epoch) {

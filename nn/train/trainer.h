@@ -215,6 +215,9 @@ class Trainer {
   void rebuild_scheduler();
   double scheduler_metric(const Metrics& metrics) const;
   void step_scheduler();  // the pending step, if any
+  // Data parallel: every rank must start fit() at the same position (epoch, global step, batch within
+  // the epoch); RuntimeError naming each rank's position otherwise. A collective.
+  void check_ranks_start_together();
   std::vector<std::string> callback_keys() const;
   Metrics reduce(Metrics local) const;
   void check_interrupt();
