@@ -1,6 +1,7 @@
 // mn-train --amp (issue 23) end to end (a small MLP, direct, 640 Fashion-MNIST images, batch 64): the
-// option is recorded in the checkpoint's config with the gradient scaler's state (f16), --resume takes
-// it from there and refuses another value, and values other than bf16/f16 are refused. The binary and
+// option is recorded in the checkpoint's config with the gradient scaler's state (f16; direct and mapped
+// checkpoints), --resume takes it from there and refuses another value, and values other than bf16/f16
+// are refused. The binary and
 // the data are looked up as in test_mn_train.cpp; the case is skipped with a message when either is
 // missing.
 #include <doctest/doctest.h>
@@ -45,6 +46,18 @@ TEST_CASE("mn-train --amp: recorded with the scaler's state, restored by --resum
   INFO(resumed.all());
   REQUIRE(resumed.status == 0);
   CHECK(mn::testing::checkpoint_trainer_state(checkpoint).at("grad_scaler").at("_growth_tracker") == 20.0);
+
+  // A mapped run: the scaler's state travels in the mapping checkpoint's trainer state.
+  const std::string mapped = dir / "mapped";
+  const CommandResult layerwise = mn::testing::run_command(
+      str(exe, " --target mlp --mlp-hidden 32 --strategy layerwise --latent-dim 16 --batch-size 64 --seed 3 "
+               "--limit 640 --epochs 1 --amp f16 --out ", mapped));
+  INFO(layerwise.all());
+  REQUIRE(layerwise.status == 0);
+  const std::string mapped_checkpoint = mapped + "/checkpoint.safetensors";
+  CHECK(mn::testing::checkpoint_trainer_state(mapped_checkpoint).at("grad_scaler").at("_growth_tracker") == 10.0);
+  REQUIRE(mn::testing::run_command(str(exe, " --out ", mapped, " --resume --epochs 2")).status == 0);
+  CHECK(mn::testing::checkpoint_trainer_state(mapped_checkpoint).at("grad_scaler").at("_growth_tracker") == 20.0);
 
   const CommandResult bad = mn::testing::run_command(str(exe, " ", common, " --amp fp16 --out ", dir / "bad"));
   CHECK(bad.status != 0);
