@@ -84,6 +84,10 @@
 // it. --auto-resume resumes when --out holds a checkpoint and starts the run otherwise, so one command
 // line serves the first start and every restart (mn-run --max-restarts); a checkpoint of another run is
 // refused as with --resume.
+//
+// Mixed precision: --amp bf16|f16 sets TrainerConfig::amp (nn/train/config.h); f16 scales the loss
+// (amp::GradScaler), skips steps whose gradients overflow and counts them (train_skipped_steps in the
+// history), and keeps the scaler's state in the checkpoint. A run option: recorded, checked by --resume.
 #include <CLI/CLI.hpp>
 #include <unistd.h>
 
@@ -191,6 +195,9 @@ struct Options {
   bool auto_resume = false;      // --auto-resume: --resume when --out holds a checkpoint, else start the run
   int64_t crash_after_step = 0;  // hidden test hook --crash-after-step N (see CrashAfterStep); 0: off
   int crash_rank = 0;            // hidden --crash-rank R: the rank that crashes
+  // Mixed precision (issue 23): --amp bf16|f16 sets TrainerConfig::amp (f16 adds the gradient scaler);
+  // empty: f32. Defines the run (in kRunOptions).
+  std::string amp;
 };
 
 // The data-parallel job this process belongs to (a job of one when --backend is not given).
@@ -301,6 +308,8 @@ const RunOption kRunOptions[] = {
     // Augmentation and the validation split (issue 19).
     {"augment", "--augment", [](Options& o, const json& v) { o.augment = v.get<std::vector<std::string>>(); }, true},
     {"val_split", "--val-split", [](Options& o, const json& v) { o.val_split = v.get<double>(); }, true},
+    // Mixed precision (issue 23); runs saved before it existed trained in f32 ("").
+    {"amp", "--amp", [](Options& o, const json& v) { o.amp = v.get<std::string>(); }, true},
 };
 
 // --classes: "a-b" ranges and single labels, comma-separated, each in 0..9; sorted, without repeats.
@@ -381,7 +390,8 @@ json run_config(const Options& o, int world_size) {
           {"init_from", o.direct() ? json(o.init_from) : json(nullptr)},
           {"classes", parse_classes(o.classes)},
           {"augment", o.augment},
-          {"val_split", o.val_split}};
+          {"val_split", o.val_split},
+          {"amp", o.amp}};
 }
 
 // What run_config records for `key` when the knob has its default, for the run `o` describes (the
@@ -671,6 +681,7 @@ train::TrainerConfig trainer_config(const Options& o) {
   if (o.direct() && o.optimizer == "sgd") c.momentum = 0.9;
   if (o.clip_norm > 0) c.gradient_clip_norm = o.clip_norm;
   if (o.clip_value > 0) c.gradient_clip_value = o.clip_value;
+  c.amp = o.amp;  // mixed precision (issue 23)
   return c;
 }
 
@@ -1104,6 +1115,11 @@ int main(int argc, char** argv) {
   app.add_option("--crash-rank", o.crash_rank, "test hook: the rank --crash-after-step kills")
       ->check(whole_number_at_least(0))
       ->group("");
+  // Mixed precision (issue 23).
+  app.add_option("--amp", o.amp,
+                 "mixed precision: bf16 or f16 (forward and loss under autocast; f16 adds dynamic loss scaling, "
+                 "skipping steps whose gradients overflow); default: f32")
+      ->check(CLI::IsMember({"bf16", "f16"}));
   CLI11_PARSE(app, argc, argv);
 
   DistInfo dist;

@@ -325,3 +325,21 @@ inline Op<RmspropStepFn> rmsprop_step("rmsprop_step");
 void register_cpu_optim();  // kernels/cpu/optim.cpp
 
 }  // namespace mn::kernels
+
+namespace mn::kernels {
+
+// ---- mixed precision: the gradient scaler's kernels (kernels/cpu/amp.cpp, kernels/cuda/amp.cu; the
+// math in kernels/amp_math.h) ----
+// One pass over a contiguous f32 gradient, in place: found_inf (1-element f32) is set to 1 when any
+// element is infinite or NaN and left as it is otherwise (so one found_inf collects a whole model),
+// and every element is multiplied by inv_scale (1-element f32; values stay as they are when it is 1).
+// torch._amp_foreach_non_finite_check_and_unscale_ for one tensor; all three on one device.
+using NonFiniteCheckAndUnscaleFn = void(Tensor& grad, Tensor& found_inf, const Tensor& inv_scale);
+inline Op<NonFiniteCheckAndUnscaleFn> non_finite_check_and_unscale("non_finite_check_and_unscale");
+// torch._amp_update_scale_ on the device, no host read: scale (1-element f32) and growth_tracker
+// (1-element i64) updated in place from found_inf (1-element f32) by kernels::update_scale.
+using AmpUpdateScaleFn = void(Tensor& scale, Tensor& growth_tracker, const Tensor& found_inf, double growth_factor,
+                              double backoff_factor, int64_t growth_interval);
+inline Op<AmpUpdateScaleFn> amp_update_scale("amp_update_scale");
+
+}  // namespace mn::kernels

@@ -17,7 +17,8 @@
 //   add_ons {lrd_rank, prune_fraction} (only when either is set: LRD and pruning change what the
 //   latents generate, so they must match on load; the pruning masks are rebuilt, never stored),
 //   trainer_state {epoch, should_stop, scheduler_epoch, [scheduler_state, scheduler_step_metric],
-//   [callbacks {key: state}], optimizer_lr, history, rng, [global_step], [progress]} (optional),
+//   [callbacks {key: state}], optimizer_lr, history, rng, [global_step], [progress], [grad_scaler]}
+//   (optional; grad_scaler: an amp "f16" trainer's amp::GradScaler::state_dict),
 //   metadata {user strings}, config (optional JSON), finetuning {pretrained, hash, block_size, alpha,
 //   group_alpha} (strategy "finetuning": the pretrained file's path and FNV-1a 64 content hash, never its
 //   tensors; loading into a model whose pretrained file has another hash is a ValueError naming both).

@@ -32,6 +32,7 @@
 #include "nn/data/transforms.h"     // RandomCrop, RandomHorizontalFlip, Compose
 #include "nn/functional.h"
 #include "nn/functional_call.h"
+#include "nn/grad_scaler.h"  // amp::GradScaler (loss scaling for f16 training)
 #include "nn/init.h"
 #include "nn/layers.h"
 #include "nn/module.h"

@@ -17,6 +17,7 @@ void register_cpu_gather();         // kernels/cpu/gather.cpp: gather, scatter_a
 void register_cpu_scan();           // kernels/cpu/scan.cpp: cumsum, topk
 void register_cpu_adaptive_pool();  // kernels/cpu/adaptive_pool.cpp: adaptive avg/max pool2d
 void register_cpu_srht();           // kernels/cpu/srht.cpp: srht_apply, srht_apply_transpose
+void register_cpu_amp();            // kernels/cpu/amp.cpp: non_finite_check_and_unscale, amp_update_scale
 
 void register_cpu_kernels() {
   register_cpu_elementwise();
@@ -33,6 +34,7 @@ void register_cpu_kernels() {
   register_cpu_scan();
   register_cpu_adaptive_pool();
   register_cpu_srht();
+  register_cpu_amp();
 }
 
 }  // namespace mn::kernels

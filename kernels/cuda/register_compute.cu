@@ -15,6 +15,7 @@ void register_cuda_gather();         // kernels/cuda/gather.cu: gather, scatter_
 void register_cuda_scan();           // kernels/cuda/scan.cu: cumsum, topk
 void register_cuda_adaptive_pool();  // kernels/cuda/adaptive_pool.cu: adaptive avg/max pool2d
 void register_cuda_srht();           // kernels/cuda/srht.cu: srht_apply, srht_apply_transpose
+void register_cuda_amp();            // kernels/cuda/amp.cu: non_finite_check_and_unscale, amp_update_scale
 
 void register_cuda_compute_kernels() {
   register_cuda_elementwise();
@@ -29,6 +30,7 @@ void register_cuda_compute_kernels() {
   register_cuda_scan();
   register_cuda_adaptive_pool();
   register_cuda_srht();
+  register_cuda_amp();
 }
 
 }  // namespace mn::kernels

@@ -29,6 +29,8 @@ void check_config(const TrainerConfig& c, const std::string& who) {
            ": gradient_clip_value must be non-negative, got ", c.gradient_clip_value.value_or(0.0));
   MN_CHECK(c.on_nonfinite == "error" || c.on_nonfinite == "warn", ValueError, who,
            ": on_nonfinite must be \"error\" or \"warn\", got \"", c.on_nonfinite, "\"");
+  MN_CHECK(c.amp.empty() || c.amp == "bf16" || c.amp == "f16", ValueError, who,
+           ": amp must be \"\" (f32), \"bf16\" or \"f16\", got \"", c.amp, "\"");
 }
 
 std::unique_ptr<optim::Optimizer> make_optimizer(const TrainerConfig& config, std::vector<Tensor> params) {

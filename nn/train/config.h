@@ -58,6 +58,13 @@ struct TrainerConfig {
   // count at the epoch's end, and trains on. Checked with the step's metrics read (no extra
   // synchronisation).
   std::string on_nonfinite = "error";
+  // Mixed precision (issue 23): "" trains in f32; "bf16" and "f16" run the forward and loss under
+  // autocast in that dtype. "f16" adds a gradient scaler (amp::GradScaler, nn/grad_scaler.h): each
+  // micro-batch's loss is scaled before backward, the gradients are unscaled once before clipping, and a
+  // step whose gradients overflowed is skipped (counted in the history as train_skipped_steps, not a
+  // non-finite error; a non-finite loss still is one) while the scale backs off. Its state is part of the
+  // trainer state. "bf16" needs no scaler (bf16 has f32's range), as in PyTorch.
+  std::string amp;
 };
 
 // Throws ValueError naming the field for a value out of range.

@@ -84,6 +84,7 @@ Metrics Trainer::train_pass(DataLoader& loader, const EpochProgress* resume, boo
   optimizer_->zero_grad();
   pending_batches_ = 0;
   nonfinite_steps_ = 0;
+  skipped_steps_ = 0;
   EpochAverages averages;
   int64_t index = 0;
   const int64_t batches = loader.size(), k = config_.accumulation_steps;
@@ -94,6 +95,7 @@ Metrics Trainer::train_pass(DataLoader& loader, const EpochProgress* resume, boo
              " batches per epoch (another data set size or batch size?)");
     index = resume->batches;
     nonfinite_steps_ = resume->nonfinite_steps;
+    skipped_steps_ = resume->skipped_steps;
     averages.sums = resumed_sums(*resume);
   }
   // The position is state()'s while the pass runs (cleared however it ends).
@@ -135,7 +137,16 @@ Metrics Trainer::train_pass(DataLoader& loader, const EpochProgress* resume, boo
                     " were not finite"));
   }
   last_pass_samples_ = averages.sums.samples;
-  return averages.finish(history_keys::kTrainTaskLoss, history_keys::kTrainTotalLoss, history_keys::kTrainAccuracy);
+  Metrics metrics =
+      averages.finish(history_keys::kTrainTaskLoss, history_keys::kTrainTotalLoss, history_keys::kTrainAccuracy);
+  if (scaler_) {
+    metrics[history_keys::kTrainSkippedSteps] = static_cast<double>(skipped_steps_);
+    if (skipped_steps_ > 0)
+      log(str(trainer_name(), ": the gradient scaler skipped ", skipped_steps_, " optimizer step",
+              skipped_steps_ == 1 ? "" : "s", " of epoch ", current_epoch_ + 1,
+              " (gradients not finite); loss scale now ", scaler_->get_scale()));
+  }
+  return metrics;
 }
 
 Metrics Trainer::evaluate(DataLoader& loader) {

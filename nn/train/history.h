@@ -19,6 +19,8 @@ inline constexpr const char* kValTaskLoss = "val_task_loss";
 inline constexpr const char* kValTotalLoss = "val_total_loss";
 inline constexpr const char* kValAccuracy = "val_accuracy";
 inline constexpr const char* kLearningRate = "lr";
+// TrainerConfig::amp "f16": the epoch's optimizer steps the gradient scaler skipped (gradients not finite).
+inline constexpr const char* kTrainSkippedSteps = "train_skipped_steps";
 }  // namespace history_keys
 
 // Per-epoch metric values under explicit names (see history_keys): one value per completed epoch.

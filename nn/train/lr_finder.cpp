@@ -110,6 +110,8 @@ LRFinderResult Trainer::lr_find(double min_lr, double max_lr, int64_t num_iterat
   const bool saved_should_stop = should_stop_, saved_callbacks_enabled = callbacks_enabled_;
   const bool saved_training = module_.is_training();
   const int64_t saved_pending = pending_batches_, saved_global_step = global_step_;
+  const std::map<std::string, double> saved_scaler = scaler_ ? scaler_->state_dict() : std::map<std::string, double>{};
+  const int64_t saved_skipped = skipped_steps_;
 
   auto restore = [&] {
     {
@@ -133,6 +135,8 @@ LRFinderResult Trainer::lr_find(double min_lr, double max_lr, int64_t num_iterat
     callbacks_enabled_ = saved_callbacks_enabled;
     pending_batches_ = saved_pending;
     global_step_ = saved_global_step;
+    if (scaler_) scaler_->load_state_dict(saved_scaler);
+    skipped_steps_ = saved_skipped;
     module_.train(saved_training);
   };
 

@@ -2,6 +2,7 @@
 #include <limits>
 #include <type_traits>
 
+#include "nn/grad_scaler.h"
 #include "nn/train/state_json.h"
 
 namespace mn::train {
@@ -51,7 +52,9 @@ json progress_json(const EpochProgress& p) {
                     {"accuracy", exact_number(s.accuracy)},
                     {"samples", s.samples},
                     {"accuracy_samples", s.accuracy_samples}});
-  return {{"batches", p.batches}, {"nonfinite_steps", p.nonfinite_steps}, {"sums", sums}};
+  json out = {{"batches", p.batches}, {"nonfinite_steps", p.nonfinite_steps}, {"sums", sums}};
+  if (p.skipped_steps != 0) out["skipped_steps"] = p.skipped_steps;
+  return out;
 }
 
 }  // namespace
@@ -100,6 +103,7 @@ json trainer_state_json(const TrainerState& s) {
               {"global_offset", s.rng.global_offset}};
   if (s.global_step) j["global_step"] = *s.global_step;
   if (s.progress) j["progress"] = progress_json(*s.progress);
+  if (!s.grad_scaler.empty()) j["grad_scaler"] = s.grad_scaler;  // finite by GradScaler's invariants
   return j;
 }
 
@@ -141,10 +145,15 @@ TrainerState parse_trainer_state(const json& j) {
                              sum.dump()));
       progress.sums.push_back(rank);
     }
-    if (progress.batches < 1 || progress.nonfinite_steps < 0 || progress.sums.empty())
-      throw ValueError(str("progress: expected batches >= 1, nonfinite_steps >= 0 and the sums of at least one "
-                           "rank, got ", p.dump()));
+    if (p.contains("skipped_steps")) progress.skipped_steps = whole_number<int64_t>(p.at("skipped_steps"));
+    if (progress.batches < 1 || progress.nonfinite_steps < 0 || progress.skipped_steps < 0 || progress.sums.empty())
+      throw ValueError(str("progress: expected batches >= 1, nonfinite_steps >= 0, skipped_steps >= 0 and the sums "
+                           "of at least one rank, got ", p.dump()));
     s.progress = std::move(progress);
+  }
+  if (j.contains("grad_scaler")) {
+    for (const auto& [key, value] : j.at("grad_scaler").items()) s.grad_scaler[key] = value.get<double>();
+    amp::GradScaler::check_state_dict(s.grad_scaler, "grad_scaler");
   }
   return s;
 }

@@ -34,6 +34,9 @@ struct EpochProgress {
   // with the same number of ranks gives each rank its own; with another, rank 0 takes their total and the
   // others start from zero (the epoch's means are then the same up to rounding).
   std::vector<PassSums> sums;
+  // The epoch's optimizer steps the gradient scaler skipped so far (TrainerConfig::amp "f16"); 0 in
+  // files written before it was recorded.
+  int64_t skipped_steps = 0;
   bool operator==(const EpochProgress&) const = default;
 };
 
@@ -60,12 +63,16 @@ struct TrainerState {
   std::optional<int64_t> global_step;
   // Set when captured mid-epoch (see EpochProgress); absent: captured between epochs.
   std::optional<EpochProgress> progress;
+  // amp::GradScaler::state_dict() of an "f16" trainer's scaler; empty without one, and in files written
+  // before it was recorded (a scaler then starts from its defaults).
+  std::map<std::string, double> grad_scaler;
 };
 
 // The state without its optimizer tensors as JSON text (they are stored as tensors beside it):
 // epoch, should_stop, scheduler_epoch, [optimizer_lr], [scheduler_state, scheduler_step_metric],
 // [callbacks], history, rng, [global_step], [progress {batches, nonfinite_steps, sums [{task, total,
-// accuracy, samples, accuracy_samples} per rank]}]. NaN and infinities are written as null and read back
+// accuracy, samples, accuracy_samples} per rank], [skipped_steps]}], [grad_scaler {scale, growth_factor,
+// backoff_factor, growth_interval, _growth_tracker}]. NaN and infinities are written as null and read back
 // as NaN, except in progress's sums, which keep them exactly ("nan", "inf", "-inf").
 std::string trainer_state_to_json(const TrainerState& state);
 // The inverse; a malformed document is a ValueError naming what is wrong (the optimizer map stays empty).

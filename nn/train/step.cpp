@@ -1,5 +1,6 @@
 // Trainer: one training step - forward, loss, backward (eager or compiled), the non-finite check,
-// gradient accumulation (with no_sync under data parallel), clipping and the optimizer step.
+// gradient accumulation (with no_sync under data parallel), loss scaling (amp "f16"), clipping and the
+// optimizer step.
 #include <cmath>
 
 #include "autograd/node.h"
@@ -57,7 +58,8 @@ LossOutput Trainer::backward_step(const Batch& batch, int64_t accumulation_steps
       accumulation_steps > 1 ? div(out.total, static_cast<double>(accumulation_steps)) : out.total;
   MN_CHECK(objective.requires_grad(), RuntimeError,
            trainer_name(), ": the loss total does not depend on any trainable tensor; nothing to train");
-  objective.backward();
+  // f16: every micro-batch's loss is scaled; optimizer_step unscales the sum once.
+  (scaler_ ? scaler_->scale(objective) : objective).backward();
   return out;
 }
 
@@ -84,8 +86,13 @@ LossOutput Trainer::compiled_backward_step(const Batch& batch, int64_t accumulat
       step_layouts_[layout_key(accumulation_steps, in[0], in[1])] = std::move(layout);
       return outputs;
     };
-    compiled =
-        std::make_unique<CompiledFunction>(body, compile_guard(), CompileOptions{.fullgraph = config_.compile_fullgraph});
+    Guard guard = compile_guard();
+    if (scaler_)  // the recorded multiply reads the scale tensor, which update() rewrites in place
+      guard = [guard, scale = scaler_->scale_tensor()](std::vector<uint64_t>& key) {
+        guard(key);
+        guard_memory(key, scale);
+      };
+    compiled = std::make_unique<CompiledFunction>(body, guard, CompileOptions{.fullgraph = config_.compile_fullgraph});
   }
   const Device dev = device();
   Tensor inputs = batch.inputs, targets = batch.targets;
@@ -116,7 +123,8 @@ LossOutput Trainer::train_step(const Batch& batch, int64_t accumulation_steps, c
     SyncScope scope(data_parallel_, sync);
     out = config_.compile ? compiled_backward_step(batch, accumulation_steps) : backward_step(batch, accumulation_steps);
   }
-  if (step != nullptr)
+  // With a scaler, overflowing gradients are its business (it skips the step); the loss is still checked.
+  if (step != nullptr && !scaler_)
     if (Tensor probe = optim::nonfinite_grad_probe(optimizer_->params()); probe.defined())
       out.pending_metrics[kGradProbe] = {probe, 1.0};
   out.read_metrics();
@@ -174,10 +182,17 @@ std::string Trainer::compile_report() const {
 }
 
 void Trainer::optimizer_step() {
+  // f16: the gradients are divided by the loss scale before clipping, so clipping sees the true ones.
+  if (scaler_) scaler_->unscale_(*optimizer_);
   const std::vector<Tensor> clipped = clipped_parameters();
   if (config_.gradient_clip_norm) optim::clip_grad_norm_(clipped, *config_.gradient_clip_norm);
   if (config_.gradient_clip_value) optim::clip_grad_value_(clipped, *config_.gradient_clip_value);
-  optimizer_->step();
+  if (scaler_) {
+    if (!scaler_->step(*optimizer_)) ++skipped_steps_;  // a gradient overflowed: nothing applied
+    scaler_->update();
+  } else {
+    optimizer_->step();
+  }
   optimizer_->zero_grad();
   pending_batches_ = 0;
   ++global_step_;

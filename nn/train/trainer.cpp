@@ -43,6 +43,10 @@ void Trainer::initialize() {
            trainer_name(), ": the model has no trainable parameters (none requires grad); nothing to train");
   optimizer_ = make_optimizer(config_, std::move(params));
   scheduler_ = make_scheduler(config_, *optimizer_);
+  if (config_.amp == "f16") {
+    scaler_ = std::make_unique<amp::GradScaler>();
+    scaler_->materialize(device());  // now: a compiled step then reads the one scale tensor update() rewrites
+  }
   if (config_.seed) manual_seed(*config_.seed);  // last, as in the reference: the model exists already
 }
 
@@ -178,13 +182,15 @@ TrainerState Trainer::state() const {
   s.rng.global_offset = default_generator().offset();
   s.global_step = global_step_;
   if (at_step_boundary()) {
-    EpochProgress progress{.batches = pass_batches_, .nonfinite_steps = nonfinite_steps_, .sums = {}};
+    EpochProgress progress{
+        .batches = pass_batches_, .nonfinite_steps = nonfinite_steps_, .sums = {}, .skipped_steps = skipped_steps_};
     if (data_parallel_ == nullptr) progress.sums = {*pass_sums_};
     else progress.sums = gathered_sums_;  // empty unless sync_epoch_progress ran at this batch
     if (!progress.sums.empty()) s.progress = std::move(progress);
   } else if (pass_sums_ == nullptr && resume_progress_) {
     s.progress = resume_progress_;  // restored and not yet continued
   }
+  if (scaler_) s.grad_scaler = scaler_->state_dict();
   return s;
 }
 
@@ -233,6 +239,7 @@ int64_t Trainer::steps_per_epoch() const {
 void Trainer::load_state(const TrainerState& s) {
   MN_CHECK(s.epoch >= 0 && s.scheduler_epoch >= 0, ValueError, "TrainerState: epoch (", s.epoch,
            ") and scheduler_epoch (", s.scheduler_epoch, ") must be non-negative");
+  if (scaler_ && !s.grad_scaler.empty()) amp::GradScaler::check_state_dict(s.grad_scaler, "TrainerState: grad_scaler");
   if (!s.optimizer.empty()) optimizer_->load_state_dict(s.optimizer);
   if (s.learning_rate) optimizer_->set_lr(*s.learning_rate);
   // After the optimizer: a time-based schedule then sets the lr of the restored epoch, a plateau
@@ -259,6 +266,8 @@ void Trainer::load_state(const TrainerState& s) {
   pending_batches_ = 0;
   scheduler_step_pending_ = false;
   resume_progress_ = s.progress;
+  // A state without the scaler's (an f32 run's, or from before it was recorded): the scaler's defaults.
+  if (scaler_) scaler_->load_state_dict(s.grad_scaler.empty() ? amp::GradScaler().state_dict() : s.grad_scaler);
   // Files from before the step count was recorded: the restored epochs' steps (a restored position sits
   // on a window boundary).
   global_step_ = s.global_step ? *s.global_step

@@ -18,6 +18,8 @@
 //   train epoch: train mode, zero_grad; per batch on_batch_start, step, on_batch_end; ends early
 //        when should_stop is set. Step: forward; loss; backward of total / k; a NaN/inf loss or
 //        gradient stops the fit (on_nonfinite); every k batches clip and step the optimizer.
+//        With config.amp "f16": backward of (total / k) * scale; every k batches unscale, clip, and
+//        step unless a gradient overflowed (then skipped and counted), then update the scale.
 //   * A partial accumulation window at the end of an epoch is stepped, with its gradients rescaled to a
 //     mean over the batches it holds (or dropped with discard_partial_accumulation).
 //   * With a DataParallel attached (set_data_parallel), the micro-batches of an accumulation window
@@ -46,6 +48,7 @@
 #include "core/random.h"
 #include "nn/compile.h"
 #include "nn/data/dataloader.h"
+#include "nn/grad_scaler.h"
 #include "nn/module.h"
 #include "nn/optim.h"
 #include "nn/train/callback.h"
@@ -84,7 +87,8 @@ class Trainer {
   // Sweeps lr_k = min (max/min)^(k / max(1, n-1)) over n training steps, with an EMA of the loss
   // (s_0 = l_0, s_k = beta s_{k-1} + (1-beta) l_k) and a stop once s_k > threshold * min(s) (or the
   // loss is not finite). Afterwards everything is as before: trainable tensors (bitwise), optimizer
-  // state and lr, scheduler epoch, model buffers, random generators, epoch and should_stop.
+  // state and lr, scheduler epoch, model buffers, random generators, epoch, should_stop and the
+  // gradient scaler's state.
   LRFinderResult lr_find(const LRFinderOptions& options);
   LRFinderResult lr_find(double min_lr = 1e-7, double max_lr = 10.0, int64_t num_iterations = 100,
                          double divergence_threshold = 4.0, double beta = 0.95);
@@ -149,6 +153,9 @@ class Trainer {
   virtual std::vector<Tensor> trainable_parameters() const;
   // config.compile: what the compiled steps did (CompiledFunction::explain per accumulation factor).
   std::string compile_report() const;
+  // config.amp "f16": the gradient scaler (its state is part of state()); null otherwise.
+  amp::GradScaler* grad_scaler() { return scaler_.get(); }
+  const amp::GradScaler* grad_scaler() const { return scaler_.get(); }
   // Writes a checkpoint that resumes this fit exactly (default: save_module_checkpoint, the module's
   // state dict and the trainer state; mapping::MappingTrainer: a seed-only mapping checkpoint).
   virtual void save_checkpoint(const std::string& path, const CheckpointMetadata& metadata = {}) const;
@@ -265,6 +272,9 @@ class Trainer {
   int64_t pass_batches_ = 0;                    // ... and the batches it has trained
   std::vector<PassSums> gathered_sums_;         // sync_epoch_progress at the current batch (rank order)
   std::optional<EpochProgress> resume_progress_;  // loaded, for the next fit() to continue
+  // Mixed precision (config.amp "f16"): the loss scaler, and the optimizer steps of this epoch it skipped.
+  std::unique_ptr<amp::GradScaler> scaler_;
+  int64_t skipped_steps_ = 0;
 };
 
 }  // namespace mn::train

@@ -420,6 +420,21 @@ void paper_modes_api(const fs::path& dir) {
   const auto split = mn::data::stratified_split(mn::from_vector(std::vector<int64_t>{0, 0, 1, 1}, {4}), 0.5, 0);
   CHECK(split.train.numel() == 2 && split.val.numel() == 2);
 }
+
+// ---- mixed precision: amp::GradScaler ----
+void amp_api() {
+  mn::manual_seed(4);
+  auto net = small_net();
+  mn::nn::optim::SGD sgd(net->parameters(), {.lr = 0.1});
+  mn::amp::GradScaler scaler({.init_scale = 1024, .growth_interval = 1});
+  mn::Tensor loss = F::cross_entropy(net->forward(mn::randn({5, 4})), mn::from_vector(std::vector<int64_t>{0, 1, 2, 0, 1}));
+  scaler.scale(loss).backward();
+  scaler.unscale_(sgd);
+  CHECK(scaler.step(sgd));
+  scaler.update();
+  CHECK(scaler.get_scale() == 2048.0);
+  CHECK(scaler.state_dict().at("_growth_tracker") == 0.0);
+}
 }  // namespace
 
 int main() {
@@ -430,6 +445,7 @@ int main() {
     nn_api(scratch.path);
     data_api(scratch.path);
     compile_api();
+    amp_api();
     mapping_api(scratch.path);
     paper_modes_api(scratch.path);
     train_api(scratch.path / "train");
