@@ -1,6 +1,8 @@
-// TrainerConfig::amp (issue 23): "f16" trains through a GradScaler - without overflow bit for bit as
-// f32 (clipping and accumulation included: the scale is a power of two, unscaled before clipping and
-// once per window), overflowing steps skipped and counted rather than reported, a non-finite loss still
+// TrainerConfig::amp (issue 23): forward and loss run under autocast (bf16/f16 predictions from a
+// Linear, f32 gradients); "f16" trains through a GradScaler. The scaler's tests use elementwise models
+// (no op on autocast's lists, so autocast leaves them in f32) to compare it with f32 alone: without
+// overflow bit for bit as f32 (clipping and accumulation included: the scale is a power of two,
+// unscaled before clipping and once per window), overflowing steps skipped and counted rather than reported, a non-finite loss still
 // an error, the scaler's state in checkpoints (absent: defaults) and trainer state, restored by lr_find,
 // and the same with compiled steps. "bf16" has no scaler; other values are refused.
 #include <cmath>
@@ -22,10 +24,27 @@ namespace keys = mn::train::history_keys;
 
 namespace {
 
+// y = x * weight + bias elementwise over the features, then summed (outputs 0) or its first `outputs`
+// features kept: nothing autocast recasts.
+class Elementwise : public nn::Module {
+ public:
+  Elementwise(int64_t features, int64_t outputs) : nn::Module("Elementwise"), outputs_(outputs) {
+    register_parameter("weight", randn({features}));
+    register_parameter("bias", zeros({outputs == 0 ? int64_t{1} : outputs}));
+  }
+  Tensor forward(const Tensor& x) override {
+    Tensor y = mul(x, param("weight"));
+    return add(outputs_ == 0 ? sum(y, {1}, true) : y.narrow(1, 0, outputs_), param("bias"));
+  }
+
+ private:
+  int64_t outputs_;
+};
+
 std::shared_ptr<nn::Sequential> small_classifier(uint64_t seed = 21) {
   manual_seed(seed);
   return std::make_shared<nn::Sequential>(std::vector<nn::ModulePtr>{
-      std::make_shared<nn::Linear>(4, 8), std::make_shared<nn::ReLU>(), std::make_shared<nn::Linear>(8, 3)});
+      std::make_shared<Elementwise>(4, 4), std::make_shared<nn::Tanh>(), std::make_shared<Elementwise>(4, 3)});
 }
 
 data::DataLoader classification_loader() {
@@ -50,14 +69,14 @@ bool same_bits(const std::vector<std::vector<float>>& a, const std::vector<std::
   return true;
 }
 
-// Linear(2, 1) on inputs of ones, loss = sum(predictions) * 2^112 over batches of 4: every gradient is
+// An elementwise Linear(2, 1) (summed x * w + b) on inputs of ones, loss = sum(predictions) * 2^112 over batches of 4: every gradient is
 // scale * 2^114, which overflows f32 exactly while the scale is at least 2^14. From 65536 the scaler
 // therefore skips three steps (at 2^16, 2^15, 2^14) and then trains at 2^13; the loss itself (~2^113)
 // stays finite.
 struct Overflowing {
-  std::shared_ptr<nn::Linear> net;
+  std::shared_ptr<Elementwise> net;
   data::DataLoader loader;
-  Overflowing() : net((manual_seed(5), std::make_shared<nn::Linear>(2, 1))), loader(ones({8, 2}), zeros({8, 1}), {.batch_size = 4}) {}
+  Overflowing() : net((manual_seed(5), std::make_shared<Elementwise>(2, 0))), loader(ones({8, 2}), zeros({8, 1}), {.batch_size = 4}) {}
   static train::Objective objective() {
     return train::task_loss([](const Tensor& pred, const Tensor&) { return mul(sum(pred), std::ldexp(1.0, 112)); },
                             "scaled_sum");
@@ -83,6 +102,32 @@ TEST_CASE("amp: check_config takes \"\", bf16 and f16 only") {
   train::Trainer f16(*net, loader, nullptr, train::classification(), {.max_epochs = 1, .amp = "f16"});
   REQUIRE(f16.grad_scaler() != nullptr);
   CHECK(f16.grad_scaler()->get_scale() == 65536.0);
+}
+
+TEST_CASE("amp: the trainer runs forward and loss under autocast, backward and the optimizer in f32") {
+  for (const char* amp : {"bf16", "f16"}) {
+    CAPTURE(amp);
+    manual_seed(3);
+    auto net = std::make_shared<nn::Sequential>(std::vector<nn::ModulePtr>{
+        std::make_shared<nn::Linear>(4, 8), std::make_shared<nn::ReLU>(), std::make_shared<nn::Linear>(8, 3)});
+    data::DataLoader loader = classification_loader(), val = classification_loader();
+    std::vector<DType> seen;
+    auto loss = train::task_loss(
+        [&](const Tensor& pred, const Tensor& target) {
+          seen.push_back(pred.dtype());
+          return nn::functional::cross_entropy(pred, target);
+        },
+        "ce");
+    train::Trainer trainer(*net, loader, &val, loss, {.max_epochs = 2, .learning_rate = 1e-2, .amp = amp});
+    const train::History h = trainer.fit();
+    const DType want = std::string(amp) == "f16" ? DType::f16 : DType::bf16;
+    REQUIRE(!seen.empty());
+    for (DType t : seen) CHECK(t == want);  // training and validation batches alike
+    for (const Tensor& p : net->parameters()) CHECK(p.dtype() == DType::f32);
+    CHECK_FALSE(is_autocast_enabled(DeviceType::CPU));  // the scope ends with each batch's loss
+    const auto& losses = h.at(keys::kTrainTotalLoss);
+    CHECK(losses.back() < losses.front());
+  }
 }
 
 TEST_CASE("amp f16: without overflow the trainer's run is f32's bit for bit (clipping, accumulation)") {

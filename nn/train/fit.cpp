@@ -161,6 +161,8 @@ Metrics Trainer::evaluate(DataLoader& loader) {
       LossOutput out;
       {
         DeferredMetrics defer;
+        std::optional<autocast> amp;
+        enter_autocast(amp);  // evaluated in the precision it trains in
         out = compute_loss(batch);
       }
       out.read_metrics();

@@ -51,6 +51,8 @@ LossOutput Trainer::backward_step(const Batch& batch, int64_t accumulation_steps
   LossOutput out;
   {
     DeferredMetrics defer;  // device metrics stay pending: one host read per step, after the backward
+    std::optional<autocast> amp;
+    enter_autocast(amp);  // forward and loss only: the backward below runs outside it
     out = compute_loss(batch);
   }
   MN_CHECK(out.total.defined() && out.total.numel() == 1, RuntimeError, trainer_name(), ": the loss must return a scalar total");

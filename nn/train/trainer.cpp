@@ -121,6 +121,10 @@ Tensor Trainer::batch_targets(const Batch& batch) const {
   return batch.targets.defined() && batch.targets.device() != dev ? batch.targets.to(dev) : batch.targets;
 }
 
+void Trainer::enter_autocast(std::optional<autocast>& scope) const {
+  if (!config_.amp.empty()) scope.emplace(device(), config_.amp == "f16" ? DType::f16 : DType::bf16);
+}
+
 LossOutput Trainer::compute_loss(const Batch& batch) {
   const Tensor predictions = forward_batch(batch);
   LossOutput out = objective_.compute(predictions, batch_targets(batch));

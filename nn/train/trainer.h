@@ -45,6 +45,7 @@
 #include <string>
 #include <vector>
 
+#include "autograd/autocast.h"
 #include "core/random.h"
 #include "nn/compile.h"
 #include "nn/data/dataloader.h"
@@ -225,6 +226,8 @@ class Trainer {
   // Data parallel: every rank must start fit() at the same position (epoch, global step, batch within
   // the epoch); RuntimeError naming each rank's position otherwise. A collective.
   void check_ranks_start_together();
+  // TrainerConfig::amp: an autocast scope in `scope` for a forward and loss ("" leaves it empty).
+  void enter_autocast(std::optional<autocast>& scope) const;
   std::vector<std::string> callback_keys() const;
   Metrics reduce(Metrics local) const;
   void check_interrupt();
