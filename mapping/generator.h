@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "mapping/fused_group.h"
 #include "mapping/mapper.h"
 #include "mapping/parameter_spec.h"
 
@@ -106,6 +107,11 @@ class ParameterGenerator {
   // generator whose mapper output is not theta_g itself (lrd, finetuning) turns it into theta_g here,
   // and every caller (generate_parameters, generate_group_parameters, streaming) sees the same values.
   virtual Tensor generate_group(const Group& g, const LatentOverrides& latents) const;
+  // Whether generate_group is the base's (the mapper's output times the scale): only then may
+  // generate_parameters make all groups at once with the fused kernels (mapping/fused_group.h).
+  virtual bool groups_are_mapper_outputs() const { return true; }
+  // The group's fused form for latent z when the fused kernels can make it (fused_group), else nothing.
+  std::optional<FusedGroup> fused_form(const Group& g, const Tensor& z) const;
 
   ParameterSpec spec_;
   std::vector<Group> groups_;

@@ -17,6 +17,7 @@ void register_cpu_gather();         // kernels/cpu/gather.cpp: gather, scatter_a
 void register_cpu_scan();           // kernels/cpu/scan.cpp: cumsum, topk
 void register_cpu_adaptive_pool();  // kernels/cpu/adaptive_pool.cpp: adaptive avg/max pool2d
 void register_cpu_srht();           // kernels/cpu/srht.cpp: srht_apply, srht_apply_transpose
+void register_cpu_mapped_group();   // kernels/cpu/mapped_group.cpp: mapped_group_forward, _backward
 
 void register_cpu_kernels() {
   register_cpu_elementwise();
@@ -33,6 +34,7 @@ void register_cpu_kernels() {
   register_cpu_scan();
   register_cpu_adaptive_pool();
   register_cpu_srht();
+  register_cpu_mapped_group();
 }
 
 }  // namespace mn::kernels
