@@ -6,7 +6,9 @@
 //   BM_Generate/strategy:layerwise/spec:cnn2/L:256/real_time
 // Counters: N (generated parameters), peak_bytes (exact: the caching allocator's peak of allocated
 // bytes during one call minus the bytes allocated before it, see profile_peak_memory), fixed_bytes
-// (the mapper factors the generator holds), items/s = generated parameters per second.
+// (the mapper factors the generator holds), items/s = generated parameters per second, and
+// peak_bytes_unfused (the same peak with the fused group kernels off, mapping/fused_group.h: the
+// composition of the mapper's ops they replace).
 //
 // Generators are built as a user gets them: default options, so slvt's projection-size guard
 // (L x N > max_projection_elements) applies and is not bypassed with allow_large. Each generator is
@@ -27,6 +29,7 @@
 
 #include "autograd/engine.h"
 #include "core/random.h"
+#include "mapping/fused_group.h"
 #include "mapping/generator.h"
 #include "mapping/profiler.h"
 #include "mapping/targets.h"
@@ -90,6 +93,10 @@ void generate(benchmark::State& state, Config& c) {
   ParameterGenerator& gen = *built;
   // Gradients enabled, as in training: the graph is recorded (and released with the tree).
   const int64_t peak = profile_peak_memory([&] { return gen.generate_parameters(); }).second;
+  set_fused_generation(false);
+  state.counters["peak_bytes_unfused"] =
+      static_cast<double>(profile_peak_memory([&] { return gen.generate_parameters(); }).second);
+  set_fused_generation(true);
   for (auto _ : state) {
     ParameterTree tree = gen.generate_parameters();
     benchmark::DoNotOptimize(tree);
@@ -112,6 +119,10 @@ void generate_backward(benchmark::State& state, Config& c) {
   };
   for (auto& [name, z] : gen.named_latents()) z.set_grad(Tensor());
   const int64_t peak = profile_peak_memory(step);  // includes the latents' first gradients
+  for (auto& [name, z] : gen.named_latents()) z.set_grad(Tensor());
+  set_fused_generation(false);
+  state.counters["peak_bytes_unfused"] = static_cast<double>(profile_peak_memory(step));
+  set_fused_generation(true);
   for (auto _ : state) {
     step();
     for (const Tensor& z : gen.latents()) benchmark::DoNotOptimize(z.grad());

@@ -51,10 +51,13 @@ struct Case {
   const char* what;
 };
 
-// Repeated blocks with a tail, several chunks of sign rows (65,536 / L = 4096 rows a chunk at L = 16),
-// tail only (rows < 2L), wide (rows < L) and the dense family.
+// Repeated blocks with a tail: few sign rows (L above the rows of a chunk: a sign-product buffer per
+// thread), several chunks of sign rows with L at most a chunk's rows (65,536 / L rows: the small-block
+// path, one [L, L] buffer) and with L above them; tail only (rows < 2L), wide (rows < L) and the
+// dense family.
 const Case kCases[] = {{16, 16 * 5 + 3, MapperFamily::Block, "block, 4 repeats + tail"},
-                       {16, 16 * 9000 + 21, MapperFamily::Block, "block, 3 chunks of sign rows"},
+                       {16, 16 * 9000 + 21, MapperFamily::Block, "small block, 3 chunks of sign rows"},
+                       {600, 600 * 250 + 77, MapperFamily::Block, "large block, 3 chunks of sign rows"},
                        {64, 100, MapperFamily::Block, "tail only"},
                        {64, 40, MapperFamily::Block, "wide (orthonormal rows)"},
                        {24, 300, MapperFamily::Dense, "dense family"}};
@@ -97,27 +100,37 @@ TEST_CASE("fused group: gradcheck, and double backward through the composition's
   auto both = [&](const std::vector<Tensor>& in) { return generate_fused({f, f2}, {in[0], in[1]}); };
   CHECK(autograd::gradcheck(both, {z, z2}) == "");
   CHECK(autograd::gradgradcheck(both, {z, z2}) == "");
+  // The small-block path (L no more than the sign rows): 9 sign rows of L = 4.
+  const auto m3 = mapper(4, 4 * 10 + 1, 0.2);
+  const FusedGroup f3 = *fused_group(*m3, positive_scale(41, 6));
+  auto small = [&](const std::vector<Tensor>& in) { return generate_fused({f3}, {in[0]}); };
+  const Tensor z3 = testing::random_param({4}, 9, 0.5);
+  CHECK(autograd::gradcheck(small, {z3}) == "");
+  CHECK(autograd::gradgradcheck(small, {z3}) == "");
 }
 
 TEST_CASE("fused group: the bits do not depend on the thread count") {
   const int saved = omp_get_max_threads();
-  const auto m = mapper(32, 32 * 5000 + 17, 0.01);
-  const FusedGroup f = *fused_group(*m, positive_scale(32 * 5000 + 17, 2));
-  const Tensor z = testing::random_param({32}, 1, 0.2);
-  Generator gen(3);
-  const Tensor upstream = randn({f.rows}, {}, &gen);
-  std::vector<Tensor> values, grads;
-  for (int threads : {1, 2, 3}) {
-    omp_set_num_threads(threads);
-    const Tensor y = generate_fused({f}, {z});
-    values.push_back(y.detach());
-    grads.push_back(grad_of(y, upstream, z));
+  for (auto [latent, rows] : {std::pair<int64_t, int64_t>{32, 32 * 5000 + 17}, {300, 300 * 700 + 450}}) {
+    INFO(latent << " -> " << rows);
+    const auto m = mapper(latent, rows, 0.01);
+    const FusedGroup f = *fused_group(*m, positive_scale(rows, 2));
+    const Tensor z = testing::random_param({latent}, 1, 0.2);
+    Generator gen(3);
+    const Tensor upstream = randn({f.rows}, {}, &gen);
+    std::vector<Tensor> values, grads;
+    for (int threads : {1, 2, 3}) {
+      omp_set_num_threads(threads);
+      const Tensor y = generate_fused({f}, {z});
+      values.push_back(y.detach());
+      grads.push_back(grad_of(y, upstream, z));
+    }
+    omp_set_num_threads(saved);
+    CHECK(same_bits(values[0], values[1]));
+    CHECK(same_bits(values[0], values[2]));
+    CHECK(same_bits(grads[0], grads[1]));
+    CHECK(same_bits(grads[0], grads[2]));
   }
-  omp_set_num_threads(saved);
-  CHECK(same_bits(values[0], values[1]));
-  CHECK(same_bits(values[0], values[2]));
-  CHECK(same_bits(grads[0], grads[1]));
-  CHECK(same_bits(grads[0], grads[2]));
 }
 
 TEST_CASE("fused group: only the mappers it computes exactly have a fused form") {

@@ -32,6 +32,9 @@ struct GroupShape {
   int64_t L = 0, reps = 0, tail_rows = 0, rows = 0;
   int64_t block_chunk = 1, tail_chunk = 1;  // rows per chunk (sign rows of L values; tail rows)
   int64_t block_chunks = 0, tail_chunks = 0;
+  // Q's L x L values fit in one chunk: the sign rows are read in place and z (forward) or the sum over
+  // sign rows (backward) goes with Q into one L x L buffer, instead of a chunk-sized one per thread.
+  bool small_block = false;
   int64_t chunks() const { return block_chunks + tail_chunks; }
 };
 
@@ -70,6 +73,7 @@ GroupShape shape_of(const char* op, const Tensor& block, const Tensor& signs, co
   s.tail_chunk = std::max<int64_t>(8, kChunkFloats / s.L);
   s.block_chunks = (s.reps + s.block_chunk - 1) / s.block_chunk;
   s.tail_chunks = (s.tail_rows + s.tail_chunk - 1) / s.tail_chunk;
+  s.small_block = s.block_chunks > 0 && s.L <= std::min(s.reps, s.block_chunk);
   return s;
 }
 
@@ -107,24 +111,35 @@ void mapped_group_forward_cpu(const Tensor& block, const Tensor& signs, const Te
   const float c = modulation_term(alpha, zp, L);
   float* y = out.data<float>();
   const int team = team_for(s.chunks(), s.rows * L);
-  // One buffer of sign products (sign row b times z) per thread; none without the block.
-  const int64_t per_thread = s.block_chunks > 0 ? std::min(s.reps, s.block_chunk) * L : 0;
-  Tensor buffers = empty({std::max<int64_t>(1, team * per_thread)});
-  float* buffer_base = buffers.data<float>();
-  const MatrixRef q_t{block.defined() ? block.data<float>() : nullptr, L, L, 1, L};  // Q^T
-  const MatrixRef z_col{zp, L, 1, 1, 1};
   const float* sg = signs.defined() ? signs.data<float>() : nullptr;
+  // Row b of the repeated part is (s_b * z) Q^T = s_b (z * Q)^T. Small blocks: one [L, L] buffer of
+  // z * Q (Q's columns times z), the sign rows read in place. Otherwise one buffer of sign products
+  // s_b * z per thread. The products are the same floats either way (a sign flip is exact).
+  const int64_t per_thread = s.block_chunks > 0 && !s.small_block ? std::min(s.reps, s.block_chunk) * L : 0;
+  Tensor buffers = empty({std::max<int64_t>(1, s.small_block ? L * L : team * per_thread)});
+  float* buffer_base = buffers.data<float>();
+  const float* qp = block.defined() ? block.data<float>() : nullptr;
+  if (s.small_block) {
+    for (int64_t i = 0; i < L; ++i)
+      for (int64_t j = 0; j < L; ++j) buffer_base[i * L + j] = qp[i * L + j] * zp[j];
+  }
+  const MatrixRef q_t{s.small_block ? buffer_base : qp, L, L, 1, L};  // Q^T, or (z * Q)^T
+  const MatrixRef z_col{zp, L, 1, 1, 1};
   const float* tp = tail.data<float>();
   const int64_t repeated = s.reps * L;
 #pragma omp parallel for num_threads(team) schedule(dynamic, 1)
   for (int64_t chunk = 0; chunk < s.chunks(); ++chunk) {
     if (chunk < s.block_chunks) {
       const int64_t b0 = chunk * s.block_chunk, b1 = std::min(s.reps, b0 + s.block_chunk), n = b1 - b0;
-      float* a = buffer_base + omp_get_thread_num() * per_thread;
-      for (int64_t b = b0; b < b1; ++b) {
-        const float* row = sg + b * L;
-        float* dst = a + (b - b0) * L;
-        for (int64_t j = 0; j < L; ++j) dst[j] = row[j] * zp[j];
+      const float* a = sg + b0 * L;
+      if (!s.small_block) {
+        float* products = buffer_base + omp_get_thread_num() * per_thread;
+        for (int64_t b = b0; b < b1; ++b) {
+          const float* row = sg + b * L;
+          float* dst = products + (b - b0) * L;
+          for (int64_t j = 0; j < L; ++j) dst[j] = row[j] * zp[j];
+        }
+        a = products;
       }
       float* yc = y + b0 * L;
       cpu::gemm_serial(MatrixRef{a, n, L, L, 1}, q_t, yc, L, 1.0f, 0.0f);
@@ -153,20 +168,23 @@ void mapped_group_backward_cpu(const Tensor& block, const Tensor& signs, const T
   const float* sg = signs.defined() ? signs.data<float>() : nullptr;
   const float* tp = tail.data<float>();
   const int team = team_for(chunks, s.rows * L);
-  // Per thread: the scaled gradient of a chunk and its product with Q (block chunks), or the tail's
-  // partial W^T u; per chunk: its partial of W^T u and of sum(u), u = scale * grad.
+  // Per thread: the scaled gradient u = scale * grad of a chunk (with scales only), and the product
+  // buffer: U Q for a block chunk ([rows, L]; small blocks: S^T U, [L, L]) or the tail's T^T u; per
+  // chunk: its partial of W^T u and of sum(u).
   const int64_t chunk_values = std::max(s.block_chunks > 0 ? std::min(s.reps, s.block_chunk) * L : 0,
                                         s.tail_chunks > 0 ? std::min(s.tail_rows, s.tail_chunk) : 0);
-  const int64_t per_thread = chunk_values + std::max(chunk_values, L);
+  const int64_t u_values = sp ? chunk_values : 0;
+  const int64_t per_thread = u_values + std::max(s.small_block ? L * L : chunk_values, L);
   Tensor buffers = empty({team * per_thread});
   float* buffer_base = buffers.data<float>();
   std::vector<double> partial(static_cast<size_t>(chunks * L), 0.0), partial_sum(static_cast<size_t>(chunks), 0.0);
-  const MatrixRef q{block.defined() ? block.data<float>() : nullptr, L, L, L, 1};
+  const float* qp = block.defined() ? block.data<float>() : nullptr;
+  const MatrixRef q{qp, L, L, L, 1};
   const int64_t repeated = s.reps * L;
 #pragma omp parallel for num_threads(team) schedule(dynamic, 1)
   for (int64_t chunk = 0; chunk < chunks; ++chunk) {
     float* u = buffer_base + omp_get_thread_num() * per_thread;
-    float* p = u + chunk_values;
+    float* p = u + u_values;
     double* acc = partial.data() + chunk * L;
     const bool in_block = chunk < s.block_chunks;
     const int64_t first = in_block ? chunk * s.block_chunk * L : repeated + (chunk - s.block_chunks) * s.tail_chunk;
@@ -181,7 +199,17 @@ void mapped_group_backward_cpu(const Tensor& block, const Tensor& signs, const T
     double sum = 0;
     for (int64_t i = 0; i < count; ++i) sum += uc[i];
     partial_sum[static_cast<size_t>(chunk)] = sum;
-    if (in_block) {
+    if (in_block && s.small_block) {
+      // sum_b s_bj (Q^T u_b)_j = sum_i Q_ij R_ji with R = S^T U ([L, L]): the sign rows read in place.
+      const int64_t n = count / L, b0 = chunk * s.block_chunk;
+      cpu::gemm_serial(MatrixRef{sg + b0 * L, L, n, 1, L}, MatrixRef{uc, n, L, L, 1}, p, L, 1.0f, 0.0f);
+      for (int64_t j = 0; j < L; ++j) {
+        double v = 0;
+        const float* r = p + j * L;
+        for (int64_t i = 0; i < L; ++i) v += static_cast<double>(qp[i * L + j] * r[i]);
+        acc[j] = v;
+      }
+    } else if (in_block) {
       // Sign row b's share of W^T u is s_b * (Q^T u_b): P = U Q, then each column weighted by its signs.
       const int64_t n = count / L, b0 = chunk * s.block_chunk;
       cpu::gemm_serial(MatrixRef{uc, n, L, L, 1}, q, p, L, 1.0f, 0.0f);
