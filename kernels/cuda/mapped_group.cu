@@ -25,6 +25,26 @@ __global__ void modulation_kernel(const float* __restrict__ z, int64_t n, double
   if (threadIdx.x == 0) *c = static_cast<float>(alpha * v);
 }
 
+using Tile = float[kTile][kTile + 1];
+
+// acc[p] += sum over k < K of a[ty + p * blockDim.y][k] * (w's column tx at k), one kTile slab of k at
+// a time: load(r, k0) fills row r of both shared tiles for the slab starting at k0 (zeros outside).
+// kWByColumn: w holds the right operand as w[column][k]; otherwise as w[k][column].
+template <bool kWByColumn, class Load>
+__device__ void tiled_products(int64_t K, const Tile& a, const Tile& w, float (&acc)[kRowsPerThread], Load load) {
+  for (int64_t k0 = 0; k0 < K; k0 += kTile) {
+    for (int r = threadIdx.y; r < kTile; r += blockDim.y) load(r, k0);
+    __syncthreads();
+#pragma unroll 8
+    for (int kk = 0; kk < kTile; ++kk) {
+      const float wv = kWByColumn ? w[threadIdx.x][kk] : w[kk][threadIdx.x];
+#pragma unroll
+      for (int p = 0; p < kRowsPerThread; ++p) acc[p] += a[threadIdx.y + p * blockDim.y][kk] * wv;
+    }
+    __syncthreads();
+  }
+}
+
 // y[b L + i] = (sum_k s[b, k] z[k] Q[i, k] + c) * scale[b L + i] for the reps x L repeated rows.
 __global__ void block_forward_kernel(const float* __restrict__ q, const float* __restrict__ signs,
                                      const float* __restrict__ z, const float* __restrict__ scale,
@@ -34,20 +54,11 @@ __global__ void block_forward_kernel(const float* __restrict__ q, const float* _
   const int tx = threadIdx.x, ty = threadIdx.y;
   const int64_t i0 = static_cast<int64_t>(blockIdx.x) * kTile, b0 = static_cast<int64_t>(blockIdx.y) * kTile;
   float acc[kRowsPerThread] = {0, 0, 0, 0};
-  for (int64_t k0 = 0; k0 < L; k0 += kTile) {
-    const int64_t k = k0 + tx;
-    for (int r = ty; r < kTile; r += blockDim.y) {
-      const int64_t b = b0 + r, i = i0 + r;
-      a[r][tx] = b < reps && k < L ? signs[b * L + k] * z[k] : 0.0f;
-      w[r][tx] = i < L && k < L ? q[i * L + k] : 0.0f;
-    }
-    __syncthreads();
-#pragma unroll 8
-    for (int kk = 0; kk < kTile; ++kk)
-#pragma unroll
-      for (int p = 0; p < kRowsPerThread; ++p) acc[p] += a[ty + p * blockDim.y][kk] * w[tx][kk];
-    __syncthreads();
-  }
+  tiled_products<true>(L, a, w, acc, [&](int r, int64_t k0) {
+    const int64_t b = b0 + r, i = i0 + r, k = k0 + tx;
+    a[r][tx] = b < reps && k < L ? signs[b * L + k] * z[k] : 0.0f;
+    w[r][tx] = i < L && k < L ? q[i * L + k] : 0.0f;
+  });
   const int64_t i = i0 + tx;
   if (i >= L) return;
   const float add = *c;
@@ -91,20 +102,12 @@ __global__ void block_backward_kernel(const float* __restrict__ q, const float* 
   const int tx = threadIdx.x, ty = threadIdx.y;
   const int64_t j0 = static_cast<int64_t>(blockIdx.x) * kTile, b0 = static_cast<int64_t>(blockIdx.y) * kTile;
   float acc[kRowsPerThread] = {0, 0, 0, 0};
-  for (int64_t k0 = 0; k0 < L; k0 += kTile) {
-    for (int r = ty; r < kTile; r += blockDim.y) {
-      const int64_t b = b0 + r, k = k0 + tx, kr = k0 + r, j = j0 + tx;
-      const int64_t at = b * L + k;
-      u[r][tx] = b < reps && k < L ? (scale ? grad[at] * scale[at] : grad[at]) : 0.0f;
-      w[r][tx] = kr < L && j < L ? q[kr * L + j] : 0.0f;
-    }
-    __syncthreads();
-#pragma unroll 8
-    for (int kk = 0; kk < kTile; ++kk)
-#pragma unroll
-      for (int p = 0; p < kRowsPerThread; ++p) acc[p] += u[ty + p * blockDim.y][kk] * w[kk][tx];
-    __syncthreads();
-  }
+  tiled_products<false>(L, u, w, acc, [&](int r, int64_t k0) {
+    const int64_t b = b0 + r, k = k0 + tx, kr = k0 + r, j = j0 + tx;
+    const int64_t at = b * L + k;
+    u[r][tx] = b < reps && k < L ? (scale ? grad[at] * scale[at] : grad[at]) : 0.0f;
+    w[r][tx] = kr < L && j < L ? q[kr * L + j] : 0.0f;
+  });
   const int64_t j = j0 + tx;
   float mine = 0;
   for (int p = 0; p < kRowsPerThread; ++p) {
