@@ -597,14 +597,15 @@ json report_generators(const Program* p) {
       row["peak_bytes_unfused"] = num(unfused_peaks[s]);
       rows.push_back(row);
     }
-    // Ordering of the generate peaks: lazy < layerwise (< slvt when slvt ran).
+    // Ordering of the generate peaks: lazy < layerwise (<= slvt when slvt ran).
     if (std::isfinite(peaks[1]) && std::isfinite(peaks[2])) {
       const bool lazy_ok = peaks[2] < peaks[1];
-      const bool slvt_ok = !std::isfinite(peaks[0]) || peaks[1] < peaks[0];
+      // layerwise <= slvt: with the fused group kernels both peak at the N values and one [L, L] buffer.
+      const bool slvt_ok = !std::isfinite(peaks[0]) || peaks[1] <= peaks[0];
       ++checked;
       ordered += lazy_ok && slvt_ok;
       std::cout << fmt("%-8s %5ld   peak ordering lazy < layerwise%s: %s\n", "", latent,
-                       std::isfinite(peaks[0]) ? " < slvt" : " (slvt skipped)", lazy_ok && slvt_ok ? "yes" : "NO");
+                       std::isfinite(peaks[0]) ? " <= slvt" : " (slvt skipped)", lazy_ok && slvt_ok ? "yes" : "NO");
       out["ordering"][spec_name + "/L=" + std::to_string(latent)] = lazy_ok && slvt_ok;
       // Issue 22: with one pass per group no n-sized temporary is left, so lazy_layerwise (one group
       // at a time) gains more over layerwise than with the composition (peak_bytes_unfused).
@@ -620,8 +621,8 @@ json report_generators(const Program* p) {
                    margin > margin_unfused ? "ok" : "NO");
       }
       if (spec_name == "guide" && latent == 64 && std::isfinite(peaks[0]))
-        headline("generator peak bytes, guide L=64: lazy < layerwise < slvt",
-                 grouped_int(peaks[2]) + " < " + grouped_int(peaks[1]) + " < " + grouped_int(peaks[0]), "ordered",
+        headline("generator peak bytes, guide L=64: lazy < layerwise <= slvt",
+                 grouped_int(peaks[2]) + " < " + grouped_int(peaks[1]) + " <= " + grouped_int(peaks[0]), "ordered",
                  lazy_ok && slvt_ok ? "ok" : "NO");
     }
   }

@@ -1,6 +1,8 @@
 #include "mapping/fused_group.h"
 
 #include <atomic>
+#include <cstdlib>
+#include <string>
 #include <typeinfo>
 
 #include "autograd/function.h"
@@ -10,7 +12,12 @@
 namespace mn::mapping {
 
 namespace {
-std::atomic<bool> g_fused{true};
+// MN_FUSED_GROUPS=0 in the environment starts the process with the composition (set_fused_generation).
+bool fused_from_environment() {
+  const char* v = std::getenv("MN_FUSED_GROUPS");
+  return v == nullptr || std::string(v) != "0";
+}
+std::atomic<bool> g_fused{fused_from_environment()};
 
 bool f32_or_undefined(const Tensor& t) { return !t.defined() || t.dtype() == DType::f32; }
 }  // namespace

@@ -39,8 +39,10 @@ Tensor generate_fused(const std::vector<FusedGroup>& groups, const std::vector<T
 // ops as the unfused composition computes it: W^T (scale grad) + 2 alpha z sum(scale grad).
 Tensor fused_group_backward_reference(const FusedGroup& group, const Tensor& z, const Tensor& grad);
 
-// On by default. Off, the generators compose the mapper's ops as before: for benchmarks that set both
-// side by side (bench/bench_train_step.cpp) and for tests. Process-wide; read when a generator runs.
+// On by default (off from the start when the environment has MN_FUSED_GROUPS=0). Off, the generators
+// compose the mapper's ops as before, with the composition's rounding: for benchmarks that set both
+// side by side (bench/bench_train_step.cpp), for tests, and to reproduce numbers of runs made before
+// the fused kernels. Process-wide; read when a generator runs.
 void set_fused_generation(bool enabled);
 bool fused_generation_enabled();
 
