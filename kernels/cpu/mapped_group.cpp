@@ -1,8 +1,9 @@
 // CPU kernels of one mapped group (kernels.h: mapped_group_forward, mapped_group_backward): the
 // mapper GEMM with the sign products, the modulation term and the per-element scale applied chunk by
 // chunk while the chunk is in cache, written straight into the output (which may be a slice of the
-// generated parameter buffer). No temporary of the group's size exists: each thread works in two
-// buffers of at most kChunkFloats values.
+// generated parameter buffer). No temporary of the group's size exists: a small block (L at most a
+// chunk's rows) works against one [L, L] buffer, a large one in at most two buffers of kChunkFloats
+// values per thread (the backward's scaled gradient only with scales).
 //
 // Work is cut into chunks whose bounds depend only on the shapes (never on the thread count), each
 // chunk is computed by one serial Eigen GEMM (whose per-element sums depend only on K), and the
