@@ -52,7 +52,7 @@ __global__ void block_forward_kernel(const float* __restrict__ q, const float* _
   __shared__ float a[kTile][kTile + 1];  // a[r][k] = s[b0 + r, k0 + k] z[k0 + k]
   __shared__ float w[kTile][kTile + 1];  // w[i][k] = Q[i0 + i, k0 + k]
   const int tx = threadIdx.x, ty = threadIdx.y;
-  const int64_t i0 = static_cast<int64_t>(blockIdx.x) * kTile, b0 = static_cast<int64_t>(blockIdx.y) * kTile;
+  const int64_t i0 = static_cast<int64_t>(blockIdx.y) * kTile, b0 = static_cast<int64_t>(blockIdx.x) * kTile;
   float acc[kRowsPerThread] = {0, 0, 0, 0};
   tiled_products<true>(L, a, w, acc, [&](int r, int64_t k0) {
     const int64_t b = b0 + r, i = i0 + r, k = k0 + tx;
@@ -100,7 +100,7 @@ __global__ void block_backward_kernel(const float* __restrict__ q, const float* 
   __shared__ float u[kTile][kTile + 1];  // u[r][k] = scale * grad at row b0 + r, column k0 + k
   __shared__ float w[kTile][kTile + 1];  // w[k][j] = Q[k0 + k, j0 + j]
   const int tx = threadIdx.x, ty = threadIdx.y;
-  const int64_t j0 = static_cast<int64_t>(blockIdx.x) * kTile, b0 = static_cast<int64_t>(blockIdx.y) * kTile;
+  const int64_t j0 = static_cast<int64_t>(blockIdx.y) * kTile, b0 = static_cast<int64_t>(blockIdx.x) * kTile;
   float acc[kRowsPerThread] = {0, 0, 0, 0};
   tiled_products<false>(L, u, w, acc, [&](int r, int64_t k0) {
     const int64_t b = b0 + r, k = k0 + tx, kr = k0 + r, j = j0 + tx;
@@ -119,7 +119,7 @@ __global__ void block_backward_kernel(const float* __restrict__ q, const float* 
   if (ty == 0 && j < L) {
     float v = 0;
     for (int t = 0; t < static_cast<int>(blockDim.y); ++t) v += u[t][tx];
-    partial[static_cast<int64_t>(blockIdx.y) * L + j] = v;
+    partial[static_cast<int64_t>(blockIdx.x) * L + j] = v;
   }
 }
 
@@ -127,15 +127,15 @@ __global__ void block_backward_kernel(const float* __restrict__ q, const float* 
 __global__ void tail_backward_kernel(const float* __restrict__ tail, const float* __restrict__ grad,
                                      const float* __restrict__ scale, int64_t rows, int64_t L, int64_t first,
                                      float* __restrict__ partial) {
-  const int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t j = static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x;
   if (j >= L) return;
-  const int64_t r0 = static_cast<int64_t>(blockIdx.y) * kTailRows, r1 = min(rows, r0 + kTailRows);
+  const int64_t r0 = static_cast<int64_t>(blockIdx.x) * kTailRows, r1 = min(rows, r0 + kTailRows);
   float v = 0;
   for (int64_t r = r0; r < r1; ++r) {
     const int64_t at = first + r;
     v += tail[r * L + j] * (scale ? grad[at] * scale[at] : grad[at]);
   }
-  partial[static_cast<int64_t>(blockIdx.y) * L + j] = v;
+  partial[static_cast<int64_t>(blockIdx.x) * L + j] = v;
 }
 
 // sums[block] = sum of u over the block's grid-stride share of the n values (double).
@@ -210,7 +210,8 @@ void mapped_group_forward_cuda(const Tensor& block, const Tensor& signs, const T
   modulation_kernel<<<1, cuda::kThreads, 0, stream>>>(zp, s.L, alpha, cp);
   MN_CUDA_CHECK_LAUNCH();
   if (s.reps > 0) {
-    const dim3 grid(static_cast<unsigned>((s.L + kTile - 1) / kTile), static_cast<unsigned>((s.reps + kTile - 1) / kTile));
+    // Row tiles in x (up to 2^31 - 1 blocks), column tiles in y (L / 32, far below 65,535).
+    const dim3 grid(static_cast<unsigned>((s.reps + kTile - 1) / kTile), static_cast<unsigned>((s.L + kTile - 1) / kTile));
     block_forward_kernel<<<grid, dim3(kTile, kTile / kRowsPerThread), 0, stream>>>(
         ptr_or_null(block), ptr_or_null(signs), zp, ptr_or_null(scale), cp, s.reps, s.L, y);
     MN_CUDA_CHECK_LAUNCH();
@@ -243,12 +244,12 @@ void mapped_group_backward_cuda(const Tensor& block, const Tensor& signs, const 
   const float* sc = ptr_or_null(scale);
   const unsigned col_tiles = static_cast<unsigned>((s.L + kTile - 1) / kTile);
   if (block_tiles > 0) {
-    block_backward_kernel<<<dim3(col_tiles, static_cast<unsigned>(block_tiles)), dim3(kTile, kTile / kRowsPerThread),
+    block_backward_kernel<<<dim3(static_cast<unsigned>(block_tiles), col_tiles), dim3(kTile, kTile / kRowsPerThread),
                             0, stream>>>(ptr_or_null(block), ptr_or_null(signs), g, sc, s.reps, s.L, pp);
     MN_CUDA_CHECK_LAUNCH();
   }
   if (tail_chunks > 0) {
-    tail_backward_kernel<<<dim3(cuda::blocks_for(s.L), static_cast<unsigned>(tail_chunks)), cuda::kThreads, 0,
+    tail_backward_kernel<<<dim3(static_cast<unsigned>(tail_chunks), cuda::blocks_for(s.L)), cuda::kThreads, 0,
                            stream>>>(ptr_or_null(tail), g, sc, s.tail_rows, s.L, s.reps * s.L,
                                      pp + block_tiles * s.L);
     MN_CUDA_CHECK_LAUNCH();
