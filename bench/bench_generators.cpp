@@ -6,7 +6,9 @@
 //   BM_Generate/strategy:layerwise/spec:cnn2/L:256/real_time
 // Counters: N (generated parameters), peak_bytes (exact: the caching allocator's peak of allocated
 // bytes during one call minus the bytes allocated before it, see profile_peak_memory), fixed_bytes
-// (the mapper factors the generator holds), items/s = generated parameters per second.
+// (the mapper factors the generator holds), items/s = generated parameters per second, and
+// peak_bytes_unfused (the same peak with the fused group kernels off, mapping/fused_group.h: the
+// composition of the mapper's ops they replace).
 //
 // Generators are built as a user gets them: default options, so slvt's projection-size guard
 // (L x N > max_projection_elements) applies and is not bypassed with allow_large. Each generator is
@@ -27,6 +29,7 @@
 
 #include "autograd/engine.h"
 #include "core/random.h"
+#include "mapping/fused_group.h"
 #include "mapping/generator.h"
 #include "mapping/profiler.h"
 #include "mapping/targets.h"
@@ -90,6 +93,10 @@ void generate(benchmark::State& state, Config& c) {
   ParameterGenerator& gen = *built;
   // Gradients enabled, as in training: the graph is recorded (and released with the tree).
   const int64_t peak = profile_peak_memory([&] { return gen.generate_parameters(); }).second;
+  set_fused_generation(false);
+  state.counters["peak_bytes_unfused"] =
+      static_cast<double>(profile_peak_memory([&] { return gen.generate_parameters(); }).second);
+  set_fused_generation(true);
   for (auto _ : state) {
     ParameterTree tree = gen.generate_parameters();
     benchmark::DoNotOptimize(tree);
@@ -112,6 +119,10 @@ void generate_backward(benchmark::State& state, Config& c) {
   };
   for (auto& [name, z] : gen.named_latents()) z.set_grad(Tensor());
   const int64_t peak = profile_peak_memory(step);  // includes the latents' first gradients
+  for (auto& [name, z] : gen.named_latents()) z.set_grad(Tensor());
+  set_fused_generation(false);
+  state.counters["peak_bytes_unfused"] = static_cast<double>(profile_peak_memory(step));
+  set_fused_generation(true);
   for (auto _ : state) {
     step();
     for (const Tensor& z : gen.latents()) benchmark::DoNotOptimize(z.grad());
@@ -154,6 +165,32 @@ void register_all(std::map<std::string, ParameterSpec>& specs, std::vector<std::
 
 }  // namespace
 
+// BM_GroupPass/<target>/fused:<0|1>: layer-wise generation plus the backward into the latents, with
+// parameter scaling as MappingModel sets it, for the targets of the mapped-step bound (MLP L = 64, CNN2
+// L = 672), with the fused group kernels (mapping/fused_group.h) on and off: what the mapper adds to
+// a training step, the one against the composition it replaces.
+void group_pass(benchmark::State& state, const char* target, int64_t latent, bool fused) {
+  manual_seed(0);
+  const auto net = make_target(target);
+  const ParameterSpec spec = ParameterSpec::from_module(*net);
+  auto gen = make_generator("layerwise", spec, latent);
+  gen->initialize_parameter_scaling(*net);
+  std::vector<Tensor> upstream;
+  Generator noise(1);
+  for (const auto& e : spec.entries()) upstream.push_back(randn(e.shape, {}, &noise));
+  set_fused_generation(fused);
+  auto step = [&] {
+    const ParameterTree tree = gen->generate_parameters();
+    std::vector<Tensor> roots;
+    for (const auto& [name, t] : tree.items()) roots.push_back(t);
+    autograd::backward(roots, upstream);
+  };
+  step();
+  for (auto _ : state) step();
+  set_fused_generation(true);
+  state.counters["N"] = static_cast<double>(spec.total_numel());
+}
+
 // Our own main (instead of benchmark_main): the specs are made and the guard applied after Google
 // Benchmark has read its flags, not during static initialisation, where the library's statics may
 // not exist yet.
@@ -163,6 +200,13 @@ int main(int argc, char** argv) {
   std::map<std::string, ParameterSpec> specs;
   std::vector<std::unique_ptr<Config>> configs;
   register_all(specs, configs);
+  for (auto [target, latent] : {std::pair{"mlp", int64_t{64}}, std::pair{"cnn2", int64_t{672}}})
+    for (bool fused : {false, true})
+      benchmark::RegisterBenchmark(
+          (std::string("BM_GroupPass/") + target + "/fused:" + (fused ? "1" : "0")).c_str(),
+          [target = target, latent = latent, fused](benchmark::State& state) { group_pass(state, target, latent, fused); })
+          ->Unit(benchmark::kMillisecond)
+          ->UseRealTime();
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();
   return 0;

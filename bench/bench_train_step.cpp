@@ -14,7 +14,10 @@
 //   bound_ms       2 x mapper_bytes / read bandwidth + direct_ms      (the bound)
 //   ratio          mapped_ms / bound_ms  (target <= 1.5); the benchmark's time is mapped_ms
 //   ratio_dense    mapped_ms / (2 x dense_bytes / read bandwidth + direct_ms), for context
-// direct_ms and mapped_ms are medians over the iterations.
+//   unfused_ms     the same mapped step with the fused group kernels off (mapping/fused_group.h:
+//                  the mapper's ops composed, as before them), timed in the same iterations
+//   ratio_unfused  unfused_ms / bound_ms
+// direct_ms, mapped_ms and unfused_ms are medians over the iterations.
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
@@ -24,6 +27,7 @@
 #include "bench/bandwidth_probe.h"
 #include "core/allocator.h"
 #include "core/random.h"
+#include "mapping/fused_group.h"
 #include "mapping/mapping_model.h"
 #include "mapping/targets.h"
 #include "nn/compile.h"
@@ -192,10 +196,22 @@ static void BM_MappedStepBound(benchmark::State& state) {
     loss.backward();
     adam.step();
   };
-  direct_step();  // warm: optimizer state, allocator segments
+  // The same model's step with the fused group kernels off: the composition they replace.
+  std::vector<double> unfused_ms;
+  auto direct_then_unfused = [&] {
+    direct_step();
+    mapping::set_fused_generation(false);
+    const auto t0 = std::chrono::steady_clock::now();
+    mapped();
+    unfused_ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+    mapping::set_fused_generation(true);
+  };
+  direct_then_unfused();  // warm: optimizer state, allocator segments, both paths
   mapped();
+  unfused_ms.clear();
   std::vector<double> direct_ms, mapped_ms;
-  time_side_by_side(state, direct_step, mapped, direct_ms, mapped_ms);
+  time_side_by_side(state, direct_then_unfused, mapped, direct_ms, mapped_ms);
+  for (size_t i = 0; i < direct_ms.size(); ++i) direct_ms[i] -= unfused_ms[i];  // the direct step alone
   const auto& gen = model.generator();
   const double theta_bytes = 4.0 * static_cast<double>(gen.parameter_spec().total_numel());
   const double fixed = static_cast<double>(gen.fixed_bytes());
@@ -217,6 +233,8 @@ static void BM_MappedStepBound(benchmark::State& state) {
   state.counters["bound_dense_ms"] = bound_dense;
   state.counters["ratio_dense"] = mapped_median / bound_dense;
   state.counters["mapped_over_direct"] = mapped_median / direct;
+  state.counters["unfused_ms"] = median(unfused_ms);
+  state.counters["ratio_unfused"] = median(unfused_ms) / bound;
   state.counters["batch"] = static_cast<double>(c.input[0]);
   state.SetLabel(std::string(c.target) + " layerwise " + std::to_string(gen.groups().size()) + "x" +
                  std::to_string(c.latent) + " batch " + std::to_string(c.input[0]));

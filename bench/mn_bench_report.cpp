@@ -353,7 +353,7 @@ json report_train(const Program* p) {
   out["steps_ms"] = steps;
   auto bounds = family(p, "BM_MappedStepBound");
   if (!bounds.empty()) {
-    section("mapped step against its bandwidth bound (target: mapped / bound <= 1.5)");
+    section("mapped step against its bandwidth bound (target: mapped / bound <= 1.5; mlp and cnn2 with fused groups <= 1.05)");
     std::cout << "bound = 2 x mapper bytes / read bandwidth + direct step (all measured in one process)\n";
     std::cout << fmt("%-32s %9s %9s %8s %10s %9s %7s %6s %12s %7s\n", "config", "direct", "mapped", "read",
                      "mapper", "bound", "ratio", "", "dense W", "ratio");
@@ -374,6 +374,16 @@ json report_train(const Program* p) {
       headline("mapped step / bound: " + r->label, fmt("%.2f (%.3f / %.3f ms)", ratio, r->counter("mapped_ms"),
                                                         r->counter("bound_ms")),
                "<= 1.5", ratio <= 1.5 ? "ok" : "OVER");
+      // Issue 22's target for the default-mapper rows: the fused group kernels (mapping/fused_group.h)
+      // leave the mapper GEMM and nothing more, mapped / bound <= 1.05; the same step with them off
+      // (unfused, timed in the same iterations) is given beside it.
+      const double unfused = r->counter("ratio_unfused");
+      if (r->label.rfind("mlp", 0) == 0 || r->label.rfind("cnn2", 0) == 0) {
+        std::cout << fmt("%-32s fused %.2f, unfused %.2f (%.3f ms; target fused <= 1.05: %s)\n", "", ratio, unfused,
+                         r->counter("unfused_ms"), ratio <= 1.05 ? "ok" : "OVER");
+        headline("mapped step / bound, fused groups: " + r->label,
+                 fmt("%.2f (unfused %.2f)", ratio, unfused), "<= 1.05", ratio <= 1.05 ? "ok" : "OVER");
+      }
       // Issue 18's target for the residual networks: the mapped step within 1.3x the direct one.
       const double over_direct = r->counter("mapped_over_direct");
       if (r->label.rfind("resnet", 0) == 0)
@@ -393,7 +403,9 @@ json report_train(const Program* p) {
                       {"within_target", std::isfinite(ratio) && ratio <= 1.5},
                       {"bound_dense_ms", num(r->counter("bound_dense_ms"))},
                       {"ratio_dense", num(r->counter("ratio_dense"))},
-                      {"mapped_over_direct", num(over_direct)}});
+                      {"mapped_over_direct", num(over_direct)},
+                      {"unfused_ms", num(r->counter("unfused_ms"))},
+                      {"ratio_unfused", num(unfused)}});
     }
     std::cout << "(mapper bytes: the fixed factors and scales read + the n generated values; dense W: the\n"
                  " reference library's n x L matrices, whose bound ratio_dense is given for context)\n";
@@ -549,6 +561,7 @@ json report_generators(const Program* p) {
   for (auto [spec, latent] : configs) {
     const std::string spec_name = specs[spec];
     double peaks[3] = {std::nan(""), std::nan(""), std::nan("")};
+    double unfused_peaks[3] = {std::nan(""), std::nan(""), std::nan("")};
     double n = std::nan("");
     for (long s = 0; s < 3; ++s) {
       auto it = fwd.find({spec, latent, s});
@@ -569,6 +582,7 @@ json report_generators(const Program* p) {
       }
       n = f->counter("N");
       peaks[s] = f->counter("peak_bytes");
+      unfused_peaks[s] = f->counter("peak_bytes_unfused");
       const bool b_ok = b && b->error.empty();
       std::cout << fmt("%-8s %5ld %10s  %-16s %10s %10s %14s %14s\n", spec_name.c_str(), latent,
                        grouped_int(n).c_str(), strategies[s], human_time_ms(f->real_ms).c_str(),
@@ -580,20 +594,35 @@ json report_generators(const Program* p) {
       row["peak_bytes"] = num(peaks[s]);
       row["peak_bytes_backward"] = b_ok ? num(b->counter("peak_bytes")) : json(nullptr);
       row["fixed_bytes"] = num(f->counter("fixed_bytes"));
+      row["peak_bytes_unfused"] = num(unfused_peaks[s]);
       rows.push_back(row);
     }
-    // Ordering of the generate peaks: lazy < layerwise (< slvt when slvt ran).
+    // Ordering of the generate peaks: lazy < layerwise (<= slvt when slvt ran).
     if (std::isfinite(peaks[1]) && std::isfinite(peaks[2])) {
       const bool lazy_ok = peaks[2] < peaks[1];
-      const bool slvt_ok = !std::isfinite(peaks[0]) || peaks[1] < peaks[0];
+      // layerwise <= slvt: with the fused group kernels both peak at the N values and one [L, L] buffer.
+      const bool slvt_ok = !std::isfinite(peaks[0]) || peaks[1] <= peaks[0];
       ++checked;
       ordered += lazy_ok && slvt_ok;
       std::cout << fmt("%-8s %5ld   peak ordering lazy < layerwise%s: %s\n", "", latent,
-                       std::isfinite(peaks[0]) ? " < slvt" : " (slvt skipped)", lazy_ok && slvt_ok ? "yes" : "NO");
+                       std::isfinite(peaks[0]) ? " <= slvt" : " (slvt skipped)", lazy_ok && slvt_ok ? "yes" : "NO");
       out["ordering"][spec_name + "/L=" + std::to_string(latent)] = lazy_ok && slvt_ok;
+      // Issue 22: with one pass per group no n-sized temporary is left, so lazy_layerwise (one group
+      // at a time) gains more over layerwise than with the composition (peak_bytes_unfused).
+      const double margin = peaks[1] - peaks[2], margin_unfused = unfused_peaks[1] - unfused_peaks[2];
+      if (std::isfinite(margin_unfused)) {
+        std::cout << fmt("%-8s %5ld   lazy_layerwise peak margin over layerwise: %s (unfused %s)\n", "", latent,
+                         grouped_int(margin).c_str(), grouped_int(margin_unfused).c_str());
+        out["lazy_margin"][spec_name + "/L=" + std::to_string(latent)] = {{"fused", num(margin)},
+                                                                           {"unfused", num(margin_unfused)}};
+        if (spec_name == "guide")
+          headline(fmt("lazy_layerwise peak margin over layerwise, guide L=%ld", latent),
+                   grouped_int(margin) + " B (unfused " + grouped_int(margin_unfused) + " B)", "grows",
+                   margin > margin_unfused ? "ok" : "NO");
+      }
       if (spec_name == "guide" && latent == 64 && std::isfinite(peaks[0]))
-        headline("generator peak bytes, guide L=64: lazy < layerwise < slvt",
-                 grouped_int(peaks[2]) + " < " + grouped_int(peaks[1]) + " < " + grouped_int(peaks[0]), "ordered",
+        headline("generator peak bytes, guide L=64: lazy < layerwise <= slvt",
+                 grouped_int(peaks[2]) + " < " + grouped_int(peaks[1]) + " <= " + grouped_int(peaks[0]), "ordered",
                  lazy_ok && slvt_ok ? "ok" : "NO");
     }
   }
@@ -718,6 +747,7 @@ std::vector<Figure> figures(const json& summary) {
     const std::string c = r.value("config", std::string());
     add("bound " + c + " direct", number(r, "direct_ms"), "ms");
     add("bound " + c + " mapped", number(r, "mapped_ms"), "ms");
+    add("bound " + c + " unfused", number(r, "unfused_ms"), "ms");
   }
   for (const json& r : member(ts, "compiled")) {
     const std::string c = r.value("config", std::string());

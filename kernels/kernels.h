@@ -152,6 +152,17 @@ using SrhtApplyFn = void(const SrhtPlan& plan, const Tensor& z, Tensor& y);
 inline Op<SrhtApplyFn> srht_apply("srht_apply");
 using SrhtApplyTransposeFn = void(const SrhtPlan& plan, const Tensor& u, Tensor& g);
 inline Op<SrhtApplyTransposeFn> srht_apply_transpose("srht_apply_transpose");
+// One mapped group's generated values in one pass (mapping/fused_group.h): out [rows] = scale *
+// (W z + alpha |z|^2) for W = [Q D_1; ...; Q D_reps; T], Q = block [L, L], D_b = diag(signs[b]) (signs
+// [reps, L]), T = tail [rows - reps L, L]; block and signs undefined when W is the tail alone, scale
+// [rows] undefined for 1. All contiguous f32; out may be a slice of a larger buffer. The backward is
+// grad_z [L] = W^T (scale * grad) + 2 alpha z sum(scale * grad), again one pass over grad [rows].
+using MappedGroupForwardFn = void(const Tensor& block, const Tensor& signs, const Tensor& tail, const Tensor& scale,
+                                  double alpha, const Tensor& z, Tensor& out);
+inline Op<MappedGroupForwardFn> mapped_group_forward("mapped_group_forward");
+using MappedGroupBackwardFn = void(const Tensor& block, const Tensor& signs, const Tensor& tail, const Tensor& scale,
+                                   double alpha, const Tensor& z, const Tensor& grad, Tensor& grad_z);
+inline Op<MappedGroupBackwardFn> mapped_group_backward("mapped_group_backward");
 
 // ---- softmax ----
 using SoftmaxFn = void(const Tensor& in, int dim, bool log, Tensor& out);

@@ -63,6 +63,7 @@ class FineTuningGenerator : public GroupedGenerator {
 
  protected:
   Tensor generate_group(const Group& g, const LatentOverrides& latents) const override;
+  bool groups_are_mapper_outputs() const override { return false; }
 
  private:
   FineTuningOptions finetuning_;

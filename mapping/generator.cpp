@@ -222,8 +222,18 @@ Tensor ParameterGenerator::generate_group_f32(const Group& g, const LatentOverri
 Tensor ParameterGenerator::generate_group(const Group& g, const LatentOverrides& latents) const {
   auto it = latents.find(g.name);
   const Tensor& z = it != latents.end() ? it->second : g.latent;
+  if (const auto fused = fused_form(g, z)) return generate_fused({*fused}, {z});
   Tensor theta = g.mapper->forward(z);
   return g.scale.defined() ? mul(theta, g.scale) : theta;
+}
+
+std::optional<FusedGroup> ParameterGenerator::fused_form(const Group& g, const Tensor& z) const {
+  if (!fused_generation_enabled()) return std::nullopt;
+  std::optional<FusedGroup> f = fused_group(*g.mapper, g.scale);
+  if (!f || !z.defined() || z.dtype() != DType::f32 || z.dim() != 1 || z.size(0) != f->cols ||
+      z.device() != f->tail.device() || f->rows != g.local_spec.total_numel())
+    return std::nullopt;
+  return f;
 }
 
 std::map<std::string, Tensor> ParameterGenerator::modulated_column_means(const LatentOverrides& latents) const {
@@ -361,10 +371,26 @@ ParameterTree GroupedGenerator::generate_parameters(const LatentOverrides& laten
   check_overrides(latents);
   // All groups' outputs, concatenated into one flat vector (the spec's own layout when the groups
   // follow spec order), then cut into views.
-  std::vector<Tensor> flats;
-  for (const auto& g : groups_) flats.push_back(generate_group_f32(g, latents));
-  Tensor flat = flats.size() == 1 ? flats[0] : cat(flats, 0);
-  flats.clear();
+  // The fused kernels write every group into its slice of one vector (no concatenation) when all
+  // groups have a fused form; otherwise each group is made on its own and the results concatenated.
+  Tensor flat;
+  if (groups_are_mapper_outputs()) {
+    std::vector<FusedGroup> fused;
+    std::vector<Tensor> zs;
+    for (const auto& g : groups_) {
+      auto it = latents.find(g.name);
+      zs.push_back(it != latents.end() ? it->second : g.latent);
+      std::optional<FusedGroup> f = fused_form(g, zs.back());
+      if (!f) break;
+      fused.push_back(std::move(*f));
+    }
+    if (fused.size() == groups_.size()) flat = generate_fused(fused, zs);
+  }
+  if (!flat.defined()) {
+    std::vector<Tensor> flats;
+    for (const auto& g : groups_) flats.push_back(generate_group_f32(g, latents));
+    flat = flats.size() == 1 ? flats[0] : cat(flats, 0);
+  }
   // One split node over the concatenation: its backward writes the flat gradient once. (A narrow per
   // parameter would build a zero-padded gradient of all N values for each parameter and add them up.)
   std::vector<int64_t> numels;

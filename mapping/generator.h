@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "mapping/fused_group.h"
 #include "mapping/mapper.h"
 #include "mapping/parameter_spec.h"
 
@@ -109,6 +110,11 @@ class ParameterGenerator {
   // What every caller uses: generate_group with autocast off, so the generated parameters are f32
   // (an autocast scope casts them where the target's ops use them; autograd/autocast.h).
   Tensor generate_group_f32(const Group& g, const LatentOverrides& latents) const;
+  // Whether generate_group is the base's (the mapper's output times the scale): only then may
+  // generate_parameters make all groups at once with the fused kernels (mapping/fused_group.h).
+  virtual bool groups_are_mapper_outputs() const { return true; }
+  // The group's fused form for latent z when the fused kernels can make it (fused_group), else nothing.
+  std::optional<FusedGroup> fused_form(const Group& g, const Tensor& z) const;
 
   ParameterSpec spec_;
   std::vector<Group> groups_;

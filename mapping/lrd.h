@@ -35,6 +35,7 @@ class LRDGenerator : public GroupedGenerator {
 
  protected:
   Tensor generate_group(const Group& g, const LatentOverrides& latents) const override;
+  bool groups_are_mapper_outputs() const override { return false; }
 
  private:
   struct Piece {

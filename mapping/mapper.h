@@ -87,6 +87,8 @@ class MLPMapper : public Mapper {
             MapperMatrixOptions matrices = {});
   int64_t layer_count() const { return static_cast<int64_t>(layers_.size()); }
   const OrthogonalMatrix& layer(size_t i) const { return layers_.at(i); }
+  const Modulation& modulation() const { return modulation_; }
+  bool has_output_activation() const { return static_cast<bool>(output_activation_); }
   Tensor modulated_column_mean(const Tensor& z) const override;
   size_t fixed_bytes() const override;
   size_t dense_bytes() const override;

@@ -94,6 +94,11 @@ class OrthogonalMatrix {
   // Bytes the explicit matrix would take (rows * cols * 4).
   size_t dense_bytes() const { return static_cast<size_t>(rows_) * static_cast<size_t>(cols_) * 4; }
   std::vector<Tensor> factors() const;
+  // The factors one by one, as the fused group kernels read them (mapping/fused_group.h): block and
+  // signs are undefined without a repeated part; all three are undefined for the srht family.
+  const Tensor& block() const { return block_; }
+  const Tensor& signs() const { return signs_; }
+  const Tensor& tail() const { return tail_; }
   void to(Device device);
 
  private:

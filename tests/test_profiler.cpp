@@ -94,7 +94,7 @@ TEST_CASE("profiler: the table puts each generator's fixed bytes beside its dens
   CHECK(lines == 3);
 }
 
-TEST_CASE("profiler: on the scaling guide's spec (L = 64) lazy_layerwise < layerwise < slvt in peak bytes") {
+TEST_CASE("profiler: on the scaling guide's spec (L = 64) lazy_layerwise < layerwise <= slvt in peak bytes") {
   manual_seed(0);
   const ParameterSpec spec = target_spec("guide");
   REQUIRE(spec.total_numel() == 76938);
@@ -108,7 +108,10 @@ TEST_CASE("profiler: on the scaling guide's spec (L = 64) lazy_layerwise < layer
   const int64_t lazy = results.at("lazy_layerwise").peak_bytes;
   MESSAGE("exact peak bytes: slvt " << slvt << ", layerwise " << layerwise << ", lazy_layerwise " << lazy);
   CHECK(lazy < layerwise);
-  CHECK(layerwise < slvt);
+  // With the fused group kernels (mapping/fused_group.h) slvt and layerwise both peak at the N
+  // generated floats plus one [L, L] buffer, so they may tie (the composition's temporaries kept them
+  // 1.5 KB apart); an L x N matrix, which the reference's slvt stores, is ruled out below.
+  CHECK(layerwise <= slvt);
   // Every strategy returns the N generated floats; none may keep an L x N temporary alive (trap B.7).
   for (int64_t peak : {slvt, layerwise, lazy}) {
     CHECK(peak >= 76938 * 4);

@@ -18,6 +18,7 @@ void register_cpu_scan();           // kernels/cpu/scan.cpp: cumsum, topk
 void register_cpu_adaptive_pool();  // kernels/cpu/adaptive_pool.cpp: adaptive avg/max pool2d
 void register_cpu_srht();           // kernels/cpu/srht.cpp: srht_apply, srht_apply_transpose
 void register_cpu_amp();            // kernels/cpu/amp.cpp: non_finite_check_and_unscale, amp_update_scale
+void register_cpu_mapped_group();   // kernels/cpu/mapped_group.cpp: mapped_group_forward, _backward
 
 void register_cpu_kernels() {
   register_cpu_elementwise();
@@ -35,6 +36,7 @@ void register_cpu_kernels() {
   register_cpu_adaptive_pool();
   register_cpu_srht();
   register_cpu_amp();
+  register_cpu_mapped_group();
 }
 
 }  // namespace mn::kernels

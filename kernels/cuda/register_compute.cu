@@ -16,6 +16,7 @@ void register_cuda_scan();           // kernels/cuda/scan.cu: cumsum, topk
 void register_cuda_adaptive_pool();  // kernels/cuda/adaptive_pool.cu: adaptive avg/max pool2d
 void register_cuda_srht();           // kernels/cuda/srht.cu: srht_apply, srht_apply_transpose
 void register_cuda_amp();            // kernels/cuda/amp.cu: non_finite_check_and_unscale, amp_update_scale
+void register_cuda_mapped_group();   // kernels/cuda/mapped_group.cu: mapped_group_forward, _backward
 
 void register_cuda_compute_kernels() {
   register_cuda_elementwise();
@@ -31,6 +32,7 @@ void register_cuda_compute_kernels() {
   register_cuda_adaptive_pool();
   register_cuda_srht();
   register_cuda_amp();
+  register_cuda_mapped_group();
 }
 
 }  // namespace mn::kernels

@@ -168,8 +168,10 @@ TEST_CASE("mn-train --backend gloo: 2 ranks x batch 64 match one process with ba
   MESSAGE("largest relative latent difference, 2 ranks vs 1 process: " << worst);
   // Equal up to float summation order (per-rank batches of 64 against one of 128), which Adam amplifies
   // on near-zero gradient components: seen 1.1e-7 and 1.8e-5 for two mapper constructions of the same
-  // run. A sharding or averaging bug moves the latents by 1e-2 and more.
-  CHECK(worst < 1e-4);
+  // run, and 1.3e-4 with the fused group kernels (issue 22: the latents' gradient summed in another
+  // order; under 1e-4 with MN_FUSED_GROUPS=0). A sharding or averaging bug moves the latents by 1e-2
+  // and more.
+  CHECK(worst < 1e-3);
 
   SUBCASE("--resume under DDP: 1 + 1 epochs give the latents of 2 straight epochs") {
     only_json_line(run(ddp(2, str(kCommon, " --epochs 1 --batch-size 64 --out ", dir / "split"))), 1);
@@ -299,7 +301,7 @@ TEST_CASE("mn-train --backend mpi under mpirun: 2 ranks match mn-run over Gloo a
   const auto mpi = tensors_with_prefix(dir / "mpi/checkpoint.safetensors", "latent/");
   REQUIRE(mpi.size() == 4);
   CHECK(mpi == tensors_with_prefix(dir / "gloo/checkpoint.safetensors", "latent/"));
-  CHECK(largest_difference(tensors_with_prefix(dir / "single/checkpoint.safetensors", "latent/"), mpi, true) < 1e-4);
+  CHECK(largest_difference(tensors_with_prefix(dir / "single/checkpoint.safetensors", "latent/"), mpi, true) < 1e-3);
   CHECK(csv_rows(dir / "mpi/metrics.csv") == 3);
 }
 #endif

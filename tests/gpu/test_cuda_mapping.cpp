@@ -287,7 +287,7 @@ TEST_CASE("cuda mapping: lazy_layerwise with empty_cache_on_cuda empties the cac
   CHECK(memory_stats(kGpu).num_sync_all_streams == syncs_before);
 }
 
-TEST_CASE("cuda mapping: on the scaling guide's spec (L = 64) lazy_layerwise < layerwise < slvt in exact device bytes") {
+TEST_CASE("cuda mapping: on the scaling guide's spec (L = 64) lazy_layerwise <= layerwise <= slvt in exact device bytes") {
   manual_seed(0);
   const ParameterSpec spec = target_spec("guide");
   REQUIRE(spec.total_numel() == 76938);
@@ -298,8 +298,10 @@ TEST_CASE("cuda mapping: on the scaling guide's spec (L = 64) lazy_layerwise < l
   const int64_t lazy = results.at("lazy_layerwise").peak_bytes;
   MESSAGE("cuda:0, scaling guide spec, L = 64:\n" << strategy_table(results));
   MESSAGE("exact peak bytes on cuda:0: slvt " << slvt << ", layerwise " << layerwise << ", lazy_layerwise " << lazy);
-  CHECK(lazy < layerwise);
-  CHECK(layerwise < slvt);
+  // With the fused group kernels (mapping/fused_group.h) every strategy peaks at the N generated
+  // floats plus one 512-byte scratch block: no n-sized temporary is left to separate them.
+  CHECK(lazy <= layerwise);
+  CHECK(layerwise <= slvt);
   for (int64_t peak : {slvt, layerwise, lazy}) {
     CHECK(peak >= 76938 * 4);               // the generated parameters themselves
     CHECK(peak < 64 * 76938 * 4 / 4);       // never an L x N temporary

@@ -1,0 +1,247 @@
+// CPU kernels of one mapped group (kernels.h: mapped_group_forward, mapped_group_backward): the
+// mapper GEMM with the sign products, the modulation term and the per-element scale applied chunk by
+// chunk while the chunk is in cache, written straight into the output (which may be a slice of the
+// generated parameter buffer). No temporary of the group's size exists: a small block (L at most a
+// chunk's rows) works against one [L, L] buffer, a large one in at most two buffers of kChunkFloats
+// values per thread (the backward's scaled gradient only with scales).
+//
+// Work is cut into chunks whose bounds depend only on the shapes (never on the thread count), each
+// chunk is computed by one serial Eigen GEMM (whose per-element sums depend only on K), and the
+// backward's per-chunk partial sums are added in chunk order, so the bits do not depend on the
+// thread count or on which thread ran which chunk.
+#include <omp.h>
+
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include "core/parallel.h"
+#include "kernels/cpu/eigen_gemm.h"
+#include "kernels/kernels.h"
+
+namespace mn::kernels {
+namespace {
+
+using cpu::MatrixRef;
+
+// Values per chunk (rows x L): 256 KB, so a chunk and its GEMM result stay in a core's L2.
+constexpr int64_t kChunkFloats = int64_t{1} << 16;
+// Below this many multiply-adds the group runs on the calling thread.
+constexpr int64_t kSerialWork = int64_t{1} << 18;
+
+struct GroupShape {
+  int64_t L = 0, reps = 0, tail_rows = 0, rows = 0;
+  int64_t block_chunk = 1, tail_chunk = 1;  // rows per chunk (sign rows of L values; tail rows)
+  int64_t block_chunks = 0, tail_chunks = 0;
+  // Q's L x L values fit in one chunk: the sign rows are read in place and z (forward) or the sum over
+  // sign rows (backward) goes with Q into one L x L buffer, instead of a chunk-sized one per thread.
+  bool small_block = false;
+  int64_t chunks() const { return block_chunks + tail_chunks; }
+};
+
+void check_f32(const char* op, const char* name, const Tensor& t, std::initializer_list<int64_t> sizes) {
+  bool ok = t.dtype() == DType::f32 && t.is_contiguous() && t.dim() == static_cast<int64_t>(sizes.size());
+  std::string expected = "[";
+  int d = 0;
+  for (int64_t n : sizes) {
+    ok = ok && t.size(d) == n;
+    expected += (d++ ? ", " : "") + std::to_string(n);
+  }
+  MN_CHECK(ok, ValueError, op, ": expected ", name, " as a contiguous f32 tensor of shape ", expected, "], got ",
+           t.dtype(), t.sizes());
+}
+
+GroupShape shape_of(const char* op, const Tensor& block, const Tensor& signs, const Tensor& tail, const Tensor& scale,
+               const Tensor& z, int64_t out_rows) {
+  MN_CHECK(tail.defined() && tail.dim() == 2 && z.defined() && z.dim() == 1, ValueError, op,
+           ": expected a 2-D tail and a 1-D latent, got ", tail.defined() ? tail.sizes().str() : "undefined", " and ",
+           z.defined() ? z.sizes().str() : "undefined");
+  MN_CHECK(block.defined() == signs.defined(), ValueError, op, ": block and signs come together");
+  GroupShape s;
+  s.L = z.size(0);
+  s.reps = signs.defined() ? signs.size(0) : 0;
+  s.tail_rows = tail.size(0);
+  s.rows = s.reps * s.L + s.tail_rows;
+  check_f32(op, "z", z, {s.L});
+  check_f32(op, "tail", tail, {s.tail_rows, s.L});
+  if (block.defined()) {
+    check_f32(op, "block", block, {s.L, s.L});
+    check_f32(op, "signs", signs, {s.reps, s.L});
+  }
+  if (scale.defined()) check_f32(op, "scale", scale, {s.rows});
+  MN_CHECK(out_rows == s.rows, ValueError, op, ": W has ", s.rows, " rows, the generated vector ", out_rows);
+  s.block_chunk = std::max<int64_t>(1, kChunkFloats / s.L);
+  s.tail_chunk = std::max<int64_t>(8, kChunkFloats / s.L);
+  s.block_chunks = (s.reps + s.block_chunk - 1) / s.block_chunk;
+  s.tail_chunks = (s.tail_rows + s.tail_chunk - 1) / s.tail_chunk;
+  s.small_block = s.block_chunks > 0 && s.L <= std::min(s.reps, s.block_chunk);
+  return s;
+}
+
+// Threads for `chunks` chunks of `work` multiply-adds in all: one inside a parallel region.
+int team_for(int64_t chunks, int64_t work) {
+  if (omp_in_parallel() || work < kSerialWork) return 1;
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(get_num_threads_in_use(), chunks)));
+}
+
+// alpha * sum(z^2), summed in double in index order.
+float modulation_term(double alpha, const float* z, int64_t n) {
+  if (alpha == 0) return 0.0f;
+  double sq = 0;
+  for (int64_t i = 0; i < n; ++i) sq += static_cast<double>(z[i]) * z[i];
+  return static_cast<float>(alpha * sq);
+}
+
+// y = (y + c) * scale over n values (scale null: 1): the epilogue of every chunk.
+void epilogue(float* y, const float* scale, float c, int64_t n) {
+  if (scale) {
+    for (int64_t i = 0; i < n; ++i) y[i] = (y[i] + c) * scale[i];
+  } else if (c != 0.0f) {
+    for (int64_t i = 0; i < n; ++i) y[i] += c;
+  }
+}
+
+void mapped_group_forward_cpu(const Tensor& block, const Tensor& signs, const Tensor& tail, const Tensor& scale,
+                              double alpha, const Tensor& z, Tensor& out) {
+  const GroupShape s = shape_of("mapped_group_forward", block, signs, tail, scale, z, out.numel());
+  MN_CHECK(out.dtype() == DType::f32 && out.is_contiguous(), ValueError,
+           "mapped_group_forward: expected a contiguous f32 output, got ", out.dtype(), out.sizes());
+  const int64_t L = s.L;
+  const float* zp = z.data<float>();
+  const float* sp = scale.defined() ? scale.data<float>() : nullptr;
+  const float c = modulation_term(alpha, zp, L);
+  float* y = out.data<float>();
+  const int team = team_for(s.chunks(), s.rows * L);
+  const float* sg = signs.defined() ? signs.data<float>() : nullptr;
+  // Row b of the repeated part is (s_b * z) Q^T = s_b (z * Q)^T. Small blocks: one [L, L] buffer of
+  // z * Q (Q's columns times z), the sign rows read in place. Otherwise one buffer of sign products
+  // s_b * z per thread. The products are the same floats either way (a sign flip is exact).
+  const int64_t per_thread = s.block_chunks > 0 && !s.small_block ? std::min(s.reps, s.block_chunk) * L : 0;
+  Tensor buffers = empty({std::max<int64_t>(1, s.small_block ? L * L : team * per_thread)});
+  float* buffer_base = buffers.data<float>();
+  const float* qp = block.defined() ? block.data<float>() : nullptr;
+  if (s.small_block) {
+    for (int64_t i = 0; i < L; ++i)
+      for (int64_t j = 0; j < L; ++j) buffer_base[i * L + j] = qp[i * L + j] * zp[j];
+  }
+  const MatrixRef q_t{s.small_block ? buffer_base : qp, L, L, 1, L};  // Q^T, or (z * Q)^T
+  const MatrixRef z_col{zp, L, 1, 1, 1};
+  const float* tp = tail.data<float>();
+  const int64_t repeated = s.reps * L;
+#pragma omp parallel for num_threads(team) schedule(dynamic, 1)
+  for (int64_t chunk = 0; chunk < s.chunks(); ++chunk) {
+    if (chunk < s.block_chunks) {
+      const int64_t b0 = chunk * s.block_chunk, b1 = std::min(s.reps, b0 + s.block_chunk), n = b1 - b0;
+      const float* a = sg + b0 * L;
+      if (!s.small_block) {
+        float* products = buffer_base + omp_get_thread_num() * per_thread;
+        for (int64_t b = b0; b < b1; ++b) {
+          const float* row = sg + b * L;
+          float* dst = products + (b - b0) * L;
+          for (int64_t j = 0; j < L; ++j) dst[j] = row[j] * zp[j];
+        }
+        a = products;
+      }
+      float* yc = y + b0 * L;
+      cpu::gemm_serial(MatrixRef{a, n, L, L, 1}, q_t, yc, L, 1.0f, 0.0f);
+      epilogue(yc, sp ? sp + b0 * L : nullptr, c, n * L);
+    } else {
+      const int64_t r0 = (chunk - s.block_chunks) * s.tail_chunk, r1 = std::min(s.tail_rows, r0 + s.tail_chunk);
+      float* yc = y + repeated + r0;
+      cpu::gemm_serial(MatrixRef{tp + r0 * L, r1 - r0, L, L, 1}, z_col, yc, 1, 1.0f, 0.0f);
+      epilogue(yc, sp ? sp + repeated + r0 : nullptr, c, r1 - r0);
+    }
+  }
+}
+
+void mapped_group_backward_cpu(const Tensor& block, const Tensor& signs, const Tensor& tail, const Tensor& scale,
+                               double alpha, const Tensor& z, const Tensor& grad, Tensor& grad_z) {
+  const GroupShape s = shape_of("mapped_group_backward", block, signs, tail, scale, z, grad.numel());
+  MN_CHECK(grad.dtype() == DType::f32 && grad.is_contiguous() && grad_z.dtype() == DType::f32 &&
+               grad_z.is_contiguous() && grad_z.numel() == s.L,
+           ValueError, "mapped_group_backward: expected a contiguous f32 gradient of ", s.rows,
+           " values and a contiguous f32 result of ", s.L, ", got ", grad.dtype(), grad.sizes(), " and ",
+           grad_z.dtype(), grad_z.sizes());
+  const int64_t L = s.L, chunks = s.chunks();
+  const float* zp = z.data<float>();
+  const float* sp = scale.defined() ? scale.data<float>() : nullptr;
+  const float* g = grad.data<float>();
+  const float* sg = signs.defined() ? signs.data<float>() : nullptr;
+  const float* tp = tail.data<float>();
+  const int team = team_for(chunks, s.rows * L);
+  // Per thread: the scaled gradient u = scale * grad of a chunk (with scales only), and the product
+  // buffer: U Q for a block chunk ([rows, L]; small blocks: S^T U, [L, L]) or the tail's T^T u; per
+  // chunk: its partial of W^T u and of sum(u).
+  const int64_t chunk_values = std::max(s.block_chunks > 0 ? std::min(s.reps, s.block_chunk) * L : 0,
+                                        s.tail_chunks > 0 ? std::min(s.tail_rows, s.tail_chunk) : 0);
+  const int64_t u_values = sp ? chunk_values : 0;
+  const int64_t per_thread = u_values + std::max(s.small_block ? L * L : chunk_values, L);
+  Tensor buffers = empty({team * per_thread});
+  float* buffer_base = buffers.data<float>();
+  std::vector<double> partial(static_cast<size_t>(chunks * L), 0.0), partial_sum(static_cast<size_t>(chunks), 0.0);
+  const float* qp = block.defined() ? block.data<float>() : nullptr;
+  const MatrixRef q{qp, L, L, L, 1};
+  const int64_t repeated = s.reps * L;
+#pragma omp parallel for num_threads(team) schedule(dynamic, 1)
+  for (int64_t chunk = 0; chunk < chunks; ++chunk) {
+    float* u = buffer_base + omp_get_thread_num() * per_thread;
+    float* p = u + u_values;
+    double* acc = partial.data() + chunk * L;
+    const bool in_block = chunk < s.block_chunks;
+    const int64_t first = in_block ? chunk * s.block_chunk * L : repeated + (chunk - s.block_chunks) * s.tail_chunk;
+    const int64_t count = in_block ? (std::min(s.reps, (chunk + 1) * s.block_chunk) - chunk * s.block_chunk) * L
+                                   : std::min(s.tail_chunk, s.rows - first);
+    // u = scale * grad of this chunk (the gradient itself without scales), and its sum.
+    const float* uc = g + first;
+    if (sp) {
+      for (int64_t i = 0; i < count; ++i) u[i] = g[first + i] * sp[first + i];
+      uc = u;
+    }
+    double sum = 0;
+    for (int64_t i = 0; i < count; ++i) sum += uc[i];
+    partial_sum[static_cast<size_t>(chunk)] = sum;
+    if (in_block && s.small_block) {
+      // sum_b s_bj (Q^T u_b)_j = sum_i Q_ij R_ji with R = S^T U ([L, L]): the sign rows read in place.
+      const int64_t n = count / L, b0 = chunk * s.block_chunk;
+      cpu::gemm_serial(MatrixRef{sg + b0 * L, L, n, 1, L}, MatrixRef{uc, n, L, L, 1}, p, L, 1.0f, 0.0f);
+      for (int64_t j = 0; j < L; ++j) {
+        double v = 0;
+        const float* r = p + j * L;
+        for (int64_t i = 0; i < L; ++i) v += static_cast<double>(qp[i * L + j] * r[i]);
+        acc[j] = v;
+      }
+    } else if (in_block) {
+      // Sign row b's share of W^T u is s_b * (Q^T u_b): P = U Q, then each column weighted by its signs.
+      const int64_t n = count / L, b0 = chunk * s.block_chunk;
+      cpu::gemm_serial(MatrixRef{uc, n, L, L, 1}, q, p, L, 1.0f, 0.0f);
+      for (int64_t b = 0; b < n; ++b) {
+        const float* row = p + b * L;
+        const float* sr = sg + (b0 + b) * L;
+        for (int64_t j = 0; j < L; ++j) acc[j] += static_cast<double>(sr[j] * row[j]);
+      }
+    } else {
+      // T_chunk^T u_chunk, [L, count] x [count, 1].
+      float* t = p;
+      const int64_t r0 = first - repeated;
+      cpu::gemm_serial(MatrixRef{tp + r0 * L, L, count, 1, L}, MatrixRef{uc, count, 1, 1, 1}, t, 1, 1.0f, 0.0f);
+      for (int64_t j = 0; j < L; ++j) acc[j] = t[j];
+    }
+  }
+  double total = 0;
+  for (int64_t chunk = 0; chunk < chunks; ++chunk) total += partial_sum[static_cast<size_t>(chunk)];
+  float* out = grad_z.data<float>();
+  for (int64_t j = 0; j < L; ++j) {
+    double v = 0;
+    for (int64_t chunk = 0; chunk < chunks; ++chunk) v += partial[static_cast<size_t>(chunk * L + j)];
+    out[j] = static_cast<float>(v + 2.0 * alpha * total * zp[j]);
+  }
+}
+
+}  // namespace
+
+void register_cpu_mapped_group() {
+  mapped_group_forward.set(DeviceType::CPU, &mapped_group_forward_cpu);
+  mapped_group_backward.set(DeviceType::CPU, &mapped_group_backward_cpu);
+}
+
+}  // namespace mn::kernels
