@@ -150,6 +150,44 @@ TEST_CASE("conv2d: results do not depend on the thread count") {
   omp_set_num_threads(saved);
 }
 
+// Unit column stride takes the padded im2col/col2im (kernels/cpu/conv_padded.h), which copies rows as
+// whole 16-lane vectors: rows narrower than a vector (5), exactly one (16) and longer (35), a single
+// sample whose work is split over threads inside it, and several samples spread over threads.
+TEST_CASE("conv2d: padded column path matches the direct convolution for any row width and thread count") {
+  const int saved = omp_get_max_threads();
+  const ConvCase c{{2, 1}, {1, 1}, {1, 2}, 1};
+  for (int64_t width : {5, 16, 35})
+    for (int64_t batch : {1, 4}) {
+      CAPTURE(width);
+      CAPTURE(batch);
+      const int64_t in_w = width + 2;  // dilation 2, padding 1: out_w = in_w + 2 - 4 - 1 + 1
+      auto run = [&](int threads) {
+        omp_set_num_threads(threads);
+        Tensor x = random_param({batch, 16, 40, in_w}, 70), w = random_param({12, 16, 3, 3}, 71), b = random_param({12}, 72);
+        Tensor y = conv(x, w, b, c);
+        sum(mul(y, y)).backward();
+        return std::vector<Tensor>{y.detach(), x.grad(), w.grad(), b.grad()};
+      };
+      std::vector<Tensor> one = run(1), three = run(3);
+      CHECK(one[0].size(3) == width);
+      check_close(one[0], naive_conv(random_param({batch, 16, 40, in_w}, 70), random_param({12, 16, 3, 3}, 71),
+                                     random_param({12}, 72), c),
+                  1e-4);
+      for (size_t i = 0; i < one.size(); ++i) {
+        CAPTURE(i);
+        CHECK(bitwise_equal(one[i], three[i]));
+      }
+    }
+  omp_set_num_threads(saved);
+  // Input gradients through the padded col2im, rows narrower and wider than a vector.
+  for (int64_t width : {4, 19}) {
+    CAPTURE(width);
+    Tensor x = random_param({2, 2, 3, width}, 73), w = random_param({3, 2, 3, 3}, 74, 0.5);
+    CHECK(gradcheck([](const std::vector<Tensor>& t) { return F::conv2d(t[0], t[1], Tensor(), {1, 1}, {1, 2}, {1, 2}); },
+                    {x, w}) == "");
+  }
+}
+
 TEST_CASE("conv2d: gradcheck for input, weight and bias") {
   Tensor x = random_param({2, 4, 5, 5}, 60), w = random_param({4, 2, 3, 3}, 61, 0.5), b = random_param({4}, 62);
   CHECK(gradcheck([](const std::vector<Tensor>& t) { return F::conv2d(t[0], t[1], t[2], {1, 1}, {0, 0}, {1, 1}, 2); },

@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "kernels/cpu/conv_padded.h"
 #include "kernels/cpu/eigen_gemm.h"
 #include "kernels/cpu/loops.h"
 #include "kernels/kernels.h"
@@ -44,6 +45,16 @@ struct ConvGeometry {
   bool pointwise() const {
     return kernel_h == 1 && kernel_w == 1 && p.stride_h == 1 && p.stride_w == 1 && p.pad_h == 0 && p.pad_w == 0 &&
            sx_w == 1 && sx_h == width;
+  }
+  // Unit column stride: im2col and col2im go through a zero-padded copy of the image (conv_padded.h).
+  bool padded() const { return p.stride_w == 1 && !pointwise(); }
+  cpu::PaddedConv padded_conv() const {
+    return {height, width, p.pad_h, p.pad_w, kernel_h, kernel_w, p.stride_h, p.dilation_h, p.dilation_w, out_h, out_w};
+  }
+  // Scratch floats per worker: the column matrix, then on the padded path the padded channels.
+  int64_t scratch_size() const {
+    if (pointwise()) return 0;
+    return col_size() + (padded() ? group_in * padded_conv().plane() : 0);
   }
 };
 
@@ -192,11 +203,12 @@ BatchSplit batch_split(const ConvGeometry& g, int64_t units) {
   return s;
 }
 
-// Runs body(sample, column buffer, parallel_inside) for every sample.
+// Runs body(sample, scratch buffer, parallel_inside) for every sample; the scratch (g.scratch_size()
+// floats) holds the column matrix first.
 template <class Body>
-void for_each_sample(const ConvGeometry& g, bool needs_col, Body&& body) {
+void for_each_sample(const ConvGeometry& g, Body&& body) {
   const BatchSplit split = batch_split(g, g.batch);
-  const int64_t col_size = needs_col ? g.col_size() : 0;
+  const int64_t col_size = g.scratch_size();
   const int workers = split.across_samples ? split.threads : 1;
   Tensor scratch = empty({std::max<int64_t>(workers * col_size, 1)});
   float* base = scratch.data<float>();
@@ -217,11 +229,43 @@ void gemm(const MatrixRef& a, const MatrixRef& b, float* c, int64_t ldc, float b
   else cpu::gemm_serial(a, b, c, ldc, 1.0f, beta);
 }
 
+// col (the start of a scratch buffer of g.scratch_size() floats) = im2col of one group of one sample.
 void fill_im2col(const ConvGeometry& g, const float* x_group, float* col, bool parallel) {
   const int64_t rows = g.col_rows();
-  if (!parallel) return im2col(g, x_group, col, 0, rows);
+  if (!g.padded()) {
+    if (!parallel) return im2col(g, x_group, col, 0, rows);
 #pragma omp parallel for schedule(static) num_threads(get_num_threads_in_use())
-  for (int64_t r = 0; r < rows; ++r) im2col(g, x_group, col, r, r + 1);
+    for (int64_t r = 0; r < rows; ++r) im2col(g, x_group, col, r, r + 1);
+    return;
+  }
+  const cpu::PaddedConv s = g.padded_conv();
+  float* padded = col + g.col_size();
+  if (!parallel) {
+    cpu::pad_channels(s, x_group, g.sx_c, g.sx_h, g.sx_w, padded, 0, g.group_in);
+    return cpu::im2col_padded(s, padded, col, 0, rows);
+  }
+#pragma omp parallel num_threads(get_num_threads_in_use())
+  {
+#pragma omp for schedule(static)
+    for (int64_t c = 0; c < g.group_in; ++c) cpu::pad_channels(s, x_group, g.sx_c, g.sx_h, g.sx_w, padded, c, c + 1);
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; ++r) cpu::im2col_padded(s, padded, col, r, r + 1);
+  }
+}
+
+// grad_x of one group of one sample (contiguous [Cg, H, W]) += col2im(col) on the direct path; on the
+// padded path grad_x = col2im(col), through the padded planes after col in the scratch buffer.
+void col2im(const ConvGeometry& g, const float* col, float* gx_group, bool parallel) {
+  const cpu::PaddedConv s = g.padded_conv();
+  float* padded = const_cast<float*>(col) + g.col_size();
+  auto channels = [&](int64_t c_begin, int64_t c_end) {
+    if (!g.padded()) return col2im_add(g, col, gx_group, c_begin, c_end);
+    cpu::col2im_padded(s, col, padded, c_begin, c_end);
+    cpu::crop_channels(s, padded, gx_group, c_begin, c_end);
+  };
+  if (!parallel) return channels(0, g.group_in);
+#pragma omp parallel for schedule(static) num_threads(get_num_threads_in_use())
+  for (int64_t c = 0; c < g.group_in; ++c) channels(c, c + 1);
 }
 
 MatrixRef group_weight(const ConvGeometry& g, const float* w, int64_t group) {
@@ -238,7 +282,7 @@ void conv2d_forward_cpu(const Tensor& x, const Tensor& weight, const Tensor& bia
   const float* bp = b.defined() ? b.data<float>() : nullptr;
   float* op = out.data<float>();
   const int64_t plane = g.out_plane();
-  for_each_sample(g, !g.pointwise(), [&](int64_t n, float* col, bool parallel) {
+  for_each_sample(g, [&](int64_t n, float* col, bool parallel) {
     for (int64_t group = 0; group < g.groups; ++group) {
       const float* x_group = xp + n * g.sx_n + group * g.group_in * g.sx_c;
       MatrixRef cols{col, g.col_rows(), plane, plane, 1};
@@ -261,9 +305,9 @@ void conv2d_backward_input_cpu(const Tensor& grad_out, const Tensor& weight, con
   const float* gp = go.data<float>();
   float* gx = grad_x.data<float>();
   const int64_t plane = g.out_plane(), image = g.height * g.width, k = g.col_rows();
-  for_each_sample(g, !g.pointwise(), [&](int64_t n, float* col, bool parallel) {
+  for_each_sample(g, [&](int64_t n, float* col, bool parallel) {
     float* gx_sample = gx + n * g.channels * image;
-    if (!g.pointwise()) std::fill(gx_sample, gx_sample + g.channels * image, 0.0f);
+    if (!g.pointwise() && !g.padded()) std::fill(gx_sample, gx_sample + g.channels * image, 0.0f);
     for (int64_t group = 0; group < g.groups; ++group) {
       const MatrixRef w_t{wp + group * g.group_out * k, k, g.group_out, 1, k};  // W_g^T
       const MatrixRef go_group{gp + (n * g.out_channels + group * g.group_out) * plane, g.group_out, plane, plane, 1};
@@ -273,12 +317,7 @@ void conv2d_backward_input_cpu(const Tensor& grad_out, const Tensor& weight, con
         continue;
       }
       gemm(w_t, go_group, col, plane, 0.0f, parallel);
-      if (!parallel) {
-        col2im_add(g, col, gx_group, 0, g.group_in);
-        continue;
-      }
-#pragma omp parallel for schedule(static) num_threads(get_num_threads_in_use())
-      for (int64_t c = 0; c < g.group_in; ++c) col2im_add(g, col, gx_group, c, c + 1);
+      col2im(g, col, gx_group, parallel);
     }
   });
 }
@@ -325,7 +364,7 @@ void conv2d_backward_weight_cpu(const Tensor& grad_out, const Tensor& x, const C
   const BatchSplit split = batch_split(g, chunks);
   const int workers = split.across_samples ? split.threads : 1;
   // One partial weight gradient per chunk of samples, and one column buffer per worker.
-  Tensor partial = empty({chunks * weight_size + workers * (g.pointwise() ? 1 : g.col_size())});
+  Tensor partial = empty({chunks * weight_size + workers * std::max<int64_t>(1, g.scratch_size())});
   float* partial_base = partial.data<float>();
   float* col_base = partial_base + chunks * weight_size;
   const float* xp = x.data<float>();
@@ -346,7 +385,7 @@ void conv2d_backward_weight_cpu(const Tensor& grad_out, const Tensor& x, const C
     }
   };
   if (split.across_samples) {
-    const int64_t col_size = g.pointwise() ? 1 : g.col_size();
+    const int64_t col_size = std::max<int64_t>(1, g.scratch_size());
 #pragma omp parallel num_threads(workers)
     {
       float* col = col_base + omp_get_thread_num() * col_size;

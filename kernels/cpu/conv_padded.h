@@ -1,0 +1,116 @@
+#pragma once
+// im2col and col2im through a zero-padded copy of the image, for convolutions with unit column
+// stride. With the padding materialised, every (row of the column matrix, output row) pair is one
+// run of OW consecutive floats with no bounds to test, so runs are copied (or added) as whole 16-lane
+// vectors: a run may spill into floats that a later run overwrites (im2col), or add zeros past its
+// end (col2im). Each padded channel plane carries kPlaneSlack spare floats so that no spill crosses
+// into the next channel, which may belong to another thread.
+//
+// Sums are formed in the same order as the direct col2im (rows of the column matrix in order, into a
+// zeroed buffer), so the results are bit-identical to it.
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cstdint>
+
+namespace mn::kernels::cpu {
+
+struct PaddedConv {
+  int64_t height, width;           // of the image
+  int64_t pad_h, pad_w;
+  int64_t kernel_h, kernel_w;
+  int64_t stride_h;                // stride_w is 1
+  int64_t dilation_h, dilation_w;
+  int64_t out_h, out_w;
+
+  static constexpr int64_t kPlaneSlack = 16;
+  int64_t padded_w() const { return width + 2 * pad_w; }
+  int64_t plane() const { return (height + 2 * pad_h) * padded_w() + kPlaneSlack; }
+};
+
+#if defined(__AVX512F__)
+inline __mmask16 padded_lanes(int64_t remaining) {
+  return remaining >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << remaining) - 1);
+}
+#endif
+
+// Channels [c_begin, c_end) of x (strides sx_c, sx_h, sx_w) into padded planes (zero borders and slack).
+inline void pad_channels(const PaddedConv& s, const float* x, int64_t sx_c, int64_t sx_h, int64_t sx_w, float* padded,
+                         int64_t c_begin, int64_t c_end) {
+  const int64_t pw = s.padded_w();
+  for (int64_t c = c_begin; c < c_end; ++c) {
+    float* plane = padded + c * s.plane();
+    std::fill(plane, plane + s.pad_h * pw + s.pad_w, 0.0f);
+    for (int64_t y = 0; y < s.height; ++y) {
+      float* row = plane + (y + s.pad_h) * pw + s.pad_w;
+      const float* src = x + c * sx_c + y * sx_h;
+      if (sx_w == 1) std::copy(src, src + s.width, row);
+      else
+        for (int64_t i = 0; i < s.width; ++i) row[i] = src[i * sx_w];
+      // right border of this row and left border of the next
+      std::fill(row + s.width, row + s.width + 2 * s.pad_w, 0.0f);
+    }
+    float* tail = plane + (s.height + s.pad_h) * pw + s.pad_w;
+    std::fill(tail, plane + s.plane(), 0.0f);
+  }
+}
+
+// Rows [row_begin, row_end) of the column matrix [C*KH*KW, OH*OW] from the padded planes. A run's
+// spill stays inside its own row of the matrix (later runs of the row overwrite it), so rows can be
+// filled by different threads.
+inline void im2col_padded(const PaddedConv& s, const float* padded, float* col, int64_t row_begin, int64_t row_end) {
+  const int64_t kk = s.kernel_h * s.kernel_w, pw = s.padded_w(), ow = s.out_w, plane = s.out_h * ow;
+  for (int64_t row = row_begin; row < row_end; ++row) {
+    const int64_t c = row / kk, ki = (row / s.kernel_w) % s.kernel_h, kj = row % s.kernel_w;
+    const float* src = padded + c * s.plane() + ki * s.dilation_h * pw + kj * s.dilation_w;
+    float* dst = col + row * plane;
+    for (int64_t done = 0; done < plane; done += ow, src += s.stride_h * pw) {
+#if defined(__AVX512F__)
+      // Whole vectors while they end inside the row, then the run's own lanes.
+      for (int64_t i = 0; i < ow; i += 16) {
+        const __m512 v = _mm512_loadu_ps(src + i);  // within the plane and its slack
+        if (done + i + 16 <= plane) _mm512_storeu_ps(dst + done + i, v);
+        else _mm512_mask_storeu_ps(dst + done + i, padded_lanes(ow - i), v);
+      }
+#else
+      std::copy(src, src + ow, dst + done);
+#endif
+    }
+  }
+}
+
+// Padded planes of channels [c_begin, c_end) = col2im of the column matrix (accumulated from zero).
+inline void col2im_padded(const PaddedConv& s, const float* col, float* padded, int64_t c_begin, int64_t c_end) {
+  const int64_t kk = s.kernel_h * s.kernel_w, pw = s.padded_w(), ow = s.out_w, plane = s.out_h * ow;
+  std::fill(padded + c_begin * s.plane(), padded + c_end * s.plane(), 0.0f);
+  for (int64_t row = c_begin * kk; row < c_end * kk; ++row) {
+    const int64_t c = row / kk, ki = (row / s.kernel_w) % s.kernel_h, kj = row % s.kernel_w;
+    float* dst = padded + c * s.plane() + ki * s.dilation_h * pw + kj * s.dilation_w;
+    const float* src = col + row * plane;
+    for (int64_t oy = 0; oy < s.out_h; ++oy, dst += s.stride_h * pw, src += ow) {
+#if defined(__AVX512F__)
+      // Lanes past the run add zero: the floats they touch keep their values.
+      for (int64_t i = 0; i < ow; i += 16) {
+        const __m512 add = _mm512_maskz_loadu_ps(padded_lanes(ow - i), src + i);
+        _mm512_storeu_ps(dst + i, _mm512_add_ps(_mm512_loadu_ps(dst + i), add));
+      }
+#else
+      for (int64_t i = 0; i < ow; ++i) dst[i] += src[i];
+#endif
+    }
+  }
+}
+
+// grad_x channels [c_begin, c_end) (contiguous [C, H, W]) = the interior of the padded planes.
+inline void crop_channels(const PaddedConv& s, const float* padded, float* grad_x, int64_t c_begin, int64_t c_end) {
+  const int64_t pw = s.padded_w();
+  for (int64_t c = c_begin; c < c_end; ++c)
+    for (int64_t y = 0; y < s.height; ++y) {
+      const float* src = padded + c * s.plane() + (y + s.pad_h) * pw + s.pad_w;
+      std::copy(src, src + s.width, grad_x + (c * s.height + y) * s.width);
+    }
+}
+
+}  // namespace mn::kernels::cpu
