@@ -151,33 +151,39 @@ TEST_CASE("conv2d: results do not depend on the thread count") {
 }
 
 // Unit column stride takes the padded im2col/col2im (kernels/cpu/conv_padded.h), which copies rows as
-// whole 16-lane vectors: rows narrower than a vector (5), exactly one (16) and longer (35), a single
-// sample whose work is split over threads inside it, and several samples spread over threads.
+// whole 16-lane vectors (two-source permutes when 16 outputs span at most 32 padded floats, as with
+// stride 1 here; runs otherwise, as with row stride 2 and dilation 2): rows narrower than a vector
+// (5), exactly one (16) and longer (35), a single sample whose work is split over threads inside it,
+// and several samples spread over threads.
 TEST_CASE("conv2d: padded column path matches the direct convolution for any row width and thread count") {
   const int saved = omp_get_max_threads();
-  const ConvCase c{{2, 1}, {1, 1}, {1, 2}, 1};
-  for (int64_t width : {5, 16, 35})
-    for (int64_t batch : {1, 4}) {
-      CAPTURE(width);
-      CAPTURE(batch);
-      const int64_t in_w = width + 2;  // dilation 2, padding 1: out_w = in_w + 2 - 4 - 1 + 1
-      auto run = [&](int threads) {
-        omp_set_num_threads(threads);
-        Tensor x = random_param({batch, 16, 40, in_w}, 70), w = random_param({12, 16, 3, 3}, 71), b = random_param({12}, 72);
-        Tensor y = conv(x, w, b, c);
-        sum(mul(y, y)).backward();
-        return std::vector<Tensor>{y.detach(), x.grad(), w.grad(), b.grad()};
-      };
-      std::vector<Tensor> one = run(1), three = run(3);
-      CHECK(one[0].size(3) == width);
-      check_close(one[0], naive_conv(random_param({batch, 16, 40, in_w}, 70), random_param({12, 16, 3, 3}, 71),
-                                     random_param({12}, 72), c),
-                  1e-4);
-      for (size_t i = 0; i < one.size(); ++i) {
-        CAPTURE(i);
-        CHECK(bitwise_equal(one[i], three[i]));
+  const ConvCase cases[] = {{{2, 1}, {1, 1}, {1, 2}, 1}, {{1, 1}, {1, 1}, {1, 1}, 1}};
+  for (const ConvCase& c : cases)
+    for (int64_t width : {5, 16, 35})
+      for (int64_t batch : {1, 4}) {
+        CAPTURE(c.stride[0]);
+        CAPTURE(width);
+        CAPTURE(batch);
+        const int64_t in_w = width + 2 * c.dilation[1] - 2;  // 3 taps, padding 1
+        auto run = [&](int threads) {
+          omp_set_num_threads(threads);
+          Tensor x = random_param({batch, 16, 40, in_w}, 70), w = random_param({12, 16, 3, 3}, 71);
+          Tensor b = random_param({12}, 72);
+          Tensor y = conv(x, w, b, c);
+          sum(mul(y, y)).backward();
+          return std::vector<Tensor>{y.detach(), x.grad(), w.grad(), b.grad()};
+        };
+        std::vector<Tensor> one = run(1), three = run(3);
+        CHECK(one[0].size(3) == width);
+        check_close(one[0],
+                    naive_conv(random_param({batch, 16, 40, in_w}, 70), random_param({12, 16, 3, 3}, 71),
+                               random_param({12}, 72), c),
+                    1e-4);
+        for (size_t i = 0; i < one.size(); ++i) {
+          CAPTURE(i);
+          CHECK(bitwise_equal(one[i], three[i]));
+        }
       }
-    }
   omp_set_num_threads(saved);
   // Input gradients through the padded col2im, rows narrower and wider than a vector.
   for (int64_t width : {4, 19}) {

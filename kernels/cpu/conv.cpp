@@ -229,8 +229,9 @@ void gemm(const MatrixRef& a, const MatrixRef& b, float* c, int64_t ldc, float b
   else cpu::gemm_serial(a, b, c, ldc, 1.0f, beta);
 }
 
-// col (the start of a scratch buffer of g.scratch_size() floats) = im2col of one group of one sample.
-void fill_im2col(const ConvGeometry& g, const float* x_group, float* col, bool parallel) {
+// col (the start of a scratch buffer of g.scratch_size() floats) = im2col of one group of one sample;
+// gather: column_gather(g.padded_conv()) on the padded path.
+void fill_im2col(const ConvGeometry& g, const float* x_group, float* col, bool parallel, const cpu::ColumnGather& gather) {
   const int64_t rows = g.col_rows();
   if (!g.padded()) {
     if (!parallel) return im2col(g, x_group, col, 0, rows);
@@ -240,16 +241,22 @@ void fill_im2col(const ConvGeometry& g, const float* x_group, float* col, bool p
   }
   const cpu::PaddedConv s = g.padded_conv();
   float* padded = col + g.col_size();
+  auto fill_rows = [&](int64_t r_begin, int64_t r_end) {
+#if defined(__AVX512F__)
+    if (gather.usable) return cpu::im2col_gather(s, gather, padded, col, r_begin, r_end);
+#endif
+    cpu::im2col_padded(s, padded, col, r_begin, r_end);
+  };
   if (!parallel) {
     cpu::pad_channels(s, x_group, g.sx_c, g.sx_h, g.sx_w, padded, 0, g.group_in);
-    return cpu::im2col_padded(s, padded, col, 0, rows);
+    return fill_rows(0, rows);
   }
 #pragma omp parallel num_threads(get_num_threads_in_use())
   {
 #pragma omp for schedule(static)
     for (int64_t c = 0; c < g.group_in; ++c) cpu::pad_channels(s, x_group, g.sx_c, g.sx_h, g.sx_w, padded, c, c + 1);
 #pragma omp for schedule(static)
-    for (int64_t r = 0; r < rows; ++r) cpu::im2col_padded(s, padded, col, r, r + 1);
+    for (int64_t r = 0; r < rows; ++r) fill_rows(r, r + 1);
   }
 }
 
@@ -260,6 +267,9 @@ void col2im(const ConvGeometry& g, const float* col, float* gx_group, bool paral
   float* padded = const_cast<float*>(col) + g.col_size();
   auto channels = [&](int64_t c_begin, int64_t c_end) {
     if (!g.padded()) return col2im_add(g, col, gx_group, c_begin, c_end);
+#if defined(__AVX512F__)
+    if (cpu::col2im_rows_fits(s)) return cpu::col2im_rows(s, col, gx_group, c_begin, c_end);
+#endif
     cpu::col2im_padded(s, col, padded, c_begin, c_end);
     cpu::crop_channels(s, padded, gx_group, c_begin, c_end);
   };
@@ -282,12 +292,13 @@ void conv2d_forward_cpu(const Tensor& x, const Tensor& weight, const Tensor& bia
   const float* bp = b.defined() ? b.data<float>() : nullptr;
   float* op = out.data<float>();
   const int64_t plane = g.out_plane();
+  const cpu::ColumnGather gather = g.padded() ? cpu::column_gather(g.padded_conv()) : cpu::ColumnGather{};
   for_each_sample(g, [&](int64_t n, float* col, bool parallel) {
     for (int64_t group = 0; group < g.groups; ++group) {
       const float* x_group = xp + n * g.sx_n + group * g.group_in * g.sx_c;
       MatrixRef cols{col, g.col_rows(), plane, plane, 1};
       if (g.pointwise()) cols = {x_group, g.group_in, plane, g.sx_c, 1};
-      else fill_im2col(g, x_group, col, parallel);
+      else fill_im2col(g, x_group, col, parallel, gather);
       float* out_group = op + (n * g.out_channels + group * g.group_out) * plane;
       if (bp != nullptr)
         for (int64_t o = 0; o < g.group_out; ++o)
@@ -358,6 +369,7 @@ void conv2d_backward_weight_cpu(const Tensor& grad_out, const Tensor& x, const C
   const ConvGeometry g = geometry(x, grad_weight.sizes(), grad_out.sizes(), p);
   const float* gp = go.data<float>();
   const int64_t plane = g.out_plane();
+  const cpu::ColumnGather gather = g.padded() ? cpu::column_gather(g.padded_conv()) : cpu::ColumnGather{};
 
   const int64_t k = g.col_rows(), weight_size = g.out_channels * k;
   const int64_t chunks = std::max<int64_t>(1, std::min(g.batch, kWeightGradChunks));
@@ -378,7 +390,7 @@ void conv2d_backward_weight_cpu(const Tensor& grad_out, const Tensor& x, const C
         const float* x_group = xp + n * g.sx_n + group * g.group_in * g.sx_c;
         MatrixRef cols_t{col, plane, k, 1, plane};  // col^T
         if (g.pointwise()) cols_t = {x_group, plane, g.group_in, 1, g.sx_c};
-        else fill_im2col(g, x_group, col, parallel);
+        else fill_im2col(g, x_group, col, parallel, gather);
         const MatrixRef go_group{gp + (n * g.out_channels + group * g.group_out) * plane, g.group_out, plane, plane, 1};
         gemm(go_group, cols_t, acc + group * g.group_out * k, k, n == n_begin ? 0.0f : 1.0f, parallel);
       }

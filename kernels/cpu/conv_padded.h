@@ -13,7 +13,9 @@
 #endif
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
+#include <vector>
 
 namespace mn::kernels::cpu {
 
@@ -25,7 +27,7 @@ struct PaddedConv {
   int64_t dilation_h, dilation_w;
   int64_t out_h, out_w;
 
-  static constexpr int64_t kPlaneSlack = 16;
+  static constexpr int64_t kPlaneSlack = 32;
   int64_t padded_w() const { return width + 2 * pad_w; }
   int64_t plane() const { return (height + 2 * pad_h) * padded_w() + kPlaneSlack; }
 };
@@ -81,6 +83,58 @@ inline void im2col_padded(const PaddedConv& s, const float* padded, float* col, 
   }
 }
 
+// im2col by 16-output vectors (AVX-512): outputs q .. q+15 of any column-matrix row read padded-plane offsets
+// base + index[l] (the same for every row, up to the row's own start), and when these span at most 32
+// floats the vector is two loads and one two-source permute. `usable` is false when some span is wider.
+struct ColumnGather {
+  std::vector<int64_t> base;             // per vector of 16 outputs
+  std::vector<std::array<int32_t, 16>> index;
+  bool usable = false;
+};
+
+inline ColumnGather column_gather(const PaddedConv& s) {
+  ColumnGather g;
+#if !defined(__AVX512F__)
+  return g;
+#endif
+  const int64_t plane = s.out_h * s.out_w, pw = s.padded_w();
+  auto offset = [&](int64_t q) { return (q / s.out_w) * s.stride_h * pw + q % s.out_w; };
+  for (int64_t q0 = 0; q0 < plane; q0 += 16) {
+    g.base.push_back(offset(q0));
+    std::array<int32_t, 16> index{};
+    for (int64_t l = 0; l < 16; ++l) {
+      const int64_t rel = q0 + l < plane ? offset(q0 + l) - offset(q0) : 0;
+      if (rel >= 32) return g;
+      index[l] = static_cast<int32_t>(rel);
+    }
+    g.index.push_back(index);
+  }
+  g.usable = true;
+  return g;
+}
+
+#if defined(__AVX512F__)
+// Rows [row_begin, row_end) of the column matrix by ColumnGather vectors (g.usable); reads stay
+// within a padded plane and its slack.
+inline void im2col_gather(const PaddedConv& s, const ColumnGather& g, const float* padded, float* col,
+                          int64_t row_begin, int64_t row_end) {
+  const int64_t kk = s.kernel_h * s.kernel_w, pw = s.padded_w(), plane = s.out_h * s.out_w;
+  const int64_t vectors = static_cast<int64_t>(g.base.size());
+  for (int64_t row = row_begin; row < row_end; ++row) {
+    const int64_t c = row / kk, ki = (row / s.kernel_w) % s.kernel_h, kj = row % s.kernel_w;
+    const float* src = padded + c * s.plane() + ki * s.dilation_h * pw + kj * s.dilation_w;
+    float* dst = col + row * plane;
+    for (int64_t j = 0; j < vectors; ++j) {
+      const float* from = src + g.base[j];
+      const __m512i index = _mm512_loadu_si512(g.index[j].data());
+      const __m512 v = _mm512_permutex2var_ps(_mm512_loadu_ps(from), index, _mm512_loadu_ps(from + 16));
+      if (16 * j + 16 <= plane) _mm512_storeu_ps(dst + 16 * j, v);
+      else _mm512_mask_storeu_ps(dst + 16 * j, padded_lanes(plane - 16 * j), v);
+    }
+  }
+}
+#endif
+
 // Padded planes of channels [c_begin, c_end) = col2im of the column matrix (accumulated from zero).
 inline void col2im_padded(const PaddedConv& s, const float* col, float* padded, int64_t c_begin, int64_t c_end) {
   const int64_t kk = s.kernel_h * s.kernel_w, pw = s.padded_w(), ow = s.out_w, plane = s.out_h * ow;
@@ -102,6 +156,52 @@ inline void col2im_padded(const PaddedConv& s, const float* col, float* padded, 
     }
   }
 }
+
+#if defined(__AVX512F__)
+// Whether col2im_rows handles this shape: a padded row fits in a few vectors.
+inline bool col2im_rows_fits(const PaddedConv& s) {
+  return s.padded_w() <= 64 && s.kernel_w * ((s.padded_w() + 15) / 16) <= 64;
+}
+
+// grad_x channels [c_begin, c_end) (contiguous [C, H, W]) = col2im of the column matrix, one image row
+// at a time: the row's padded line is summed in registers from every (ki, kj) run that lands on it
+// (ki outer, kj inner: the order of the column matrix's rows, as col2im_padded adds them), each run
+// loaded already shifted into place by a masked load, and the interior stored once. No buffer, and
+// no store is read back.
+inline void col2im_rows(const PaddedConv& s, const float* col, float* grad_x, int64_t c_begin, int64_t c_end) {
+  const int64_t kk = s.kernel_h * s.kernel_w, ow = s.out_w, plane = s.out_h * ow;
+  const int64_t chunks = (s.padded_w() + 15) / 16;
+  auto span_mask = [](int64_t base, int64_t count) -> __mmask16 {  // lanes l with 0 <= base + l < count
+    const int64_t lo = std::max<int64_t>(0, -base), hi = std::min<int64_t>(16, count - base);
+    if (hi <= lo) return 0;
+    return static_cast<__mmask16>(padded_lanes(hi) & ~padded_lanes(lo));
+  };
+  __mmask16 run_masks[64];  // [kj][v]: lanes of line chunk v that run kj covers
+  for (int64_t kj = 0; kj < s.kernel_w; ++kj)
+    for (int64_t v = 0; v < chunks; ++v) run_masks[kj * chunks + v] = span_mask(16 * v - kj * s.dilation_w, ow);
+  for (int64_t c = c_begin; c < c_end; ++c)
+    for (int64_t iy = 0; iy < s.height; ++iy) {
+      __m512 line[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+      const int64_t yp = iy + s.pad_h;
+      for (int64_t ki = 0; ki < s.kernel_h; ++ki) {
+        const int64_t t = yp - ki * s.dilation_h;
+        if (t < 0 || t % s.stride_h != 0 || t / s.stride_h >= s.out_h) continue;
+        const float* runs = col + (c * kk + ki * s.kernel_w) * plane + (t / s.stride_h) * ow;
+        for (int64_t kj = 0; kj < s.kernel_w; ++kj, runs += plane)
+          for (int64_t v = 0; v < chunks; ++v) {
+            const __mmask16 m = run_masks[kj * chunks + v];
+            if (m != 0)
+              line[v] = _mm512_add_ps(line[v], _mm512_maskz_loadu_ps(m, runs + (16 * v - kj * s.dilation_w)));
+          }
+      }
+      float* dst = grad_x + (c * s.height + iy) * s.width;
+      for (int64_t v = 0; v < chunks; ++v) {
+        const __mmask16 m = span_mask(16 * v - s.pad_w, s.width);
+        if (m != 0) _mm512_mask_storeu_ps(dst + (16 * v - s.pad_w), m, line[v]);
+      }
+    }
+}
+#endif
 
 // grad_x channels [c_begin, c_end) (contiguous [C, H, W]) = the interior of the padded planes.
 inline void crop_channels(const PaddedConv& s, const float* padded, float* grad_x, int64_t c_begin, int64_t c_end) {
