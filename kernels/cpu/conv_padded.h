@@ -164,42 +164,59 @@ inline bool col2im_rows_fits(const PaddedConv& s) {
 }
 
 // grad_x channels [c_begin, c_end) (contiguous [C, H, W]) = col2im of the column matrix, one image row
-// at a time: the row's padded line is summed in registers from every (ki, kj) run that lands on it
-// (ki outer, kj inner: the order of the column matrix's rows, as col2im_padded adds them), each run
-// loaded already shifted into place by a masked load, and the interior stored once. No buffer, and
-// no store is read back.
-inline void col2im_rows(const PaddedConv& s, const float* col, float* grad_x, int64_t c_begin, int64_t c_end) {
+// at a time: the row's padded line (Chunks vectors) is summed in registers from every (ki, kj) run
+// that lands on it (ki outer, kj inner: the order of the column matrix's rows, as col2im_padded adds
+// them), each run loaded already shifted into place by a masked load, and the interior stored once.
+// No buffer, and no store is read back.
+template <int Chunks>
+void col2im_rows_of(const PaddedConv& s, const float* col, float* grad_x, int64_t c_begin, int64_t c_end) {
   const int64_t kk = s.kernel_h * s.kernel_w, ow = s.out_w, plane = s.out_h * ow;
-  const int64_t chunks = (s.padded_w() + 15) / 16;
   auto span_mask = [](int64_t base, int64_t count) -> __mmask16 {  // lanes l with 0 <= base + l < count
     const int64_t lo = std::max<int64_t>(0, -base), hi = std::min<int64_t>(16, count - base);
     if (hi <= lo) return 0;
     return static_cast<__mmask16>(padded_lanes(hi) & ~padded_lanes(lo));
   };
-  __mmask16 run_masks[64];  // [kj][v]: lanes of line chunk v that run kj covers
+  __mmask16 run_masks[64];  // [kj][v]: lanes of line vector v that run kj covers
   for (int64_t kj = 0; kj < s.kernel_w; ++kj)
-    for (int64_t v = 0; v < chunks; ++v) run_masks[kj * chunks + v] = span_mask(16 * v - kj * s.dilation_w, ow);
+    for (int v = 0; v < Chunks; ++v) run_masks[kj * Chunks + v] = span_mask(16 * v - kj * s.dilation_w, ow);
+  // Output row feeding image row iy through kernel row ki, or -1 (no division when stride_h is 1).
+  auto source_row = [&](int64_t iy, int64_t ki) -> int64_t {
+    const int64_t t = iy + s.pad_h - ki * s.dilation_h;
+    if (t < 0) return -1;
+    if (s.stride_h == 1) return t < s.out_h ? t : -1;
+    return t % s.stride_h == 0 && t / s.stride_h < s.out_h ? t / s.stride_h : -1;
+  };
   for (int64_t c = c_begin; c < c_end; ++c)
     for (int64_t iy = 0; iy < s.height; ++iy) {
-      __m512 line[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-      const int64_t yp = iy + s.pad_h;
+      __m512 line[Chunks];
+      for (int v = 0; v < Chunks; ++v) line[v] = _mm512_setzero_ps();
       for (int64_t ki = 0; ki < s.kernel_h; ++ki) {
-        const int64_t t = yp - ki * s.dilation_h;
-        if (t < 0 || t % s.stride_h != 0 || t / s.stride_h >= s.out_h) continue;
-        const float* runs = col + (c * kk + ki * s.kernel_w) * plane + (t / s.stride_h) * ow;
+        const int64_t oy = source_row(iy, ki);
+        if (oy < 0) continue;
+        const float* runs = col + (c * kk + ki * s.kernel_w) * plane + oy * ow;
         for (int64_t kj = 0; kj < s.kernel_w; ++kj, runs += plane)
-          for (int64_t v = 0; v < chunks; ++v) {
-            const __mmask16 m = run_masks[kj * chunks + v];
+          for (int v = 0; v < Chunks; ++v) {
+            const __mmask16 m = run_masks[kj * Chunks + v];
             if (m != 0)
               line[v] = _mm512_add_ps(line[v], _mm512_maskz_loadu_ps(m, runs + (16 * v - kj * s.dilation_w)));
           }
       }
       float* dst = grad_x + (c * s.height + iy) * s.width;
-      for (int64_t v = 0; v < chunks; ++v) {
+      for (int v = 0; v < Chunks; ++v) {
         const __mmask16 m = span_mask(16 * v - s.pad_w, s.width);
         if (m != 0) _mm512_mask_storeu_ps(dst + (16 * v - s.pad_w), m, line[v]);
       }
     }
+}
+
+// col2im_rows_of for this shape's line length (col2im_rows_fits).
+inline void col2im_rows(const PaddedConv& s, const float* col, float* grad_x, int64_t c_begin, int64_t c_end) {
+  switch ((s.padded_w() + 15) / 16) {
+    case 1: return col2im_rows_of<1>(s, col, grad_x, c_begin, c_end);
+    case 2: return col2im_rows_of<2>(s, col, grad_x, c_begin, c_end);
+    case 3: return col2im_rows_of<3>(s, col, grad_x, c_begin, c_end);
+    default: return col2im_rows_of<4>(s, col, grad_x, c_begin, c_end);
+  }
 }
 #endif
 
