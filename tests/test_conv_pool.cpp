@@ -194,6 +194,30 @@ TEST_CASE("conv2d: padded column path matches the direct convolution for any row
   }
 }
 
+// Past 16 samples each of the weight gradient's partial sums covers several samples: the same
+// gradient as the sum of per-sample gradients, and the same bits on any thread count.
+TEST_CASE("conv2d: weight gradient summed in chunks of samples") {
+  const int saved = omp_get_max_threads();
+  const ConvCase c{{1, 1}, {1, 1}, {1, 1}, 1};
+  Tensor x = random_tensor({40, 3, 6, 7}, 80), go = random_tensor({40, 4, 6, 7}, 81);
+  auto weight_grad = [&](const Tensor& xs, const Tensor& gos) {
+    Tensor w = random_param({4, 3, 3, 3}, 82);
+    conv(xs, w, Tensor(), c).backward(gos);
+    return w.grad();
+  };
+  omp_set_num_threads(1);
+  Tensor one = weight_grad(x, go);
+  std::vector<float> per_sample(one.numel(), 0.0f);
+  for (int64_t n = 0; n < 40; ++n) {
+    std::vector<float> g = weight_grad(x.slice(0, n, n + 1), go.slice(0, n, n + 1)).to_vector<float>();
+    for (size_t i = 0; i < g.size(); ++i) per_sample[i] += g[i];
+  }
+  check_close(one, per_sample, 1e-4);
+  omp_set_num_threads(3);
+  CHECK(bitwise_equal(one, weight_grad(x, go)));
+  omp_set_num_threads(saved);
+}
+
 TEST_CASE("conv2d: gradcheck for input, weight and bias") {
   Tensor x = random_param({2, 4, 5, 5}, 60), w = random_param({4, 2, 3, 3}, 61, 0.5), b = random_param({4}, 62);
   CHECK(gradcheck([](const std::vector<Tensor>& t) { return F::conv2d(t[0], t[1], t[2], {1, 1}, {0, 0}, {1, 1}, 2); },
