@@ -150,21 +150,23 @@ TEST_CASE("conv2d: results do not depend on the thread count") {
   omp_set_num_threads(saved);
 }
 
-// Unit column stride takes the padded im2col/col2im (kernels/cpu/conv_padded.h), which copies rows as
-// whole 16-lane vectors (two-source permutes when 16 outputs span at most 32 padded floats, as with
-// stride 1 here; runs otherwise, as with row stride 2 and dilation 2): rows narrower than a vector
-// (5), exactly one (16) and longer (35), a single sample whose work is split over threads inside it,
-// and several samples spread over threads.
+// Column stride 1 takes the padded im2col/col2im (kernels/cpu/conv_padded.h), column stride 2 the
+// padded im2col, which copy rows as whole 16-lane vectors (two-source permutes when 16 outputs span
+// at most 32 padded floats, as with stride 1 here; runs otherwise, as with row stride 2 and dilation
+// 2, or every other float with column stride 2): rows narrower than a vector (5), exactly one (16)
+// and longer (35), a single sample whose work is split over threads inside it, and several samples
+// spread over threads.
 TEST_CASE("conv2d: padded column path matches the direct convolution for any row width and thread count") {
   const int saved = omp_get_max_threads();
-  const ConvCase cases[] = {{{2, 1}, {1, 1}, {1, 2}, 1}, {{1, 1}, {1, 1}, {1, 1}, 1}};
+  const ConvCase cases[] = {{{2, 1}, {1, 1}, {1, 2}, 1}, {{1, 1}, {1, 1}, {1, 1}, 1}, {{1, 2}, {1, 1}, {1, 1}, 1}};
   for (const ConvCase& c : cases)
     for (int64_t width : {5, 16, 35})
       for (int64_t batch : {1, 4}) {
         CAPTURE(c.stride[0]);
+        CAPTURE(c.stride[1]);
         CAPTURE(width);
         CAPTURE(batch);
-        const int64_t in_w = width + 2 * c.dilation[1] - 2;  // 3 taps, padding 1
+        const int64_t in_w = (width - 1) * c.stride[1] + 2 * c.dilation[1] - 1;  // 3 taps, padding 1
         auto run = [&](int threads) {
           omp_set_num_threads(threads);
           Tensor x = random_param({batch, 16, 40, in_w}, 70), w = random_param({12, 16, 3, 3}, 71);

@@ -46,10 +46,16 @@ struct ConvGeometry {
     return kernel_h == 1 && kernel_w == 1 && p.stride_h == 1 && p.stride_w == 1 && p.pad_h == 0 && p.pad_w == 0 &&
            sx_w == 1 && sx_h == width;
   }
-  // Unit column stride: im2col and col2im go through a zero-padded copy of the image (conv_padded.h).
-  bool padded() const { return p.stride_w == 1 && !pointwise(); }
+  // Column stride 1, or 2 with a kernel wider than a point (a 1x1 kernel at stride 2 reads a quarter
+  // of the image, not worth a padded copy of all of it): im2col goes through a zero-padded copy of the
+  // image (conv_padded.h), and with stride 1 col2im too.
+  bool padded() const {
+    return (p.stride_w == 1 || (p.stride_w == 2 && kernel_h * kernel_w > 1)) && !pointwise();
+  }
+  bool padded_col2im() const { return padded() && p.stride_w == 1; }
   cpu::PaddedConv padded_conv() const {
-    return {height, width, p.pad_h, p.pad_w, kernel_h, kernel_w, p.stride_h, p.dilation_h, p.dilation_w, out_h, out_w};
+    return {height,     width,        p.pad_h,      p.pad_w, kernel_h, kernel_w,
+            p.stride_h, p.stride_w,   p.dilation_h, p.dilation_w, out_h, out_w};
   }
   // Scratch floats per worker: the column matrix, then on the padded path the padded channels.
   int64_t scratch_size() const {
@@ -260,13 +266,14 @@ void fill_im2col(const ConvGeometry& g, const float* x_group, float* col, bool p
   }
 }
 
-// grad_x of one group of one sample (contiguous [Cg, H, W]) += col2im(col) on the direct path; on the
-// padded path grad_x = col2im(col), through the padded planes after col in the scratch buffer.
+// grad_x of one group of one sample (contiguous [Cg, H, W]) += col2im(col) on the direct path; with
+// column stride 1 grad_x = col2im(col), in registers (col2im_rows) or through the padded planes after
+// col in the scratch buffer.
 void col2im(const ConvGeometry& g, const float* col, float* gx_group, bool parallel) {
   const cpu::PaddedConv s = g.padded_conv();
   float* padded = const_cast<float*>(col) + g.col_size();
   auto channels = [&](int64_t c_begin, int64_t c_end) {
-    if (!g.padded()) return col2im_add(g, col, gx_group, c_begin, c_end);
+    if (!g.padded_col2im()) return col2im_add(g, col, gx_group, c_begin, c_end);
 #if defined(__AVX512F__)
     if (cpu::col2im_rows_fits(s)) return cpu::col2im_rows(s, col, gx_group, c_begin, c_end);
 #endif
@@ -318,7 +325,7 @@ void conv2d_backward_input_cpu(const Tensor& grad_out, const Tensor& weight, con
   const int64_t plane = g.out_plane(), image = g.height * g.width, k = g.col_rows();
   for_each_sample(g, [&](int64_t n, float* col, bool parallel) {
     float* gx_sample = gx + n * g.channels * image;
-    if (!g.pointwise() && !g.padded()) std::fill(gx_sample, gx_sample + g.channels * image, 0.0f);
+    if (!g.pointwise() && !g.padded_col2im()) std::fill(gx_sample, gx_sample + g.channels * image, 0.0f);
     for (int64_t group = 0; group < g.groups; ++group) {
       const MatrixRef w_t{wp + group * g.group_out * k, k, g.group_out, 1, k};  // W_g^T
       const MatrixRef go_group{gp + (n * g.out_channels + group * g.group_out) * plane, g.group_out, plane, plane, 1};

@@ -1,9 +1,9 @@
 #pragma once
-// im2col and col2im through a zero-padded copy of the image, for convolutions with unit column
-// stride. With the padding materialised, every (row of the column matrix, output row) pair is one
-// run of OW consecutive floats with no bounds to test, so runs are copied (or added) as whole 16-lane
-// vectors: a run may spill into floats that a later run overwrites (im2col), or add zeros past its
-// end (col2im). Each padded channel plane carries kPlaneSlack spare floats so that no spill crosses
+// im2col and col2im through a zero-padded copy of the image, for convolutions with column stride 1
+// (im2col also 2). With the padding materialised, every (row of the column matrix, output row) pair
+// is one run of OW floats, consecutive or every other one, with no bounds to test, so runs are copied
+// (or added) as whole 16-lane vectors: a run may spill into floats that a later run overwrites
+// (im2col), or add zeros past its end (col2im). Each padded channel plane carries kPlaneSlack spare floats so that no spill crosses
 // into the next channel, which may belong to another thread.
 //
 // Sums are formed in the same order as the direct col2im (rows of the column matrix in order, into a
@@ -23,7 +23,7 @@ struct PaddedConv {
   int64_t height, width;           // of the image
   int64_t pad_h, pad_w;
   int64_t kernel_h, kernel_w;
-  int64_t stride_h;                // stride_w is 1
+  int64_t stride_h, stride_w;      // stride_w 1 or 2 (col2im: 1)
   int64_t dilation_h, dilation_w;
   int64_t out_h, out_w;
 
@@ -70,14 +70,18 @@ inline void im2col_padded(const PaddedConv& s, const float* padded, float* col, 
     float* dst = col + row * plane;
     for (int64_t done = 0; done < plane; done += ow, src += s.stride_h * pw) {
 #if defined(__AVX512F__)
-      // Whole vectors while they end inside the row, then the run's own lanes.
+      // Whole vectors while they end inside the row, then the run's own lanes. Reads stay within the
+      // plane and its slack.
+      const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
       for (int64_t i = 0; i < ow; i += 16) {
-        const __m512 v = _mm512_loadu_ps(src + i);  // within the plane and its slack
+        const __m512 v = s.stride_w == 1 ? _mm512_loadu_ps(src + i)
+                                         : _mm512_permutex2var_ps(_mm512_loadu_ps(src + 2 * i), even,
+                                                                  _mm512_loadu_ps(src + 2 * i + 16));
         if (done + i + 16 <= plane) _mm512_storeu_ps(dst + done + i, v);
         else _mm512_mask_storeu_ps(dst + done + i, padded_lanes(ow - i), v);
       }
 #else
-      std::copy(src, src + ow, dst + done);
+      for (int64_t i = 0; i < ow; ++i) dst[done + i] = src[i * s.stride_w];
 #endif
     }
   }
@@ -98,7 +102,7 @@ inline ColumnGather column_gather(const PaddedConv& s) {
   return g;
 #endif
   const int64_t plane = s.out_h * s.out_w, pw = s.padded_w();
-  auto offset = [&](int64_t q) { return (q / s.out_w) * s.stride_h * pw + q % s.out_w; };
+  auto offset = [&](int64_t q) { return (q / s.out_w) * s.stride_h * pw + (q % s.out_w) * s.stride_w; };
   for (int64_t q0 = 0; q0 < plane; q0 += 16) {
     g.base.push_back(offset(q0));
     std::array<int32_t, 16> index{};
