@@ -15,6 +15,7 @@
 #include <cstring>
 
 #include "kernels/cpu/conv_padded.h"
+#include "kernels/cpu/conv_small.h"
 #include "kernels/cpu/eigen_gemm.h"
 #include "kernels/cpu/loops.h"
 #include "kernels/kernels.h"
@@ -230,6 +231,17 @@ void for_each_sample(const ConvGeometry& g, Body&& body) {
   }
 }
 
+// Runs body(i) for i in [0, count), on the team when parallel.
+template <class Body>
+void for_range(int64_t count, bool parallel, Body&& body) {
+  if (!parallel) {
+    for (int64_t i = 0; i < count; ++i) body(i);
+    return;
+  }
+#pragma omp parallel for schedule(static) num_threads(get_num_threads_in_use())
+  for (int64_t i = 0; i < count; ++i) body(i);
+}
+
 void gemm(const MatrixRef& a, const MatrixRef& b, float* c, int64_t ldc, float beta, bool parallel) {
   if (parallel) cpu::gemm_parallel(a, b, c, ldc, 1.0f, beta);
   else cpu::gemm_serial(a, b, c, ldc, 1.0f, beta);
@@ -300,6 +312,8 @@ void conv2d_forward_cpu(const Tensor& x, const Tensor& weight, const Tensor& bia
   float* op = out.data<float>();
   const int64_t plane = g.out_plane();
   const cpu::ColumnGather gather = g.padded() ? cpu::column_gather(g.padded_conv()) : cpu::ColumnGather{};
+  // A short inner dimension takes small_k_product instead of the GEMM (AVX-512 builds).
+  [[maybe_unused]] const bool small_k = !g.pointwise() && g.col_rows() <= cpu::kSmallK;
   for_each_sample(g, [&](int64_t n, float* col, bool parallel) {
     for (int64_t group = 0; group < g.groups; ++group) {
       const float* x_group = xp + n * g.sx_n + group * g.group_in * g.sx_c;
@@ -307,6 +321,18 @@ void conv2d_forward_cpu(const Tensor& x, const Tensor& weight, const Tensor& bia
       if (g.pointwise()) cols = {x_group, g.group_in, plane, g.sx_c, 1};
       else fill_im2col(g, x_group, col, parallel, gather);
       float* out_group = op + (n * g.out_channels + group * g.group_out) * plane;
+#if defined(__AVX512F__)
+      if (small_k) {  // bias fused, no GEMM
+        const float* w_group = wp + group * g.group_out * g.col_rows();
+        const float* b_group = bp != nullptr ? bp + group * g.group_out : nullptr;
+        const int64_t pairs = (g.group_out + 1) / 2;
+        for_range(pairs, parallel, [&](int64_t i) {
+          cpu::small_k_product(w_group, g.col_rows(), col, plane, b_group, out_group, plane, 2 * i,
+                               std::min(2 * i + 2, g.group_out));
+        });
+        continue;
+      }
+#endif
       if (bp != nullptr)
         for (int64_t o = 0; o < g.group_out; ++o)
           std::fill(out_group + o * plane, out_group + (o + 1) * plane, bp[group * g.group_out + o]);
@@ -340,30 +366,16 @@ void conv2d_backward_input_cpu(const Tensor& grad_out, const Tensor& weight, con
   });
 }
 
-// grad_bias[o] = sum over samples and pixels of grad_out[n, o]: 16 float lanes per plane (vectorised),
-// combined in double in a fixed order.
+// grad_bias[o] = sum over samples and pixels of grad_out[n, o] (channel_sum), channels over threads.
 void bias_grad(const Tensor& grad_out, Tensor& grad_bias) {
   const int64_t batch = grad_out.size(0), channels = grad_out.size(1), plane = grad_out.size(2) * grad_out.size(3);
   MN_CHECK(grad_bias.is_contiguous() && grad_bias.numel() == channels, ValueError,
            "conv2d backward: grad_bias must be a contiguous [", channels, "], got ", grad_bias.sizes());
   const float* gp = grad_out.data<float>();
   float* gb = grad_bias.data<float>();
-  constexpr int kLanes = 16;
   const int team = cpu::parallel_team(batch * channels * plane, kParallelWork);
 #pragma omp parallel for schedule(static) num_threads(team) if (team > 1 && channels > 1)
-  for (int64_t o = 0; o < channels; ++o) {
-    double total = 0;
-    for (int64_t n = 0; n < batch; ++n) {
-      const float* row = gp + (n * channels + o) * plane;
-      float lanes[kLanes] = {};
-      int64_t i = 0;
-      for (; i + kLanes <= plane; i += kLanes)
-        for (int l = 0; l < kLanes; ++l) lanes[l] += row[i + l];
-      for (int l = 0; l < kLanes; ++l) total += lanes[l];
-      for (; i < plane; ++i) total += row[i];
-    }
-    gb[o] = static_cast<float>(total);
-  }
+  for (int64_t o = 0; o < channels; ++o) gb[o] = cpu::channel_sum(gp, batch, channels, plane, o);
 }
 
 // x may be undefined when only grad_bias is wanted (grad_weight undefined).
