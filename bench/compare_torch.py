@@ -183,6 +183,8 @@ def conv_step(x_shape, w_shape, stride, pad, bias, input_grad):
 def ours_convs(build, threads, repeats):
     """Median forward + backward ms of each layer of bench/mn_bench_conv, keyed by layer name."""
     binary = os.path.join(build, "bench", "mn_bench_conv")
+    if not os.path.exists(binary):  # not built: ours shows as n/a
+        return {}
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     out = subprocess.run([binary, f"--benchmark_repetitions={repeats}", "--benchmark_report_aggregates_only=true",
                           "--benchmark_format=json", "--benchmark_filter=^BM_ConvForwardBackward/"],
