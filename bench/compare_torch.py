@@ -2,7 +2,7 @@
 """Side-by-side training-step timings: mapping_networks (C++) against Debian's PyTorch 1.13.
 
 Usage:  /usr/bin/python3 bench/compare_torch.py [--build build] [--threads 2] [--repeats 7] [--json FILE]
-                                              [--convs-only | --no-convs]
+                                              [--convs-only | --no-convs] [--conv-cpu-time]
 
 Runs, in this one invocation and with the same thread count:
   * our Google Benchmark binary build/bench/mn_bench_train_step (median of --repeats runs), and
@@ -14,7 +14,8 @@ writes the figures to FILE; as DIR/compare_torch.json next to `./mn bench`'s res
 Then, per convolution (every distinct conv of CNN2, CNN1 and ResNet-20 at batch 128, the table
 CONV_LAYERS below, the twin of bench/bench_conv.cpp's kConvLayers): forward + backward of
 build/bench/mn_bench_conv against F.conv2d + backward, same threads, ratio ours / torch.
---convs-only skips the training steps, --no-convs the convolutions.
+--convs-only skips the training steps, --no-convs the convolutions; --conv-cpu-time times them in
+CPU time (with --threads 1: steadier than wall time while other processes share the cores).
 
 PyTorch variants of the mapped steps:
   same     the same math as ours: per group theta = s * (W z + alpha |z|^2), with W in the same
@@ -39,15 +40,15 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from torch_targets import cnn2, mlp, resnet20, vit  # noqa: E402  (the twins of mapping/targets.h)
 
 
-def time_steps(step, repeats, inner):
+def time_steps(step, repeats, inner, clock=time.perf_counter):
     for _ in range(3):
         step()
     samples = []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = clock()
         for _ in range(inner):
             step()
-        samples.append((time.perf_counter() - t0) / inner * 1e3)
+        samples.append((clock() - t0) / inner * 1e3)
     return statistics.median(samples)
 
 
@@ -180,8 +181,9 @@ def conv_step(x_shape, w_shape, stride, pad, bias, input_grad):
     return step
 
 
-def ours_convs(build, threads, repeats):
-    """Median forward + backward ms of each layer of bench/mn_bench_conv, keyed by layer name."""
+def ours_convs(build, threads, repeats, cpu_time=False):
+    """Median forward + backward ms of each layer of bench/mn_bench_conv, keyed by layer name (wall
+    time, or the benchmark thread's CPU time)."""
     binary = os.path.join(build, "bench", "mn_bench_conv")
     if not os.path.exists(binary):  # not built: ours shows as n/a
         return {}
@@ -189,14 +191,15 @@ def ours_convs(build, threads, repeats):
     out = subprocess.run([binary, f"--benchmark_repetitions={repeats}", "--benchmark_report_aggregates_only=true",
                           "--benchmark_format=json", "--benchmark_filter=^BM_ConvForwardBackward/"],
                          env=env, check=True, capture_output=True, text=True).stdout
-    return {b["label"]: b["real_time"] for b in json.loads(out)["benchmarks"] if b.get("aggregate_name") == "median"}
+    field = "cpu_time" if cpu_time else "real_time"
+    return {b["label"]: b[field] for b in json.loads(out)["benchmarks"] if b.get("aggregate_name") == "median"}
 
 
-def conv_rows(build, threads, repeats):
-    mine = ours_convs(build, threads, repeats)
+def conv_rows(build, threads, repeats, cpu_time=False):
+    mine = ours_convs(build, threads, repeats, cpu_time)
     rows = []
     for name, spec in CONV_LAYERS.items():
-        theirs = time_steps(conv_step(*spec), repeats, 3)
+        theirs = time_steps(conv_step(*spec), repeats, 3, time.process_time if cpu_time else time.perf_counter)
         rows.append({"conv": name, "ours_ms": mine.get(name), "torch_ms": theirs})
     return rows
 
@@ -209,6 +212,9 @@ def main():
     ap.add_argument("--json", metavar="FILE", help="also write the figures to FILE (read by mn_bench_report)")
     ap.add_argument("--convs-only", action="store_true", help="only the per-convolution rows")
     ap.add_argument("--no-convs", action="store_true", help="skip the per-convolution rows")
+    ap.add_argument("--conv-cpu-time", action="store_true",
+                    help="time the convolutions in CPU time, not wall time: steadier on a busy machine, but only "
+                         "comparable with --threads 1 (at more threads it counts the OpenMP workers' spinning)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -216,8 +222,9 @@ def main():
     if not args.convs_only:
         doc["rows"] = step_rows(args)
     if not args.no_convs:
-        convs = conv_rows(args.build, args.threads, args.repeats)
-        print(f"\nconvolutions, forward + backward, batch 128 (medians, ms; ratio = ours / torch; "
+        convs = conv_rows(args.build, args.threads, args.repeats, args.conv_cpu_time)
+        clock = "CPU" if args.conv_cpu_time else "wall"
+        print(f"\nconvolutions, forward + backward, batch 128 (medians, {clock} ms; ratio = ours / torch; "
               f"target <= {CONV_TARGET_RATIO})")
         print(f"{'conv':20s} {'ours':>9s} {'torch':>9s} {'ratio':>7s}")
         for r in convs:
@@ -227,6 +234,7 @@ def main():
             print(f"{r['conv']:20s} {ours_txt} {ms:9.2f} {ratio}")
         doc["convs"] = convs
         doc["conv_target_ratio"] = CONV_TARGET_RATIO
+        doc["conv_clock"] = clock
     if args.json:
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=2)
