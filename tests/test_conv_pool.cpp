@@ -151,7 +151,7 @@ TEST_CASE("conv2d: results do not depend on the thread count") {
   omp_set_num_threads(saved);
 }
 
-// Column stride 1 takes the padded im2col/col2im (kernels/cpu/conv_padded.h), column stride 2 the
+// Column stride 1 takes the padded im2col/col2im (kernels/cpu/conv_columns.h), column stride 2 the
 // padded im2col, which copy rows as whole 16-lane vectors (two-source permutes when 16 outputs span
 // at most 32 padded floats, as with stride 1 here; runs otherwise, as with row stride 2 and dilation
 // 2, or every other float with column stride 2): rows narrower than a vector (5), exactly one (16)

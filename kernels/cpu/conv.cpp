@@ -5,16 +5,15 @@
 // Work is split over the batch (one sample per thread at a time, with a per-thread column buffer);
 // a batch smaller than the thread count splits each product instead. The weight gradient sums the
 // batch in fixed chunks reduced in order, so no result depends on the thread count.
+// With column stride 1 (or 2) im2col reads a zero-padded copy of the image, and with stride 1 col2im
+// sums image rows in registers (conv_columns.h); a column matrix of at most kSmallK rows skips the
+// forward GEMM (conv_small.h). Which path runs depends on the shapes only.
 #include <omp.h>
-
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
 
 #include <algorithm>
 #include <cstring>
 
-#include "kernels/cpu/conv_padded.h"
+#include "kernels/cpu/conv_columns.h"
 #include "kernels/cpu/conv_small.h"
 #include "kernels/cpu/eigen_gemm.h"
 #include "kernels/cpu/loops.h"
@@ -23,7 +22,11 @@
 namespace mn::kernels {
 namespace {
 
+using cpu::add_run;
+using cpu::copy_run;
 using cpu::MatrixRef;
+using cpu::valid_range;
+using cpu::zero_run;
 
 // The weight gradient is accumulated in at most this many partial sums over the batch.
 constexpr int64_t kWeightGradChunks = 16;
@@ -49,7 +52,7 @@ struct ConvGeometry {
   }
   // Column stride 1, or 2 with a kernel wider than a point (a 1x1 kernel at stride 2 reads a quarter
   // of the image, not worth a padded copy of all of it): im2col goes through a zero-padded copy of the
-  // image (conv_padded.h), and with stride 1 col2im too.
+  // image (conv_columns.h), and with stride 1 col2im too.
   bool padded() const {
     return (p.stride_w == 1 || (p.stride_w == 2 && kernel_h * kernel_w > 1)) && !pointwise();
   }
@@ -89,55 +92,6 @@ Tensor dense(const Tensor& t) {
   Tensor out = empty(t.sizes(), TensorOptions(t.dtype()));
   copy(kCPU, t, out);
   return out;
-}
-
-// Range [begin, end) of output positions o with 0 <= o * stride + offset < limit.
-std::pair<int64_t, int64_t> valid_range(int64_t offset, int64_t stride, int64_t limit, int64_t count) {
-  int64_t begin = offset >= 0 ? 0 : (-offset + stride - 1) / stride;
-  int64_t end = limit - 1 - offset < 0 ? 0 : (limit - 1 - offset) / stride + 1;
-  begin = std::min(begin, count);
-  end = std::clamp(end, begin, count);
-  return {begin, end};
-}
-
-// Image rows are short (tens of floats): a memmove/memset call or a scalar tail per run would cost
-// more than the run itself, so with AVX-512 each run is a few masked 16-lane loads and stores.
-#if defined(__AVX512F__)
-inline __mmask16 lanes_mask(int64_t remaining) {
-  return remaining >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << remaining) - 1);
-}
-#endif
-
-inline void copy_run(float* dst, const float* src, int64_t n) {
-#if defined(__AVX512F__)
-  for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 mask = lanes_mask(n - i);
-    _mm512_mask_storeu_ps(dst + i, mask, _mm512_maskz_loadu_ps(mask, src + i));
-  }
-#else
-  std::copy(src, src + n, dst);
-#endif
-}
-
-inline void zero_run(float* dst, int64_t n) {
-#if defined(__AVX512F__)
-  for (int64_t i = 0; i < n; i += 16) _mm512_mask_storeu_ps(dst + i, lanes_mask(n - i), _mm512_setzero_ps());
-#else
-  std::fill(dst, dst + n, 0.0f);
-#endif
-}
-
-// dst[i] += src[i]
-inline void add_run(float* dst, const float* src, int64_t n) {
-#if defined(__AVX512F__)
-  for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 mask = lanes_mask(n - i);
-    const __m512 sum = _mm512_add_ps(_mm512_maskz_loadu_ps(mask, dst + i), _mm512_maskz_loadu_ps(mask, src + i));
-    _mm512_mask_storeu_ps(dst + i, mask, sum);
-  }
-#else
-  for (int64_t i = 0; i < n; ++i) dst[i] += src[i];
-#endif
 }
 
 // col [Cg*KH*KW, OH*OW] from the channels of one group of one sample (x points at its channel 0).

@@ -1,13 +1,14 @@
 #pragma once
+// Column-matrix helpers of the CPU convolution (kernels/cpu/conv.cpp): short masked runs, and
 // im2col and col2im through a zero-padded copy of the image, for convolutions with column stride 1
 // (im2col also 2). With the padding materialised, every (row of the column matrix, output row) pair
-// is one run of OW floats, consecutive or every other one, with no bounds to test, so runs are copied
-// (or added) as whole 16-lane vectors: a run may spill into floats that a later run overwrites
-// (im2col), or add zeros past its end (col2im). Each padded channel plane carries kPlaneSlack spare floats so that no spill crosses
-// into the next channel, which may belong to another thread.
+// is one run of OW floats, consecutive or every other one, with no bounds to test, so runs are
+// copied as whole 16-lane vectors (or built by two-source permutes, ColumnGather), spilling only
+// into floats of the same row that a later run overwrites. Each padded channel plane carries
+// kPlaneSlack spare floats, so that whole-vector reads never leave it.
 //
-// Sums are formed in the same order as the direct col2im (rows of the column matrix in order, into a
-// zeroed buffer), so the results are bit-identical to it.
+// col2im adds the column matrix's rows in order into a sum that starts from zero, as the direct
+// col2im does, so the results are bit-identical to it.
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -15,6 +16,7 @@
 #include <algorithm>
 #include <array>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 namespace mn::kernels::cpu {
@@ -32,11 +34,54 @@ struct PaddedConv {
   int64_t plane() const { return (height + 2 * pad_h) * padded_w() + kPlaneSlack; }
 };
 
+// Range [begin, end) of output positions o with 0 <= o * stride + offset < limit.
+inline std::pair<int64_t, int64_t> valid_range(int64_t offset, int64_t stride, int64_t limit, int64_t count) {
+  int64_t begin = offset >= 0 ? 0 : (-offset + stride - 1) / stride;
+  int64_t end = limit - 1 - offset < 0 ? 0 : (limit - 1 - offset) / stride + 1;
+  begin = std::min(begin, count);
+  end = std::clamp(end, begin, count);
+  return {begin, end};
+}
+
+// Image rows are short (tens of floats): a memmove/memset call or a scalar tail per run would cost
+// more than the run itself, so with AVX-512 each run is a few masked 16-lane loads and stores.
 #if defined(__AVX512F__)
-inline __mmask16 padded_lanes(int64_t remaining) {
+inline __mmask16 lanes_mask(int64_t remaining) {
   return remaining >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << remaining) - 1);
 }
 #endif
+
+inline void copy_run(float* dst, const float* src, int64_t n) {
+#if defined(__AVX512F__)
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 mask = lanes_mask(n - i);
+    _mm512_mask_storeu_ps(dst + i, mask, _mm512_maskz_loadu_ps(mask, src + i));
+  }
+#else
+  std::copy(src, src + n, dst);
+#endif
+}
+
+inline void zero_run(float* dst, int64_t n) {
+#if defined(__AVX512F__)
+  for (int64_t i = 0; i < n; i += 16) _mm512_mask_storeu_ps(dst + i, lanes_mask(n - i), _mm512_setzero_ps());
+#else
+  std::fill(dst, dst + n, 0.0f);
+#endif
+}
+
+// dst[i] += src[i]
+inline void add_run(float* dst, const float* src, int64_t n) {
+#if defined(__AVX512F__)
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 mask = lanes_mask(n - i);
+    const __m512 sum = _mm512_add_ps(_mm512_maskz_loadu_ps(mask, dst + i), _mm512_maskz_loadu_ps(mask, src + i));
+    _mm512_mask_storeu_ps(dst + i, mask, sum);
+  }
+#else
+  for (int64_t i = 0; i < n; ++i) dst[i] += src[i];
+#endif
+}
 
 // Channels [c_begin, c_end) of x (strides sx_c, sx_h, sx_w) into padded planes (zero borders and slack).
 inline void pad_channels(const PaddedConv& s, const float* x, int64_t sx_c, int64_t sx_h, int64_t sx_w, float* padded,
@@ -78,7 +123,7 @@ inline void im2col_padded(const PaddedConv& s, const float* padded, float* col, 
                                          : _mm512_permutex2var_ps(_mm512_loadu_ps(src + 2 * i), even,
                                                                   _mm512_loadu_ps(src + 2 * i + 16));
         if (done + i + 16 <= plane) _mm512_storeu_ps(dst + done + i, v);
-        else _mm512_mask_storeu_ps(dst + done + i, padded_lanes(ow - i), v);
+        else _mm512_mask_storeu_ps(dst + done + i, lanes_mask(ow - i), v);
       }
 #else
       for (int64_t i = 0; i < ow; ++i) dst[done + i] = src[i * s.stride_w];
@@ -133,7 +178,7 @@ inline void im2col_gather(const PaddedConv& s, const ColumnGather& g, const floa
       const __m512i index = _mm512_loadu_si512(g.index[j].data());
       const __m512 v = _mm512_permutex2var_ps(_mm512_loadu_ps(from), index, _mm512_loadu_ps(from + 16));
       if (16 * j + 16 <= plane) _mm512_storeu_ps(dst + 16 * j, v);
-      else _mm512_mask_storeu_ps(dst + 16 * j, padded_lanes(plane - 16 * j), v);
+      else _mm512_mask_storeu_ps(dst + 16 * j, lanes_mask(plane - 16 * j), v);
     }
   }
 }
@@ -151,7 +196,7 @@ inline void col2im_padded(const PaddedConv& s, const float* col, float* padded, 
 #if defined(__AVX512F__)
       // Lanes past the run add zero: the floats they touch keep their values.
       for (int64_t i = 0; i < ow; i += 16) {
-        const __m512 add = _mm512_maskz_loadu_ps(padded_lanes(ow - i), src + i);
+        const __m512 add = _mm512_maskz_loadu_ps(lanes_mask(ow - i), src + i);
         _mm512_storeu_ps(dst + i, _mm512_add_ps(_mm512_loadu_ps(dst + i), add));
       }
 #else
@@ -178,7 +223,7 @@ void col2im_rows_of(const PaddedConv& s, const float* col, float* grad_x, int64_
   auto span_mask = [](int64_t base, int64_t count) -> __mmask16 {  // lanes l with 0 <= base + l < count
     const int64_t lo = std::max<int64_t>(0, -base), hi = std::min<int64_t>(16, count - base);
     if (hi <= lo) return 0;
-    return static_cast<__mmask16>(padded_lanes(hi) & ~padded_lanes(lo));
+    return static_cast<__mmask16>(lanes_mask(hi) & ~lanes_mask(lo));
   };
   __mmask16 run_masks[64];  // [kj][v]: lanes of line vector v that run kj covers
   for (int64_t kj = 0; kj < s.kernel_w; ++kj)
