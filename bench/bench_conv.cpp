@@ -48,7 +48,8 @@ Tensor random_tensor(const Shape& shape, uint64_t seed, bool requires_grad) {
 
 // Multiply-adds of the forward pass x 2.
 double forward_flops(const ConvLayer& l) {
-  const double out_h = (l.x[2] + 2 * l.pad - l.w[2]) / l.stride + 1, out_w = (l.x[3] + 2 * l.pad - l.w[3]) / l.stride + 1;
+  const double out_h = (l.x[2] + 2 * l.pad - l.w[2]) / l.stride + 1;
+  const double out_w = (l.x[3] + 2 * l.pad - l.w[3]) / l.stride + 1;
   return 2.0 * l.x[0] * l.w[0] * out_h * out_w * l.w[1] * l.w[2] * l.w[3];
 }
 
@@ -64,7 +65,11 @@ void BM_ConvForward(benchmark::State& state) {
   state.SetLabel(l.name);
   state.counters["GFLOPS"] = benchmark::Counter(forward_flops(l), benchmark::Counter::kIsIterationInvariantRate);
 }
-BENCHMARK(BM_ConvForward)->DenseRange(0, kConvLayerCount - 1)->ArgName("layer")->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_ConvForward)
+    ->DenseRange(0, kConvLayerCount - 1)
+    ->ArgName("layer")
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
 
 void BM_ConvForwardBackward(benchmark::State& state) {
   const ConvLayer& l = kConvLayers[state.range(0)];

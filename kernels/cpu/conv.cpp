@@ -203,7 +203,8 @@ void gemm(const MatrixRef& a, const MatrixRef& b, float* c, int64_t ldc, float b
 
 // col (the start of a scratch buffer of g.scratch_size() floats) = im2col of one group of one sample;
 // gather: column_gather(g.padded_conv()) on the padded path.
-void fill_im2col(const ConvGeometry& g, const float* x_group, float* col, bool parallel, const cpu::ColumnGather& gather) {
+void fill_im2col(const ConvGeometry& g, const float* x_group, float* col, bool parallel,
+                 [[maybe_unused]] const cpu::ColumnGather& gather) {
   const int64_t rows = g.col_rows();
   if (!g.padded()) {
     if (!parallel) return im2col(g, x_group, col, 0, rows);
