@@ -2,6 +2,7 @@
 """Side-by-side training-step timings: mapping_networks (C++) against Debian's PyTorch 1.13.
 
 Usage:  /usr/bin/python3 bench/compare_torch.py [--build build] [--threads 2] [--repeats 7] [--json FILE]
+                                              [--convs-only | --no-convs] [--conv-cpu-time]
 
 Runs, in this one invocation and with the same thread count:
   * our Google Benchmark binary build/bench/mn_bench_train_step (median of --repeats runs), and
@@ -9,6 +10,12 @@ Runs, in this one invocation and with the same thread count:
 then prints one table of medians and ratios (ours / PyTorch; < 1 means we are faster). --json also
 writes the figures to FILE; as DIR/compare_torch.json next to `./mn bench`'s results (`./mn bench
 --torch` does that), mn_bench_report prints and charts them with the rest.
+
+Then, per convolution (every distinct conv of CNN2, CNN1 and ResNet-20 at batch 128, the table
+CONV_LAYERS below, the twin of bench/bench_conv.cpp's kConvLayers): forward + backward of
+build/bench/mn_bench_conv against F.conv2d + backward, same threads, ratio ours / torch.
+--convs-only skips the training steps, --no-convs the convolutions; --conv-cpu-time times them in
+CPU time (with --threads 1: steadier than wall time while other processes share the cores).
 
 PyTorch variants of the mapped steps:
   same     the same math as ours: per group theta = s * (W z + alpha |z|^2), with W in the same
@@ -33,15 +40,15 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from torch_targets import cnn2, mlp, resnet20, vit  # noqa: E402  (the twins of mapping/targets.h)
 
 
-def time_steps(step, repeats, inner):
+def time_steps(step, repeats, inner, clock=time.perf_counter):
     for _ in range(3):
         step()
     samples = []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = clock()
         for _ in range(inner):
             step()
-        samples.append((time.perf_counter() - t0) / inner * 1e3)
+        samples.append((clock() - t0) / inner * 1e3)
     return statistics.median(samples)
 
 
@@ -139,15 +146,102 @@ def ours(build, threads, repeats):
     return medians
 
 
+# name: (x shape, weight shape, stride, padding, bias, input needs a gradient); bench_conv.cpp's kConvLayers.
+CONV_LAYERS = {
+    "cnn2.conv1": ((128, 1, 28, 28), (16, 1, 3, 3), 1, 0, True, False),
+    "cnn2.conv2": ((128, 16, 13, 13), (32, 16, 3, 3), 1, 0, True, True),
+    "cnn1.conv1": ((128, 1, 28, 28), (32, 1, 3, 3), 1, 1, True, False),
+    "cnn1.conv2": ((128, 32, 14, 14), (64, 32, 3, 3), 1, 1, True, True),
+    "cnn1.conv3": ((128, 64, 7, 7), (128, 64, 3, 3), 1, 1, True, True),
+    "cnn1.conv4": ((128, 128, 7, 7), (128, 128, 3, 3), 1, 1, True, True),
+    "resnet20.stem": ((128, 1, 28, 28), (16, 1, 3, 3), 1, 1, False, False),
+    "resnet20.s1": ((128, 16, 28, 28), (16, 16, 3, 3), 1, 1, False, True),
+    "resnet20.s2.down": ((128, 16, 28, 28), (32, 16, 3, 3), 2, 1, False, True),
+    "resnet20.s2.ds": ((128, 16, 28, 28), (32, 16, 1, 1), 2, 0, False, True),
+    "resnet20.s2": ((128, 32, 14, 14), (32, 32, 3, 3), 1, 1, False, True),
+    "resnet20.s3.down": ((128, 32, 14, 14), (64, 32, 3, 3), 2, 1, False, True),
+    "resnet20.s3.ds": ((128, 32, 14, 14), (64, 32, 1, 1), 2, 0, False, True),
+    "resnet20.s3": ((128, 64, 7, 7), (64, 64, 3, 3), 1, 1, False, True),
+}
+# A conv meets issue 22's target when ours / torch <= this.
+CONV_TARGET_RATIO = 1.2
+
+
+def conv_step(x_shape, w_shape, stride, pad, bias, input_grad):
+    x = (torch.randn(*x_shape) * 0.1).requires_grad_(input_grad)
+    w = (torch.randn(*w_shape) * 0.1).requires_grad_(True)
+    b = (torch.randn(w_shape[0]) * 0.1).requires_grad_(True) if bias else None
+    grad = torch.ones_like(F.conv2d(x.detach(), w.detach(), None if b is None else b.detach(), stride, pad))
+
+    def step():
+        for t in (x, w, b):
+            if t is not None:
+                t.grad = None
+        F.conv2d(x, w, b, stride, pad).backward(grad)
+    return step
+
+
+def ours_convs(build, threads, repeats, cpu_time=False):
+    """Median forward + backward ms of each layer of bench/mn_bench_conv, keyed by layer name (wall
+    time, or the benchmark thread's CPU time)."""
+    binary = os.path.join(build, "bench", "mn_bench_conv")
+    if not os.path.exists(binary):  # not built: ours shows as n/a
+        return {}
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    out = subprocess.run([binary, f"--benchmark_repetitions={repeats}", "--benchmark_report_aggregates_only=true",
+                          "--benchmark_format=json", "--benchmark_filter=^BM_ConvForwardBackward/"],
+                         env=env, check=True, capture_output=True, text=True).stdout
+    field = "cpu_time" if cpu_time else "real_time"
+    return {b["label"]: b[field] for b in json.loads(out)["benchmarks"] if b.get("aggregate_name") == "median"}
+
+
+def conv_rows(build, threads, repeats, cpu_time=False):
+    mine = ours_convs(build, threads, repeats, cpu_time)
+    rows = []
+    for name, spec in CONV_LAYERS.items():
+        theirs = time_steps(conv_step(*spec), repeats, 3, time.process_time if cpu_time else time.perf_counter)
+        rows.append({"conv": name, "ours_ms": mine.get(name), "torch_ms": theirs})
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--build", default="build")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--json", metavar="FILE", help="also write the figures to FILE (read by mn_bench_report)")
+    ap.add_argument("--convs-only", action="store_true", help="only the per-convolution rows")
+    ap.add_argument("--no-convs", action="store_true", help="skip the per-convolution rows")
+    ap.add_argument("--conv-cpu-time", action="store_true",
+                    help="time the convolutions in CPU time, not wall time: steadier on a busy machine, but only "
+                         "comparable with --threads 1 (at more threads it counts the OpenMP workers' spinning)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
+    doc = {"threads": args.threads, "torch": torch.__version__, "repeats": args.repeats, "rows": []}
+    if not args.convs_only:
+        doc["rows"] = step_rows(args)
+    if not args.no_convs:
+        convs = conv_rows(args.build, args.threads, args.repeats, args.conv_cpu_time)
+        clock = "CPU" if args.conv_cpu_time else "wall"
+        print(f"\nconvolutions, forward + backward, batch 128 (medians, {clock} ms; ratio = ours / torch; "
+              f"target <= {CONV_TARGET_RATIO})")
+        print(f"{'conv':20s} {'ours':>9s} {'torch':>9s} {'ratio':>7s}")
+        for r in convs:
+            ours_ms, ms = r["ours_ms"], r["torch_ms"]
+            ratio = f"{ours_ms / ms:7.2f}" if ours_ms else "    n/a"
+            ours_txt = f"{ours_ms:9.2f}" if ours_ms else "      n/a"
+            print(f"{r['conv']:20s} {ours_txt} {ms:9.2f} {ratio}")
+        doc["convs"] = convs
+        doc["conv_target_ratio"] = CONV_TARGET_RATIO
+        doc["conv_clock"] = clock
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=2)
+            f.write("\n")
+
+
+def step_rows(args):
     mine = ours(args.build, args.threads, args.repeats)
     rows = [
         ("CNN2 direct, batch 128, Adam", mine.get("BM_CNN2_DirectStep"),
@@ -171,12 +265,7 @@ def main():
             ratio = f"{ours_ms / ms:7.2f}" if ours_ms else "    n/a"
             ours_txt = f"{ours_ms:9.2f}" if ours_ms else "      n/a"
             print(f"{label:46s} {ours_txt}  {variant:>14s} {ms:9.2f} {ratio}")
-    if args.json:
-        doc = {"threads": args.threads, "torch": torch.__version__, "repeats": args.repeats,
-               "rows": [{"step": label, "ours_ms": ours_ms, "torch_ms": theirs} for label, ours_ms, theirs in rows]}
-        with open(args.json, "w") as f:
-            json.dump(doc, f, indent=2)
-            f.write("\n")
+    return [{"step": label, "ours_ms": ours_ms, "torch_ms": theirs} for label, ours_ms, theirs in rows]
 
 
 if __name__ == "__main__":

@@ -684,9 +684,11 @@ json report_torch(const fs::path& file) {
   if (!fs::exists(file)) return out;
   std::ifstream in(file);
   const json j = json::parse(in);  // a malformed file is an error the caller reports
-  section("training steps against PyTorch (" + file.filename().string() + "; ms per step, ratio = ours / torch)");
-  std::cout << fmt("threads %d, torch %s\n", j.value("threads", 0), j.value("torch", std::string("?")).c_str());
-  std::cout << fmt("%-46s %9s  %-10s %9s %7s\n", "step", "ours", "torch", "ms", "ratio");
+  if (!j.value("rows", json::array()).empty()) {  // compare_torch.py --convs-only writes none
+    section("training steps against PyTorch (" + file.filename().string() + "; ms per step, ratio = ours / torch)");
+    std::cout << fmt("threads %d, torch %s\n", j.value("threads", 0), j.value("torch", std::string("?")).c_str());
+    std::cout << fmt("%-46s %9s  %-10s %9s %7s\n", "step", "ours", "torch", "ms", "ratio");
+  }
   json rows = json::array();
   for (const json& r : j.value("rows", json::array())) {
     const std::string step = r.value("step", std::string("?"));
@@ -704,6 +706,36 @@ json report_torch(const fs::path& file) {
   out["threads"] = j.value("threads", 0);
   out["torch"] = j.value("torch", std::string());
   out["rows"] = rows;
+  // Per convolution (compare_torch.py's "convs": forward + backward of each distinct conv of CNN2, CNN1
+  // and ResNet-20), with issue 22's target: every one within conv_target_ratio of PyTorch's time.
+  const json convs_in = j.value("convs", json::array());
+  if (!convs_in.empty()) {
+    const double target = j.value("conv_target_ratio", 1.2);
+    section(fmt("convolutions against PyTorch (forward + backward, ms; ratio = ours / torch, target <= %.2f)", target));
+    std::cout << fmt("%-20s %9s %9s %7s\n", "conv", "ours", "torch", "ratio");
+    json convs = json::array();
+    int within = 0, measured = 0;
+    double worst = 0;
+    std::string worst_name;
+    for (const json& r : convs_in) {
+      const std::string name = r.value("conv", std::string("?"));
+      auto value = [&](const char* k) { return r.contains(k) && r[k].is_number() ? r[k].get<double>() : std::nan(""); };
+      const double ours = value("ours_ms"), theirs = value("torch_ms"), ratio = ours / theirs;
+      std::cout << fmt("%-20s %9.2f %9.2f %7.2f %s\n", name.c_str(), ours, theirs, ratio,
+                       !std::isfinite(ratio) ? "n/a" : ratio <= target ? "ok" : "OVER");
+      if (std::isfinite(ratio)) {
+        ++measured;
+        within += ratio <= target;
+        if (ratio > worst) worst = ratio, worst_name = name;
+      }
+      convs.push_back({{"conv", name}, {"ours_ms", num(ours)}, {"torch_ms", num(theirs)}, {"ratio", num(ratio)}});
+    }
+    headline(fmt("convs within %.2fx of PyTorch (fwd+bwd, %d thr)", target, j.value("threads", 0)),
+             fmt("%d of %d; worst %.2f (%s)", within, measured, worst, worst_name.c_str()), "all",
+             measured > 0 && within == measured ? "ok" : "OVER");
+    out["convs"] = convs;
+    out["conv_target_ratio"] = target;
+  }
   return out;
 }
 
@@ -777,6 +809,8 @@ std::vector<Figure> figures(const json& summary) {
   const json& torch = member(summary, "torch");
   for (const json& r : member(torch, "rows"))
     add("ours vs torch: " + r.value("step", std::string()), number(r, "ours_ms"), "ms");
+  for (const json& r : member(torch, "convs"))  // per-conv forward + backward (compare_torch.py)
+    add("ours vs torch conv: " + r.value("conv", std::string()), number(r, "ours_ms"), "ms");
   const json& other = member(summary, "other");
   for (auto& [program, rows] : other.items())
     if (rows.is_array())

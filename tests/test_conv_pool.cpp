@@ -132,6 +132,7 @@ TEST_CASE("conv2d: matches a naive direct convolution") {
 TEST_CASE("conv2d: results do not depend on the thread count") {
   const int saved = omp_get_max_threads();
   // Batch 5 spreads samples over threads; batch 2 with 3 threads splits each sample's work instead.
+  // The inner dimension, 3 channels x 3 x 3 = 27, takes the forward's small-K product.
   for (int64_t batch : {5, 2}) {
     CAPTURE(batch);
     auto run = [&](int threads) {
@@ -147,6 +148,76 @@ TEST_CASE("conv2d: results do not depend on the thread count") {
       CHECK(bitwise_equal(one[i], three[i]));
     }
   }
+  omp_set_num_threads(saved);
+}
+
+// Column stride 1 takes the padded im2col/col2im (kernels/cpu/conv_columns.h), column stride 2 the
+// padded im2col, which copy rows as whole 16-lane vectors (two-source permutes when 16 outputs span
+// at most 32 padded floats, as with stride 1 here; runs otherwise, as with row stride 2 and dilation
+// 2, or every other float with column stride 2): rows narrower than a vector (5), exactly one (16)
+// and longer (35), a single sample whose work is split over threads inside it, and several samples
+// spread over threads.
+TEST_CASE("conv2d: padded column path matches the direct convolution for any row width and thread count") {
+  const int saved = omp_get_max_threads();
+  const ConvCase cases[] = {{{2, 1}, {1, 1}, {1, 2}, 1}, {{1, 1}, {1, 1}, {1, 1}, 1}, {{1, 2}, {1, 1}, {1, 1}, 1}};
+  for (const ConvCase& c : cases)
+    for (int64_t width : {5, 16, 35})
+      for (int64_t batch : {1, 4}) {
+        CAPTURE(c.stride[0]);
+        CAPTURE(c.stride[1]);
+        CAPTURE(width);
+        CAPTURE(batch);
+        const int64_t in_w = (width - 1) * c.stride[1] + 2 * c.dilation[1] - 1;  // 3 taps, padding 1
+        auto run = [&](int threads) {
+          omp_set_num_threads(threads);
+          Tensor x = random_param({batch, 16, 40, in_w}, 70), w = random_param({12, 16, 3, 3}, 71);
+          Tensor b = random_param({12}, 72);
+          Tensor y = conv(x, w, b, c);
+          sum(mul(y, y)).backward();
+          return std::vector<Tensor>{y.detach(), x.grad(), w.grad(), b.grad()};
+        };
+        std::vector<Tensor> one = run(1), three = run(3);
+        CHECK(one[0].size(3) == width);
+        check_close(one[0],
+                    naive_conv(random_param({batch, 16, 40, in_w}, 70), random_param({12, 16, 3, 3}, 71),
+                               random_param({12}, 72), c),
+                    1e-4);
+        for (size_t i = 0; i < one.size(); ++i) {
+          CAPTURE(i);
+          CHECK(bitwise_equal(one[i], three[i]));
+        }
+      }
+  omp_set_num_threads(saved);
+  // Input gradients through the padded col2im, rows narrower and wider than a vector.
+  for (int64_t width : {4, 19}) {
+    CAPTURE(width);
+    Tensor x = random_param({2, 2, 3, width}, 73), w = random_param({3, 2, 3, 3}, 74, 0.5);
+    auto f = [](const std::vector<Tensor>& t) { return F::conv2d(t[0], t[1], Tensor(), {1, 1}, {1, 2}, {1, 2}); };
+    CHECK(gradcheck(f, {x, w}) == "");
+  }
+}
+
+// Past 16 samples each of the weight gradient's partial sums covers several samples: the same
+// gradient as the sum of per-sample gradients, and the same bits on any thread count.
+TEST_CASE("conv2d: weight gradient summed in chunks of samples") {
+  const int saved = omp_get_max_threads();
+  const ConvCase c{{1, 1}, {1, 1}, {1, 1}, 1};
+  Tensor x = random_tensor({40, 3, 6, 7}, 80), go = random_tensor({40, 4, 6, 7}, 81);
+  auto weight_grad = [&](const Tensor& xs, const Tensor& gos) {
+    Tensor w = random_param({4, 3, 3, 3}, 82);
+    conv(xs, w, Tensor(), c).backward(gos);
+    return w.grad();
+  };
+  omp_set_num_threads(1);
+  Tensor one = weight_grad(x, go);
+  std::vector<float> per_sample(one.numel(), 0.0f);
+  for (int64_t n = 0; n < 40; ++n) {
+    std::vector<float> g = weight_grad(x.slice(0, n, n + 1), go.slice(0, n, n + 1)).to_vector<float>();
+    for (size_t i = 0; i < g.size(); ++i) per_sample[i] += g[i];
+  }
+  check_close(one, per_sample, 1e-4);
+  omp_set_num_threads(3);
+  CHECK(bitwise_equal(one, weight_grad(x, go)));
   omp_set_num_threads(saved);
 }
 

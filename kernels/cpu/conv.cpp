@@ -5,15 +5,16 @@
 // Work is split over the batch (one sample per thread at a time, with a per-thread column buffer);
 // a batch smaller than the thread count splits each product instead. The weight gradient sums the
 // batch in fixed chunks reduced in order, so no result depends on the thread count.
+// With column stride 1 (or 2) im2col reads a zero-padded copy of the image, and with stride 1 col2im
+// sums image rows in registers (conv_columns.h); a column matrix of at most kSmallK rows skips the
+// forward GEMM (conv_small.h). Which path runs depends on the shapes only.
 #include <omp.h>
-
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
 
 #include <algorithm>
 #include <cstring>
 
+#include "kernels/cpu/conv_columns.h"
+#include "kernels/cpu/conv_small.h"
 #include "kernels/cpu/eigen_gemm.h"
 #include "kernels/cpu/loops.h"
 #include "kernels/kernels.h"
@@ -21,7 +22,11 @@
 namespace mn::kernels {
 namespace {
 
+using cpu::add_run;
+using cpu::copy_run;
 using cpu::MatrixRef;
+using cpu::valid_range;
+using cpu::zero_run;
 
 // The weight gradient is accumulated in at most this many partial sums over the batch.
 constexpr int64_t kWeightGradChunks = 16;
@@ -44,6 +49,22 @@ struct ConvGeometry {
   bool pointwise() const {
     return kernel_h == 1 && kernel_w == 1 && p.stride_h == 1 && p.stride_w == 1 && p.pad_h == 0 && p.pad_w == 0 &&
            sx_w == 1 && sx_h == width;
+  }
+  // Column stride 1, or 2 with a kernel wider than a point (a 1x1 kernel at stride 2 reads a quarter
+  // of the image, not worth a padded copy of all of it): im2col goes through a zero-padded copy of the
+  // image (conv_columns.h), and with stride 1 col2im too.
+  bool padded() const {
+    return (p.stride_w == 1 || (p.stride_w == 2 && kernel_h * kernel_w > 1)) && !pointwise();
+  }
+  bool padded_col2im() const { return padded() && p.stride_w == 1; }
+  cpu::PaddedConv padded_conv() const {
+    return {height,     width,        p.pad_h,      p.pad_w, kernel_h, kernel_w,
+            p.stride_h, p.stride_w,   p.dilation_h, p.dilation_w, out_h, out_w};
+  }
+  // Scratch floats per worker: the column matrix, then on the padded path the padded channels.
+  int64_t scratch_size() const {
+    if (pointwise()) return 0;
+    return col_size() + (padded() ? group_in * padded_conv().plane() : 0);
   }
 };
 
@@ -71,55 +92,6 @@ Tensor dense(const Tensor& t) {
   Tensor out = empty(t.sizes(), TensorOptions(t.dtype()));
   copy(kCPU, t, out);
   return out;
-}
-
-// Range [begin, end) of output positions o with 0 <= o * stride + offset < limit.
-std::pair<int64_t, int64_t> valid_range(int64_t offset, int64_t stride, int64_t limit, int64_t count) {
-  int64_t begin = offset >= 0 ? 0 : (-offset + stride - 1) / stride;
-  int64_t end = limit - 1 - offset < 0 ? 0 : (limit - 1 - offset) / stride + 1;
-  begin = std::min(begin, count);
-  end = std::clamp(end, begin, count);
-  return {begin, end};
-}
-
-// Image rows are short (tens of floats): a memmove/memset call or a scalar tail per run would cost
-// more than the run itself, so with AVX-512 each run is a few masked 16-lane loads and stores.
-#if defined(__AVX512F__)
-inline __mmask16 lanes_mask(int64_t remaining) {
-  return remaining >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << remaining) - 1);
-}
-#endif
-
-inline void copy_run(float* dst, const float* src, int64_t n) {
-#if defined(__AVX512F__)
-  for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 mask = lanes_mask(n - i);
-    _mm512_mask_storeu_ps(dst + i, mask, _mm512_maskz_loadu_ps(mask, src + i));
-  }
-#else
-  std::copy(src, src + n, dst);
-#endif
-}
-
-inline void zero_run(float* dst, int64_t n) {
-#if defined(__AVX512F__)
-  for (int64_t i = 0; i < n; i += 16) _mm512_mask_storeu_ps(dst + i, lanes_mask(n - i), _mm512_setzero_ps());
-#else
-  std::fill(dst, dst + n, 0.0f);
-#endif
-}
-
-// dst[i] += src[i]
-inline void add_run(float* dst, const float* src, int64_t n) {
-#if defined(__AVX512F__)
-  for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 mask = lanes_mask(n - i);
-    const __m512 sum = _mm512_add_ps(_mm512_maskz_loadu_ps(mask, dst + i), _mm512_maskz_loadu_ps(mask, src + i));
-    _mm512_mask_storeu_ps(dst + i, mask, sum);
-  }
-#else
-  for (int64_t i = 0; i < n; ++i) dst[i] += src[i];
-#endif
 }
 
 // col [Cg*KH*KW, OH*OW] from the channels of one group of one sample (x points at its channel 0).
@@ -192,11 +164,12 @@ BatchSplit batch_split(const ConvGeometry& g, int64_t units) {
   return s;
 }
 
-// Runs body(sample, column buffer, parallel_inside) for every sample.
+// Runs body(sample, scratch buffer, parallel_inside) for every sample; the scratch (g.scratch_size()
+// floats) holds the column matrix first.
 template <class Body>
-void for_each_sample(const ConvGeometry& g, bool needs_col, Body&& body) {
+void for_each_sample(const ConvGeometry& g, Body&& body) {
   const BatchSplit split = batch_split(g, g.batch);
-  const int64_t col_size = needs_col ? g.col_size() : 0;
+  const int64_t col_size = g.scratch_size();
   const int workers = split.across_samples ? split.threads : 1;
   Tensor scratch = empty({std::max<int64_t>(workers * col_size, 1)});
   float* base = scratch.data<float>();
@@ -212,16 +185,71 @@ void for_each_sample(const ConvGeometry& g, bool needs_col, Body&& body) {
   }
 }
 
+// Runs body(i) for i in [0, count), on the team when parallel.
+template <class Body>
+void for_range(int64_t count, bool parallel, Body&& body) {
+  if (!parallel) {
+    for (int64_t i = 0; i < count; ++i) body(i);
+    return;
+  }
+#pragma omp parallel for schedule(static) num_threads(get_num_threads_in_use())
+  for (int64_t i = 0; i < count; ++i) body(i);
+}
+
 void gemm(const MatrixRef& a, const MatrixRef& b, float* c, int64_t ldc, float beta, bool parallel) {
   if (parallel) cpu::gemm_parallel(a, b, c, ldc, 1.0f, beta);
   else cpu::gemm_serial(a, b, c, ldc, 1.0f, beta);
 }
 
-void fill_im2col(const ConvGeometry& g, const float* x_group, float* col, bool parallel) {
+// col (the start of a scratch buffer of g.scratch_size() floats) = im2col of one group of one sample;
+// gather: column_gather(g.padded_conv()) on the padded path.
+void fill_im2col(const ConvGeometry& g, const float* x_group, float* col, bool parallel,
+                 [[maybe_unused]] const cpu::ColumnGather& gather) {
   const int64_t rows = g.col_rows();
-  if (!parallel) return im2col(g, x_group, col, 0, rows);
+  if (!g.padded()) {
+    if (!parallel) return im2col(g, x_group, col, 0, rows);
 #pragma omp parallel for schedule(static) num_threads(get_num_threads_in_use())
-  for (int64_t r = 0; r < rows; ++r) im2col(g, x_group, col, r, r + 1);
+    for (int64_t r = 0; r < rows; ++r) im2col(g, x_group, col, r, r + 1);
+    return;
+  }
+  const cpu::PaddedConv s = g.padded_conv();
+  float* padded = col + g.col_size();
+  auto fill_rows = [&](int64_t r_begin, int64_t r_end) {
+#if defined(__AVX512F__)
+    if (gather.usable) return cpu::im2col_gather(s, gather, padded, col, r_begin, r_end);
+#endif
+    cpu::im2col_padded(s, padded, col, r_begin, r_end);
+  };
+  if (!parallel) {
+    cpu::pad_channels(s, x_group, g.sx_c, g.sx_h, g.sx_w, padded, 0, g.group_in);
+    return fill_rows(0, rows);
+  }
+#pragma omp parallel num_threads(get_num_threads_in_use())
+  {
+#pragma omp for schedule(static)
+    for (int64_t c = 0; c < g.group_in; ++c) cpu::pad_channels(s, x_group, g.sx_c, g.sx_h, g.sx_w, padded, c, c + 1);
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; ++r) fill_rows(r, r + 1);
+  }
+}
+
+// grad_x of one group of one sample (contiguous [Cg, H, W]) += col2im(col) on the direct path; with
+// column stride 1 grad_x = col2im(col), in registers (col2im_rows) or through the padded planes after
+// col in the scratch buffer.
+void col2im(const ConvGeometry& g, const float* col, float* gx_group, bool parallel) {
+  const cpu::PaddedConv s = g.padded_conv();
+  float* padded = const_cast<float*>(col) + g.col_size();
+  auto channels = [&](int64_t c_begin, int64_t c_end) {
+    if (!g.padded_col2im()) return col2im_add(g, col, gx_group, c_begin, c_end);
+#if defined(__AVX512F__)
+    if (cpu::col2im_rows_fits(s)) return cpu::col2im_rows(s, col, gx_group, c_begin, c_end);
+#endif
+    cpu::col2im_padded(s, col, padded, c_begin, c_end);
+    cpu::crop_channels(s, padded, gx_group, c_begin, c_end);
+  };
+  if (!parallel) return channels(0, g.group_in);
+#pragma omp parallel for schedule(static) num_threads(get_num_threads_in_use())
+  for (int64_t c = 0; c < g.group_in; ++c) channels(c, c + 1);
 }
 
 MatrixRef group_weight(const ConvGeometry& g, const float* w, int64_t group) {
@@ -238,13 +266,28 @@ void conv2d_forward_cpu(const Tensor& x, const Tensor& weight, const Tensor& bia
   const float* bp = b.defined() ? b.data<float>() : nullptr;
   float* op = out.data<float>();
   const int64_t plane = g.out_plane();
-  for_each_sample(g, !g.pointwise(), [&](int64_t n, float* col, bool parallel) {
+  const cpu::ColumnGather gather = g.padded() ? cpu::column_gather(g.padded_conv()) : cpu::ColumnGather{};
+  // A short inner dimension takes small_k_product instead of the GEMM (AVX-512 builds).
+  [[maybe_unused]] const bool small_k = !g.pointwise() && g.col_rows() <= cpu::kSmallK;
+  for_each_sample(g, [&](int64_t n, float* col, bool parallel) {
     for (int64_t group = 0; group < g.groups; ++group) {
       const float* x_group = xp + n * g.sx_n + group * g.group_in * g.sx_c;
       MatrixRef cols{col, g.col_rows(), plane, plane, 1};
       if (g.pointwise()) cols = {x_group, g.group_in, plane, g.sx_c, 1};
-      else fill_im2col(g, x_group, col, parallel);
+      else fill_im2col(g, x_group, col, parallel, gather);
       float* out_group = op + (n * g.out_channels + group * g.group_out) * plane;
+#if defined(__AVX512F__)
+      if (small_k) {  // bias fused, no GEMM
+        const float* w_group = wp + group * g.group_out * g.col_rows();
+        const float* b_group = bp != nullptr ? bp + group * g.group_out : nullptr;
+        const int64_t pairs = (g.group_out + 1) / 2;
+        for_range(pairs, parallel, [&](int64_t i) {
+          cpu::small_k_product(w_group, g.col_rows(), col, plane, b_group, out_group, plane, 2 * i,
+                               std::min(2 * i + 2, g.group_out));
+        });
+        continue;
+      }
+#endif
       if (bp != nullptr)
         for (int64_t o = 0; o < g.group_out; ++o)
           std::fill(out_group + o * plane, out_group + (o + 1) * plane, bp[group * g.group_out + o]);
@@ -261,9 +304,9 @@ void conv2d_backward_input_cpu(const Tensor& grad_out, const Tensor& weight, con
   const float* gp = go.data<float>();
   float* gx = grad_x.data<float>();
   const int64_t plane = g.out_plane(), image = g.height * g.width, k = g.col_rows();
-  for_each_sample(g, !g.pointwise(), [&](int64_t n, float* col, bool parallel) {
+  for_each_sample(g, [&](int64_t n, float* col, bool parallel) {
     float* gx_sample = gx + n * g.channels * image;
-    if (!g.pointwise()) std::fill(gx_sample, gx_sample + g.channels * image, 0.0f);
+    if (!g.pointwise() && !g.padded_col2im()) std::fill(gx_sample, gx_sample + g.channels * image, 0.0f);
     for (int64_t group = 0; group < g.groups; ++group) {
       const MatrixRef w_t{wp + group * g.group_out * k, k, g.group_out, 1, k};  // W_g^T
       const MatrixRef go_group{gp + (n * g.out_channels + group * g.group_out) * plane, g.group_out, plane, plane, 1};
@@ -273,40 +316,21 @@ void conv2d_backward_input_cpu(const Tensor& grad_out, const Tensor& weight, con
         continue;
       }
       gemm(w_t, go_group, col, plane, 0.0f, parallel);
-      if (!parallel) {
-        col2im_add(g, col, gx_group, 0, g.group_in);
-        continue;
-      }
-#pragma omp parallel for schedule(static) num_threads(get_num_threads_in_use())
-      for (int64_t c = 0; c < g.group_in; ++c) col2im_add(g, col, gx_group, c, c + 1);
+      col2im(g, col, gx_group, parallel);
     }
   });
 }
 
-// grad_bias[o] = sum over samples and pixels of grad_out[n, o]: 16 float lanes per plane (vectorised),
-// combined in double in a fixed order.
+// grad_bias[o] = sum over samples and pixels of grad_out[n, o] (channel_sum), channels over threads.
 void bias_grad(const Tensor& grad_out, Tensor& grad_bias) {
   const int64_t batch = grad_out.size(0), channels = grad_out.size(1), plane = grad_out.size(2) * grad_out.size(3);
   MN_CHECK(grad_bias.is_contiguous() && grad_bias.numel() == channels, ValueError,
            "conv2d backward: grad_bias must be a contiguous [", channels, "], got ", grad_bias.sizes());
   const float* gp = grad_out.data<float>();
   float* gb = grad_bias.data<float>();
-  constexpr int kLanes = 16;
   const int team = cpu::parallel_team(batch * channels * plane, kParallelWork);
 #pragma omp parallel for schedule(static) num_threads(team) if (team > 1 && channels > 1)
-  for (int64_t o = 0; o < channels; ++o) {
-    double total = 0;
-    for (int64_t n = 0; n < batch; ++n) {
-      const float* row = gp + (n * channels + o) * plane;
-      float lanes[kLanes] = {};
-      int64_t i = 0;
-      for (; i + kLanes <= plane; i += kLanes)
-        for (int l = 0; l < kLanes; ++l) lanes[l] += row[i + l];
-      for (int l = 0; l < kLanes; ++l) total += lanes[l];
-      for (; i < plane; ++i) total += row[i];
-    }
-    gb[o] = static_cast<float>(total);
-  }
+  for (int64_t o = 0; o < channels; ++o) gb[o] = cpu::channel_sum(gp, batch, channels, plane, o);
 }
 
 // x may be undefined when only grad_bias is wanted (grad_weight undefined).
@@ -319,13 +343,14 @@ void conv2d_backward_weight_cpu(const Tensor& grad_out, const Tensor& x, const C
   const ConvGeometry g = geometry(x, grad_weight.sizes(), grad_out.sizes(), p);
   const float* gp = go.data<float>();
   const int64_t plane = g.out_plane();
+  const cpu::ColumnGather gather = g.padded() ? cpu::column_gather(g.padded_conv()) : cpu::ColumnGather{};
 
   const int64_t k = g.col_rows(), weight_size = g.out_channels * k;
   const int64_t chunks = std::max<int64_t>(1, std::min(g.batch, kWeightGradChunks));
   const BatchSplit split = batch_split(g, chunks);
   const int workers = split.across_samples ? split.threads : 1;
   // One partial weight gradient per chunk of samples, and one column buffer per worker.
-  Tensor partial = empty({chunks * weight_size + workers * (g.pointwise() ? 1 : g.col_size())});
+  Tensor partial = empty({chunks * weight_size + workers * std::max<int64_t>(1, g.scratch_size())});
   float* partial_base = partial.data<float>();
   float* col_base = partial_base + chunks * weight_size;
   const float* xp = x.data<float>();
@@ -339,14 +364,14 @@ void conv2d_backward_weight_cpu(const Tensor& grad_out, const Tensor& x, const C
         const float* x_group = xp + n * g.sx_n + group * g.group_in * g.sx_c;
         MatrixRef cols_t{col, plane, k, 1, plane};  // col^T
         if (g.pointwise()) cols_t = {x_group, plane, g.group_in, 1, g.sx_c};
-        else fill_im2col(g, x_group, col, parallel);
+        else fill_im2col(g, x_group, col, parallel, gather);
         const MatrixRef go_group{gp + (n * g.out_channels + group * g.group_out) * plane, g.group_out, plane, plane, 1};
         gemm(go_group, cols_t, acc + group * g.group_out * k, k, n == n_begin ? 0.0f : 1.0f, parallel);
       }
     }
   };
   if (split.across_samples) {
-    const int64_t col_size = g.pointwise() ? 1 : g.col_size();
+    const int64_t col_size = std::max<int64_t>(1, g.scratch_size());
 #pragma omp parallel num_threads(workers)
     {
       float* col = col_base + omp_get_thread_num() * col_size;
