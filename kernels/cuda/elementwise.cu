@@ -151,7 +151,43 @@ struct Unary {
   __device__ T operator()(T x) const { return math::unary(op, x, a, b); }
 };
 
+// 16-bit storage, f32 math: each operand is widened on load and the result rounded once on store, the
+// bits the CPU's widened kernels give (kernels/dispatch.h) without their extra passes.
+template <class S, class F>
+struct Narrowing {
+  F f;
+  template <class... X>
+  __device__ S operator()(X... x) const {
+    return S(f(static_cast<float>(x)...));
+  }
+};
+
+// A comparison of 16-bit operands: an f32 mask, as for every dtype.
+template <class S>
+struct Compare16 {
+  BinaryOp op;
+  __device__ float operator()(S x, S y) const { return math::compare(op, static_cast<float>(x), static_cast<float>(y)); }
+};
+
+// Registered as taking 16-bit tensors: what the kernels below do not take natively (mixed dtypes)
+// runs on widened f32 copies, as the dispatcher would (kernels/dispatch.h).
+template <class Kernel, class... Scalars>
+void widened_binary(Kernel kernel, BinaryOp op, const Tensor& a, const Tensor& b, Tensor& out, Scalars... s) {
+  const Tensor wa = lowp::is_reduced(a) ? lowp::widen(a) : a, wb = lowp::is_reduced(b) ? lowp::widen(b) : b;
+  if (!lowp::is_reduced(out)) return kernel(op, wa, wb, out, s...);
+  Tensor wide = lowp::widen(out);
+  kernel(op, wa, wb, wide, s...);
+  lowp::narrow_into(wide, out);
+}
+
 void unary_cuda(UnaryOp op, const Tensor& in, Tensor& out, double alpha, double beta) {
+  if (is_reduced_precision(in.dtype()) || is_reduced_precision(out.dtype())) {
+    MN_CHECK(in.dtype() == out.dtype(), TypeError, "unary op: expected input and output of one dtype, got ",
+             in.dtype(), " and ", out.dtype());
+    const Unary<float> f{op, static_cast<float>(alpha), static_cast<float>(beta)};
+    if (in.dtype() == DType::bf16) return launch1<BFloat16, BFloat16>(in, out, Narrowing<BFloat16, Unary<float>>{f});
+    return launch1<Half, Half>(in, out, Narrowing<Half, Unary<float>>{f});
+  }
   if (in.dtype() == DType::f32)
     return launch1<float, float>(in, out, Unary<float>{op, static_cast<float>(alpha), static_cast<float>(beta)});
   if (!math::unary_takes_i64(op))
@@ -182,6 +218,18 @@ void binary_cuda(BinaryOp op, const Tensor& a, const Tensor& b, Tensor& out) {
   if (math::binary_takes_params(op))
     throw TypeError(str("binary op ", static_cast<int>(op), " takes scalar parameters: call binary_params"));
   const math::BinaryKind kind = math::binary_kind(op);
+  if (lowp::is_reduced(a) || lowp::is_reduced(b) || lowp::is_reduced(out)) {
+    const DType t = a.dtype();
+    const bool compare = kind == math::BinaryKind::Compare;
+    if (b.dtype() != t || (compare ? out.dtype() != DType::f32 : out.dtype() != t))
+      return widened_binary(binary_cuda, op, a, b, out);
+    if (compare) {
+      if (t == DType::bf16) return launch2<float, BFloat16, BFloat16>(a, b, out, Compare16<BFloat16>{op});
+      return launch2<float, Half, Half>(a, b, out, Compare16<Half>{op});
+    }
+    if (t == DType::bf16) return launch2<BFloat16, BFloat16, BFloat16>(a, b, out, Narrowing<BFloat16, Arith<float>>{{op}});
+    return launch2<Half, Half, Half>(a, b, out, Narrowing<Half, Arith<float>>{{op}});
+  }
   const bool f32 = a.dtype() == DType::f32;
   if (kind == math::BinaryKind::Compare) {
     if (f32) return launch2<float, float, float>(a, b, out, Compare<float>{op});
@@ -217,8 +265,8 @@ void where_cuda(const Tensor& cond, const Tensor& a, const Tensor& b, Tensor& ou
 }  // namespace
 
 void register_cuda_elementwise() {
-  unary.set(DeviceType::CUDA, unary_cuda);
-  binary.set(DeviceType::CUDA, binary_cuda);
+  unary.set(DeviceType::CUDA, unary_cuda, /*reduced_precision=*/true);
+  binary.set(DeviceType::CUDA, binary_cuda, /*reduced_precision=*/true);
   binary_params.set(DeviceType::CUDA, binary_params_cuda);
   where.set(DeviceType::CUDA, where_cuda);
 }

@@ -1,8 +1,9 @@
 // bf16 / f16 on the device against the CPU (skipped without a device, see main.cpp): the copy kernel's
 // conversions (every 16-bit pattern, and f32 values with ties, subnormals and overflow) give the CPU's
 // bits; the native 16-bit GEMM (cuBLAS, f32 accumulation) matches the CPU's widened GEMM to bf16/f16
-// rounding for plain, transposed and batched operands; widened kernels (conv, pool, softmax) give the
-// CPU's bits; and an autocast forward/backward on the device matches the same one on the CPU.
+// rounding for plain, transposed and batched operands; the native 16-bit elementwise kernels (f32 math,
+// one rounding) and the widened ones (conv, pool, softmax) give the CPU's bits or agree to rounding;
+// and an autocast forward/backward on the device matches the same one on the CPU.
 #include <doctest/doctest.h>
 
 #include <cmath>
@@ -85,6 +86,30 @@ TEST_CASE("cuda mixed precision: widened kernels give the CPU's bits") {
   check_close_rel(F::conv2d(x.to(kDev), w.to(kDev), Tensor(), {1, 1}, {1, 1}),
                   F::conv2d(x, w, Tensor(), {1, 1}, {1, 1}), 1.6e-2);
   check_close_rel(softmax(x.to(kDev), 1), softmax(x, 1), 1.6e-2);
+}
+
+TEST_CASE("cuda mixed precision: native 16-bit elementwise kernels match the CPU's widened ones") {
+  for (DType t : {DType::bf16, DType::f16}) {
+    INFO(t);
+    const Tensor a = randn_cpu({33, 65}, 12).to(t), b = randn_cpu({33, 65}, 13).to(t);
+    const Tensor ga = a.to(kDev), gb = b.to(kDev);
+    // Correctly rounded f32 results rounded once: the very bits.
+    CHECK(raw16(add(ga, gb)) == raw16(add(a, b)));
+    CHECK(raw16(mul(ga, gb)) == raw16(mul(a, b)));
+    CHECK(raw16(sub(ga.t(), gb.t())) == raw16(sub(a.t(), b.t())));     // strided operands
+    CHECK(raw16(add(ga, gb.narrow(0, 0, 1))) == raw16(add(a, b.narrow(0, 0, 1))));  // broadcast
+    CHECK(raw16(neg(ga)) == raw16(neg(a)));
+    CHECK(raw16(relu(ga)) == raw16(relu(a)));
+    CHECK(gt(ga, gb).dtype() == DType::f32);
+    CHECK(gt(ga, gb).to(kCPU).to_vector<float>() == gt(a, b).to_vector<float>());
+    // Transcendentals: the device's f32 formulas may differ in the last f32 bit.
+    check_close_rel(exp(ga), exp(a), 8e-3);
+    check_close_rel(gelu(ga), gelu(a), 8e-3);
+    // Mixed dtypes promote and run on widened copies.
+    const Tensor f = randn_cpu({33, 65}, 14);
+    CHECK(add(ga, f.to(kDev)).dtype() == DType::f32);
+    check_close_rel(add(ga, f.to(kDev)), add(a, f), 1e-6);
+  }
 }
 
 TEST_CASE("cuda mixed precision: an autocast step on the device matches the CPU's") {
