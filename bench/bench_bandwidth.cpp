@@ -11,8 +11,17 @@
 // of the same shape (mapping/orthogonal.h: an [k-1, L] x [L, L] GEMM plus a tail GEMV, the n x L
 // matrix never formed); its GBps counts the bytes it really touches (factors + z + y), and
 // dense_equiv_GBps is the rate a dense GEMV would need to match its time.
+//
+// BM_FmaPeak is the compute counterpart, the machine's f32 multiply-add peak: each thread runs 16
+// independent FMA chains on the widest vectors this build targets (AVX-512, AVX2 + FMA, else scalar
+// fmaf), so the loop is bound by FMA throughput, not latency; GFLOPS = 2 flops per lane per FMA over the
+// best iteration's wall time (peak_GFLOPs). mn_bench_report sets GEMM rates against it.
 //   mn_bench_bandwidth --benchmark_filter=Stream
 #include <benchmark/benchmark.h>
+#include <immintrin.h>
+#include <omp.h>
+
+#include <cmath>
 
 #include <algorithm>
 #include <chrono>
@@ -179,6 +188,52 @@ void BM_BlockOrthogonalApply(benchmark::State& state) {
   state.counters["dense_equiv_GBps"] = static_cast<double>(w.dense_bytes()) * 1e-9 / per_iteration;
 }
 
+#if defined(__AVX512F__)
+using FmaVec = __m512;
+constexpr int kFmaLanes = 16;
+inline FmaVec fma_splat(float v) { return _mm512_set1_ps(v); }
+inline FmaVec fma_step(FmaVec a, FmaVec b, FmaVec c) { return _mm512_fmadd_ps(a, b, c); }
+inline float fma_first(FmaVec v) { return _mm512_cvtss_f32(v); }
+#elif defined(__AVX2__) && defined(__FMA__)
+using FmaVec = __m256;
+constexpr int kFmaLanes = 8;
+inline FmaVec fma_splat(float v) { return _mm256_set1_ps(v); }
+inline FmaVec fma_step(FmaVec a, FmaVec b, FmaVec c) { return _mm256_fmadd_ps(a, b, c); }
+inline float fma_first(FmaVec v) { return _mm256_cvtss_f32(v); }
+#else
+using FmaVec = float;
+constexpr int kFmaLanes = 1;
+inline FmaVec fma_splat(float v) { return v; }
+inline FmaVec fma_step(FmaVec a, FmaVec b, FmaVec c) { return std::fma(a, b, c); }
+inline float fma_first(FmaVec v) { return v; }
+#endif
+
+void BM_FmaPeak(benchmark::State& state) {
+  const int threads = static_cast<int>(state.range(0));
+  constexpr int kChains = 16;
+  constexpr int64_t kSteps = 1 << 20;  // per chain and thread: 16 x 2^20 FMAs per thread per iteration
+  double best = 1e30;
+  float sink = 0;
+  for (auto _ : state) {
+    const auto t0 = std::chrono::steady_clock::now();
+#pragma omp parallel num_threads(threads) reduction(+ : sink)
+    {
+      // x -> x * m + c with m slightly below 1 stays bounded: no overflow or denormals.
+      const FmaVec m = fma_splat(0.9999999f), c = fma_splat(1e-7f);
+      FmaVec acc[kChains];
+      for (int k = 0; k < kChains; ++k) acc[k] = fma_splat(1.0f + static_cast<float>(k + omp_get_thread_num()));
+      for (int64_t i = 0; i < kSteps; ++i)
+        for (int k = 0; k < kChains; ++k) acc[k] = fma_step(acc[k], m, c);
+      for (int k = 0; k < kChains; ++k) sink += fma_first(acc[k]);
+    }
+    best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  }
+  benchmark::DoNotOptimize(sink);
+  const double flops = 2.0 * kFmaLanes * kChains * static_cast<double>(kSteps) * threads;
+  state.counters["peak_GFLOPs"] = flops * 1e-9 / best;
+  state.counters["lanes"] = kFmaLanes;
+}
+
 void register_all() {
   const int all = max_threads();
   std::vector<int> thread_counts{1};
@@ -187,6 +242,9 @@ void register_all() {
   stream->ArgNames({"kernel", "threads"})->UseRealTime()->Unit(benchmark::kMillisecond);
   for (int t : thread_counts)
     for (int k = kCopy; k <= kSum; ++k) stream->Args({k, t});
+  auto* peak = benchmark::RegisterBenchmark("BM_FmaPeak", BM_FmaPeak);
+  peak->ArgNames({"threads"})->UseRealTime()->Unit(benchmark::kMillisecond);
+  for (int t : thread_counts) peak->Args({t});
   for (auto [name, fn] : {std::pair{"BM_DenseGemv", &BM_DenseGemv}, std::pair{"BM_DenseGemvT", &BM_DenseGemvT},
                           std::pair{"BM_BlockOrthogonalApply", &BM_BlockOrthogonalApply}}) {
     auto* b = benchmark::RegisterBenchmark(name, fn);

@@ -289,6 +289,17 @@ json report_bandwidth(const Program* p) {
   out["array_MiB"] = num(array_mib);
   out["LLC_MiB"] = num(llc_mib);
 
+  // The f32 FMA peak (what GEMM rates are set against, report_matmul).
+  std::map<long, double> peak;  // threads -> GFLOP/s
+  for (const Result* r : family(p, "BM_FmaPeak"))
+    if (r->error.empty()) peak[r->arg("threads")] = r->counter("peak_GFLOPs");
+  for (const auto& [threads, gflops] : peak) {
+    std::cout << fmt("f32 FMA peak, %ld thread%s: %.1f GFLOP/s\n", threads, threads == 1 ? "" : "s", gflops);
+    out["fma_peak_gflops_threads_" + std::to_string(threads)] = num(gflops);
+  }
+  if (!peak.empty())
+    headline(fmt("f32 FMA peak, %ld threads", peak.rbegin()->first), fmt("%.1f GFLOP/s", peak.rbegin()->second));
+
   // GEMV against the bandwidth.
   const char* const shapes[] = {"mlp_slvt_L64", "mlp_fc1_L64", "cnn2_fc1_L672"};
   std::map<std::pair<long, long>, const Result*> dense, dense_t, block;
@@ -334,6 +345,36 @@ json report_bandwidth(const Program* p) {
     std::cout << "(GB/s counts the bytes each op touches: dense W + vectors; ours: its factors + vectors)\n";
     out["gemv"] = rows;
   }
+  return out;
+}
+
+// f32 GEMM (mn_bench_matmul, all threads) as a fraction of the FMA peak the bandwidth program measured
+// at the same thread count (issue 22: >= 80 % at 1024^3 and 2048^3).
+json report_matmul(const Program* p, const json& bandwidth) {
+  json out = json::object();
+  if (!p) return out;
+  double peak = std::nan("");
+  long peak_threads = 0;
+  for (const auto& [key, value] : bandwidth.items())
+    if (key.rfind("fma_peak_gflops_threads_", 0) == 0 && value.is_number()) {
+      const long t = std::stol(key.substr(24));
+      if (t > peak_threads) peak_threads = t, peak = value.get<double>();
+    }
+  section("f32 GEMM against the FMA peak (mn_bench_matmul, mn_bench_bandwidth)");
+  for (const Result* r : family(p, "BM_MatmulSquare")) {
+    if (!r->error.empty()) continue;
+    const long n = r->arg("n");
+    const double gflops = r->counter("GFLOPS") / 1e9;
+    const double frac = gflops / peak;
+    std::cout << fmt("%ld^3: %.1f GFLOP/s", n, gflops);
+    if (std::isfinite(frac)) std::cout << fmt(" = %.0f%% of the %ld-thread peak", 100 * frac, peak_threads);
+    std::cout << "\n";
+    out["n_" + std::to_string(n)] = {{"gflops", num(gflops)}, {"fraction_of_peak", num(frac)}};
+    if ((n == 1024 || n == 2048) && std::isfinite(frac))
+      headline(fmt("f32 GEMM %ld^3 / FMA peak", n), fmt("%.0f%% (%.1f GFLOP/s)", 100 * frac, gflops), ">= 80%",
+               frac >= 0.8 ? "ok" : "OVER");
+  }
+  if (!std::isfinite(peak)) std::cout << "(no FMA peak: run mn_bench_bandwidth in the same results folder)\n";
   return out;
 }
 
@@ -1136,6 +1177,7 @@ int main(int argc, char** argv) {
   const std::set<std::string> known = {"mn_bench_bandwidth", "mn_bench_train_step", "mn_bench_allocator",
                                        "mn_bench_generators", "mn_bench_contention"};
   summary["bandwidth"] = report_bandwidth(find(programs, "mn_bench_bandwidth"));
+  summary["matmul"] = report_matmul(find(programs, "mn_bench_matmul"), summary["bandwidth"]);
   summary["train_step"] = report_train(find(programs, "mn_bench_train_step"));
   summary["allocator"] = report_allocator(find(programs, "mn_bench_allocator"));
   summary["generators"] = report_generators(find(programs, "mn_bench_generators"));

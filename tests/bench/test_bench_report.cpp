@@ -292,3 +292,32 @@ TEST_CASE("bench report: the contention rows give default / best under load and 
   CHECK(s["contention"][1]["busy_ratio"].get<double>() == doctest::Approx(1.5));
   CHECK(s["contention"][0]["idle_static_ms"].get<double>() == doctest::Approx(20.0));
 }
+
+TEST_CASE("bench report: f32 GEMM as a fraction of the FMA peak measured at the same thread count") {
+  TempDir dir("mn_bench_report");
+  auto row = [](const std::string& name, json counters) {
+    json r = {{"name", name}, {"run_name", name}, {"run_type", "iteration"}, {"repetitions", 1},
+              {"repetition_index", 0}, {"iterations", 1}, {"real_time", 1.0}, {"cpu_time", 1.0}, {"time_unit", "ms"}};
+    r.update(counters);
+    return r;
+  };
+  // Peak 300 GFLOP/s on 2 threads (150 on 1); GEMM 1024^3 at 255 GFLOP/s (85 %), 2048^3 at 210 (70 %).
+  const json bandwidth = {{"context", {{"num_cpus", 2}}},
+                          {"benchmarks", {row("BM_FmaPeak/threads:1/real_time", {{"peak_GFLOPs", 150.0}, {"lanes", 16}}),
+                                          row("BM_FmaPeak/threads:2/real_time", {{"peak_GFLOPs", 300.0}, {"lanes", 16}})}}};
+  const json matmul = {{"context", {{"num_cpus", 2}}},
+                       {"benchmarks", {row("BM_MatmulSquare/n:1024/real_time", {{"GFLOPS", 255e9}}),
+                                       row("BM_MatmulSquare/n:2048/real_time", {{"GFLOPS", 210e9}})}}};
+  write_text(dir.path() / "mn_bench_bandwidth.json", bandwidth.dump());
+  write_text(dir.path() / "mn_bench_matmul.json", matmul.dump());
+  const auto r = report(dir.path(), "--no-chart");
+  INFO(r.all());
+  REQUIRE(r.status == 0);
+  CHECK(std::regex_search(r.out, std::regex(R"(f32 FMA peak, 2 threads: 300\.0 GFLOP/s)")));
+  CHECK(std::regex_search(r.out, std::regex(R"(1024\^3: 255\.0 GFLOP/s = 85% of the 2-thread peak)")));
+  CHECK(std::regex_search(r.out, std::regex(R"(f32 GEMM 1024\^3 / FMA peak\s+85% \(255\.0 GFLOP/s\)\s+>= 80%\s+ok)")));
+  CHECK(std::regex_search(r.out, std::regex(R"(f32 GEMM 2048\^3 / FMA peak\s+70% \(210\.0 GFLOP/s\)\s+>= 80%\s+OVER)")));
+  const json s = read_json(dir.path() / "summary.json");
+  CHECK(s["matmul"]["n_1024"]["fraction_of_peak"].get<double>() == doctest::Approx(0.85));
+  CHECK(s["bandwidth"]["fma_peak_gflops_threads_2"].get<double>() == doctest::Approx(300.0));
+}
