@@ -1,10 +1,12 @@
 // mn-run across "nodes" (label dist): two mn-run processes on 127.0.0.1 with node ranks 0 and 1, as on two
 // machines. Equivalence of 2 nodes x 1 and x 2 ranks with one process (dist_worker equivalence), a node
-// that never arrives, a rank dying on node 1, a restart agreed by both nodes, and the Slurm recipe
-// (examples/slurm/mn-run.sbatch) under stand-in srun/scontrol (tests/dist/slurm/).
+// that never arrives, a rank dying on node 1, a restart agreed by both nodes, the Slurm recipe
+// (examples/slurm/mn-run.sbatch) under stand-in srun/scontrol (tests/dist/slurm/), and mn-train
+// --auto-resume restarted on two nodes with and without a shared checkpoint directory.
 //
 // The binaries and the source tree come from compile definitions (MN_RUN_EXE, MN_DIST_WORKER_EXE,
-// MN_SOURCE_DIR). Each case picks a free port, so the cases may run in parallel.
+// MN_SOURCE_DIR, and MN_TRAIN_EXE when mn-train is built). Each case picks a free port, so the cases may
+// run in parallel.
 #include <doctest/doctest.h>
 #include <sys/wait.h>
 
@@ -15,6 +17,8 @@
 
 #include "core/error.h"
 #include "dist/socket.h"
+#include "tests/checkpoint_run_support.h"
+#include "tests/mn_train_exe.h"
 #include "tests/temp_dir.h"
 
 using namespace mn;
@@ -160,3 +164,78 @@ TEST_CASE("the Slurm recipe starts one mn-run per node (stand-in srun and scontr
   CHECK(has(job[0], "mn-run.sbatch: 2 node(s) x 2 rank(s), node 0 at 127.0.0.1:"));
   for (int rank = 0; rank < 4; ++rank) CHECK(has(job[0], str("rank ", rank, " of 4: 2 Adam steps")));
 }
+
+#ifdef MN_TRAIN_EXE
+namespace {
+
+// mn-train on 2 nodes x 2 ranks: 640 images, 4 ranks x 32 a step, 5 steps per epoch.
+const std::string kTrainCommon = str(MN_TRAIN_EXE, " --backend gloo --target mlp --mlp-hidden 32 --strategy layerwise ",
+                                     "--latent-dim 16 --batch-size 32 --seed 3 --epochs 2 --limit 640 --json");
+// Issue 20's elastic job: one command line that starts the run and, repeated by mn-run --max-restarts,
+// continues it. Rank 3 (on node 1) crashes after step 3 in the first attempt only; rank 0 has written the
+// checkpoint of step 2 (epoch 1, batch 2) to its node's --out by then.
+const std::string kElastic = str(kTrainCommon, " --auto-resume --checkpoint-every 2 --crash-after-step 3 --crash-rank 3");
+
+// Both nodes of the job `train` (mn-train and its arguments but --out) under --max-restarts 1, node n
+// writing to outs[n].
+std::vector<Outcome> two_training_nodes(const std::string& train, const std::vector<std::string>& outs,
+                                        const std::string& launcher = "--nproc-per-node 2 --max-restarts 1") {
+  const std::string port = free_port();
+  return run_together({node(2, 0, port, launcher, str(train, " --out ", outs[0])),
+                       node(2, 1, port, launcher, str(train, " --out ", outs[1]))});
+}
+
+}  // namespace
+
+TEST_CASE("mn-train --auto-resume on two nodes without a shared --out: the restart fails, naming each rank's position") {
+  if (!mn::testing::have_fashion_mnist()) {
+    MESSAGE("skipped: Fashion-MNIST not found in " << data::default_fashion_mnist_root());
+    return;
+  }
+  // Each node its own directory, as on machines that share no file system: only node 0's holds the
+  // checkpoint (rank 0 writes it), so after the restart node 0's ranks resume and node 1's start fresh.
+  // Trained under one all-reduce, they would silently mix two runs; every rank must refuse instead.
+  mn::testing::TempDir dir("mn_multinode_train");
+  const auto nodes = two_training_nodes(kElastic, {dir / "node0", dir / "node1"});
+  const std::string positions =
+      "the data-parallel ranks start from different positions (rank 0: epoch 1, global step 2, batch 2 of its "
+      "epoch; rank 1: epoch 1, global step 2, batch 2 of its epoch; rank 2: a fresh start; rank 3: a fresh start); "
+      "every rank must resume the same checkpoint (on several nodes, the checkpoint directory must be one all nodes "
+      "share)";
+  for (size_t n = 0; n < nodes.size(); ++n) {
+    INFO("node " << n << ":\n" << nodes[n].output);
+    CHECK(nodes[n].status == 1);
+    CHECK(nodes[n].seconds < 30);
+    CHECK(has(nodes[n], "mn-run: restart 1/1 after rank 3 on node 1 was killed by signal 9 (Killed)"));
+    for (int local = 0; local < 2; ++local)
+      CHECK(has(nodes[n], str("mn-train: rank ", 2 * n + local, ": MappingTrainer: ", positions)));
+    CHECK(has(nodes[n], "(after 1 restart(s), --max-restarts 1)"));
+    CHECK_FALSE(has(nodes[n], "epoch 1/2:"));  // no epoch was trained in the restart
+  }
+  CHECK_FALSE(std::filesystem::exists(dir / "node1/checkpoint.safetensors"));
+  // Nothing trained after the refusal: the checkpoint is still the one the restart found.
+  CHECK(mn::testing::checkpoint_trainer_state(dir / "node0/checkpoint.safetensors").at("global_step") == 2);
+}
+
+TEST_CASE("mn-train --auto-resume on two nodes sharing --out: the restarted job ends as the straight one") {
+  if (!mn::testing::have_fashion_mnist()) {
+    MESSAGE("skipped: Fashion-MNIST not found in " << data::default_fashion_mnist_root());
+    return;
+  }
+  mn::testing::TempDir dir("mn_multinode_train_shared");
+  const auto straight = two_training_nodes(kTrainCommon, {dir / "straight", dir / "straight"}, "--nproc-per-node 2");
+  for (const Outcome& o : straight) {
+    INFO(o.output);
+    REQUIRE(o.status == 0);
+  }
+  // Both nodes see the checkpoint after the restart: all four ranks resume at step 2 (the position check
+  // passes) and finish the run.
+  const auto nodes = two_training_nodes(kElastic, {dir / "job", dir / "job"});
+  for (const Outcome& o : nodes) {
+    INFO(o.output);
+    CHECK(o.status == 0);
+    CHECK(has(o, "mn-run: restart 1/1 after rank 3 on node 1 was killed by signal 9 (Killed)"));
+  }
+  mn::testing::check_same_run(dir / "job", dir / "straight");
+}
+#endif

@@ -194,8 +194,17 @@ target_link_libraries(mn_dist_multinode_test PRIVATE mn::mapping_networks doctes
 target_compile_definitions(mn_dist_multinode_test PRIVATE MN_RUN_EXE="$<TARGET_FILE:mn-run>"
                            MN_DIST_WORKER_EXE="$<TARGET_FILE:mn_dist_worker>" MN_SOURCE_DIR="${PROJECT_SOURCE_DIR}")
 add_dependencies(mn_dist_multinode_test mn-run mn_dist_worker)
-foreach(case "two nodes x 1 rank*" "two nodes x 2 ranks*" "a node that never arrives*" "a rank killed on node 1*"
-             "a rank killed in the middle*" "a launcher killed on node 1*" "--max-restarts: both nodes*" "the Slurm recipe*")
+set(mn_multinode_cases "two nodes x 1 rank*" "two nodes x 2 ranks*" "a node that never arrives*"
+    "a rank killed on node 1*" "a rank killed in the middle*" "a launcher killed on node 1*"
+    "--max-restarts: both nodes*" "the Slurm recipe*")
+# mn-train --auto-resume restarted on two nodes: with a directory per node the ranks refuse to train from
+# different positions; with a shared one the job resumes.
+if(TARGET mn-train)
+  target_compile_definitions(mn_dist_multinode_test PRIVATE MN_TRAIN_EXE="$<TARGET_FILE:mn-train>")
+  add_dependencies(mn_dist_multinode_test mn-train)
+  list(APPEND mn_multinode_cases "mn-train --auto-resume on two nodes without*" "mn-train --auto-resume on two nodes sharing*")
+endif()
+foreach(case ${mn_multinode_cases})
   string(TOLOWER "${case}" id)
   string(REGEX REPLACE "[^a-z0-9]+" "_" id "${id}")
   string(REGEX REPLACE "^_|_$" "" id "${id}")
