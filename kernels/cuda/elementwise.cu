@@ -7,6 +7,7 @@
 #include <cmath>
 
 #include "kernels/cuda/compute_utils.cuh"
+#include "kernels/cuda/widened.cuh"
 #include "kernels/scalar_math.h"
 
 namespace mn::kernels {
@@ -169,17 +170,6 @@ struct Compare16 {
   __device__ float operator()(S x, S y) const { return math::compare(op, static_cast<float>(x), static_cast<float>(y)); }
 };
 
-// Registered as taking 16-bit tensors: what the kernels below do not take natively (mixed dtypes)
-// runs on widened f32 copies, as the dispatcher would (kernels/dispatch.h).
-template <class Kernel, class... Scalars>
-void widened_binary(Kernel kernel, BinaryOp op, const Tensor& a, const Tensor& b, Tensor& out, Scalars... s) {
-  const Tensor wa = lowp::is_reduced(a) ? lowp::widen(a) : a, wb = lowp::is_reduced(b) ? lowp::widen(b) : b;
-  if (!lowp::is_reduced(out)) return kernel(op, wa, wb, out, s...);
-  Tensor wide = lowp::widen(out);
-  kernel(op, wa, wb, wide, s...);
-  lowp::narrow_into(wide, out);
-}
-
 void unary_cuda(UnaryOp op, const Tensor& in, Tensor& out, double alpha, double beta) {
   if (is_reduced_precision(in.dtype()) || is_reduced_precision(out.dtype())) {
     MN_CHECK(in.dtype() == out.dtype(), TypeError, "unary op: expected input and output of one dtype, got ",
@@ -222,7 +212,7 @@ void binary_cuda(BinaryOp op, const Tensor& a, const Tensor& b, Tensor& out) {
     const DType t = a.dtype();
     const bool compare = kind == math::BinaryKind::Compare;
     if (b.dtype() != t || (compare ? out.dtype() != DType::f32 : out.dtype() != t))
-      return widened_binary(binary_cuda, op, a, b, out);
+      return lowp::call_widened(binary_cuda, op, a, b, out);  // mixed dtypes: on f32 copies
     if (compare) {
       if (t == DType::bf16) return launch2<float, BFloat16, BFloat16>(a, b, out, Compare16<BFloat16>{op});
       return launch2<float, Half, Half>(a, b, out, Compare16<Half>{op});

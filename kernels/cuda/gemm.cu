@@ -24,6 +24,7 @@
 #include "core/cuda.h"
 #include "kernels/cuda/blas.cuh"
 #include "kernels/cuda/common.cuh"
+#include "kernels/cuda/widened.cuh"
 #include "kernels/gemm_shape.h"
 #include "kernels/kernels.h"
 
@@ -163,14 +164,7 @@ void gemm_cuda(const Tensor& a, const Tensor& b, Tensor& out, double alpha, doub
   const DType dtype = out.dtype();
   const bool uniform = a.dtype() == dtype && b.dtype() == dtype;
   if (is_reduced_precision(dtype) || is_reduced_precision(a.dtype()) || is_reduced_precision(b.dtype())) {
-    if (!uniform || a.size(-1) == 0) {
-      const Tensor wa = lowp::is_reduced(a) ? lowp::widen(a) : a, wb = lowp::is_reduced(b) ? lowp::widen(b) : b;
-      if (!is_reduced_precision(dtype)) return gemm_cuda(wa, wb, out, alpha, beta);
-      Tensor wide = lowp::widen(out);
-      gemm_cuda(wa, wb, wide, alpha, beta);
-      lowp::narrow_into(wide, out);
-      return;
-    }
+    if (!uniform || a.size(-1) == 0) return lowp::call_widened(gemm_cuda, a, b, out, alpha, beta);
   }
   const int device = out.device().index;
   cuda::check_on_device("gemm", out, device, "out");
