@@ -92,7 +92,7 @@ ParameterGenerator::ParameterGenerator(ParameterSpec spec,
     : spec_(std::move(spec)), options_(std::move(options)) {
   const MapperMatrixOptions matrices =
       mapper_matrix_options(options_.mapper, options_.max_dense_mapper_bytes, options_.allow_large);
-  if (!options_.mapper_factory) options_.mapper_factory = default_mapper_factory(0.01, matrices);
+  if (!options_.mapper_factory) options_.mapper_factory = default_mapper_factory(options_.alpha, matrices);
   MN_CHECK(!groups.empty(), ValueError, "At least one parameter group is required");
   // Exact partition of the spec.
   std::set<std::string> seen_groups, covered;

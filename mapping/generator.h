@@ -44,7 +44,10 @@ struct Group {
 
 struct GeneratorOptions {
   uint64_t seed = 0;
-  MapperFactory mapper_factory;  // default: default_mapper_factory()
+  // Builds each group's mapper. Default (empty): default_mapper_factory(alpha, the family below); a
+  // factory given here counts as custom, and slvt's size guard then counts the full L x N matrix.
+  MapperFactory mapper_factory;
+  double alpha = 0.01;  // the default mapper's modulation (unused with a mapper_factory)
   Device device = kCPU;
   bool empty_cache_on_cuda = true;  // lazy_layerwise only
   int64_t max_projection_elements = 100'000'000;  // slvt only: guard on L * N (the reference's)

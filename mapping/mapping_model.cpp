@@ -15,10 +15,10 @@ namespace {
 GeneratorOptions generator_options(const MappingOptions& o) {
   GeneratorOptions g;
   g.seed = o.seed;
-  g.mapper_factory =
-      o.mapper_factory
-          ? o.mapper_factory
-          : default_mapper_factory(o.alpha, mapper_matrix_options(o.mapper, o.max_dense_mapper_bytes, o.allow_large));
+  // The default mapper is left to the generator (built from alpha and the family below), so slvt's size
+  // guard counts what that family stores; a user's factory is passed on as custom.
+  g.mapper_factory = o.mapper_factory;
+  g.alpha = o.alpha;
   g.device = o.device;
   g.empty_cache_on_cuda = o.empty_cache_on_cuda;
   g.max_projection_elements = o.max_projection_elements;

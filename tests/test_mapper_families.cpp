@@ -179,6 +179,36 @@ TEST_CASE("mapper families: the dense family states the bytes it would need and 
                        ValueError);
 }
 
+TEST_CASE("mapper families: a MappingModel's slvt guard counts what its default mapper stores") {
+  // CNN2 slvt at L = 2,048: L x N = 222,449,664 elements as a dense matrix, above the 1e8 guard, but the
+  // block family stores a 2,048 x 2,048 block, signs and a tail. MappingModel used to hand the generator
+  // its default factory as if it were a user's, so the guard counted L x N and refused the README's
+  // slvt command without --allow-large.
+  MappingOptions o;
+  o.strategy = "slvt";
+  o.latent_dim = 2048;
+  MappingModel block(make_target("cnn2"), o);
+  CHECK(block.generator().fixed_bytes() < size_t{100} << 20);
+  o.mapper = "srht";
+  CHECK_NOTHROW(MappingModel(make_target("cnn2"), o));
+  o.mapper = "dense";
+  CHECK_THROWS_WITH_AS(MappingModel(make_target("cnn2"), o), doctest::Contains("'dense' family"), MemoryError);
+  // A factory of the user's own is custom: the reference's L x N count applies.
+  o.mapper = "block";
+  o.mapper_factory = default_mapper_factory();
+  CHECK_THROWS_WITH_AS(MappingModel(make_target("cnn2"), o), doctest::Contains("222,449,664"), MemoryError);
+  // alpha still reaches the default mapper: the same seed with another alpha generates other weights.
+  MappingOptions a;
+  a.latent_dim = 64;
+  a.parameter_scaling = false;  // the scales follow each target instance's random init
+  MappingModel m1(make_target("cnn2"), a), m1_again(make_target("cnn2"), a);
+  a.alpha = 0.5;
+  MappingModel m2(make_target("cnn2"), a);
+  const Tensor w1 = m1.generate_parameters().at("0.weight");
+  CHECK(same_bits(w1, m1_again.generate_parameters().at("0.weight")));
+  CHECK_FALSE(same_bits(w1, m2.generate_parameters().at("0.weight")));
+}
+
 TEST_CASE("mapper families: MappingOptions::mapper reaches every group, and checkpoints refuse another family") {
   mn::testing::TempDir dir("mapper_families");
   auto build = [](const std::string& mapper) {
