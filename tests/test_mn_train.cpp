@@ -738,8 +738,8 @@ TEST_CASE("mn-train: the slvt size guard names --allow-large") {
   CHECK(r.status != 0);
   CHECK(r.all().find("max_projection_elements") != std::string::npos);
   CHECK(r.all().find("--allow-large") != std::string::npos);
-  // The README's slvt run (L = 2,048: 2.2e8 elements as the reference's dense matrix, 4.2e6 stored
-  // here) builds without the flag.
+  // The README's slvt run (L = 2,048: 2.2e8 elements as the reference's dense matrix; the block family
+  // stores its 2,048 x 2,048 block, signs and tail, well under the guard) builds without the flag.
   const CommandResult ok = run(exe, str("--strategy slvt --latent-dim 2048 --epochs 0 --limit 64 --out ", dir / "ok"));
   CHECK_MESSAGE(ok.status == 0, ok.all());
 }
