@@ -18,12 +18,13 @@
 // best iteration's wall time (peak_GFLOPs). mn_bench_report sets GEMM rates against it.
 //   mn_bench_bandwidth --benchmark_filter=Stream
 #include <benchmark/benchmark.h>
+#if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
+#endif
 #include <omp.h>
 
-#include <cmath>
-
 #include <algorithm>
+#include <cmath>
 #include <chrono>
 #include <map>
 #include <string>

@@ -355,9 +355,10 @@ json report_matmul(const Program* p, const json& bandwidth) {
   if (!p) return out;
   double peak = std::nan("");
   long peak_threads = 0;
+  const std::string prefix = "fma_peak_gflops_threads_";  // report_bandwidth's keys
   for (const auto& [key, value] : bandwidth.items())
-    if (key.rfind("fma_peak_gflops_threads_", 0) == 0 && value.is_number()) {
-      const long t = std::stol(key.substr(24));
+    if (key.rfind(prefix, 0) == 0 && value.is_number()) {
+      const long t = std::stol(key.substr(prefix.size()));
       if (t > peak_threads) peak_threads = t, peak = value.get<double>();
     }
   section("f32 GEMM against the FMA peak (mn_bench_matmul, mn_bench_bandwidth)");

@@ -50,6 +50,16 @@ json read_json(const fs::path& p) {
   return json::parse(in);
 }
 
+// One Google Benchmark result row as its JSON output writes it: an iteration of `name` with these
+// counters.
+json iteration_row(const std::string& name, const json& counters, double real_time_ms = 1.0) {
+  json r = {{"name", name},         {"run_name", name},  {"run_type", "iteration"}, {"repetitions", 1},
+            {"repetition_index", 0}, {"iterations", 1}, {"real_time", real_time_ms}, {"cpu_time", 1.0},
+            {"time_unit", "ms"}};
+  r.update(counters);
+  return r;
+}
+
 const json* find_row(const json& rows, const std::string& key, const std::string& value,
                      const std::string& key2 = "", const json& value2 = nullptr) {
   for (const json& r : rows)
@@ -264,15 +274,13 @@ TEST_CASE("bench report: the contention rows give default / best under load and 
   TempDir dir("mn_bench_report");
   // Two targets: one within both targets, one over both (mn_bench_contention's counters).
   auto run = [](int target, const char* label, double busy_default, double busy_t1, double idle_default) {
-    return json{{"name", "BM_Contention/target:" + std::to_string(target) + "/iterations:1/manual_time"},
-                {"run_name", "BM_Contention/target:" + std::to_string(target) + "/iterations:1/manual_time"},
-                {"run_type", "iteration"}, {"repetitions", 1}, {"repetition_index", 0}, {"iterations", 1},
-                {"real_time", 1000.0}, {"cpu_time", 1.0}, {"time_unit", "ms"},
-                {"busy_default_ms", busy_default}, {"busy_static_ms", 60.0}, {"busy_t1_ms", busy_t1},
-                {"busy_best_ms", busy_t1}, {"busy_ratio", busy_default / busy_t1},
-                {"busy_static_ratio", 60.0 / busy_t1}, {"idle_default_ms", idle_default}, {"idle_static_ms", 20.0},
-                {"idle_t1_ms", 31.0}, {"idle_ratio", idle_default / 20.0}, {"team_idle", 2.0}, {"team_busy", 1.0},
-                {"cpus", 2.0}, {"load_avg", 1.25}, {"label", label}};
+    return iteration_row("BM_Contention/target:" + std::to_string(target) + "/iterations:1/manual_time",
+                         {{"busy_default_ms", busy_default}, {"busy_static_ms", 60.0}, {"busy_t1_ms", busy_t1},
+                          {"busy_best_ms", busy_t1}, {"busy_ratio", busy_default / busy_t1},
+                          {"busy_static_ratio", 60.0 / busy_t1}, {"idle_default_ms", idle_default},
+                          {"idle_static_ms", 20.0}, {"idle_t1_ms", 31.0}, {"idle_ratio", idle_default / 20.0},
+                          {"team_idle", 2.0}, {"team_busy", 1.0}, {"cpus", 2.0}, {"load_avg", 1.25}, {"label", label}},
+                         1000.0);
   };
   const json results = {{"context", {{"num_cpus", 2}}},
                         {"benchmarks", {run(0, "cnn2 layerwise 4x672 batch 256", 33.0, 32.0, 20.2),
@@ -295,12 +303,7 @@ TEST_CASE("bench report: the contention rows give default / best under load and 
 
 TEST_CASE("bench report: f32 GEMM as a fraction of the FMA peak measured at the same thread count") {
   TempDir dir("mn_bench_report");
-  auto row = [](const std::string& name, json counters) {
-    json r = {{"name", name}, {"run_name", name}, {"run_type", "iteration"}, {"repetitions", 1},
-              {"repetition_index", 0}, {"iterations", 1}, {"real_time", 1.0}, {"cpu_time", 1.0}, {"time_unit", "ms"}};
-    r.update(counters);
-    return r;
-  };
+  const auto row = [](const std::string& name, const json& counters) { return iteration_row(name, counters); };
   // Peak 300 GFLOP/s on 2 threads (150 on 1); GEMM 1024^3 at 255 GFLOP/s (85 %), 2048^3 at 210 (70 %).
   const json bandwidth = {{"context", {{"num_cpus", 2}}},
                           {"benchmarks", {row("BM_FmaPeak/threads:1/real_time", {{"peak_GFLOPs", 150.0}, {"lanes", 16}}),
