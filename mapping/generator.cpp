@@ -1,5 +1,6 @@
 #include "mapping/generator.h"
 
+#include <algorithm>
 #include <cmath>
 #include <set>
 #include <sstream>
@@ -24,6 +25,11 @@ Tensor initial_latent(uint64_t seed, const std::string& group, int64_t latent_di
   return z.requires_grad_(true);
 }
 
+std::vector<std::string> group_names_of(const std::vector<std::pair<std::string, std::vector<std::string>>>& groups) {
+  std::vector<std::string> names;
+  for (const auto& [name, params] : groups) names.push_back(name);
+  return names;
+}
 }  // namespace
 
 std::vector<std::pair<std::string, std::vector<std::string>>> layerwise_groups(const ParameterSpec& spec) {
@@ -41,6 +47,35 @@ std::vector<std::pair<std::string, std::vector<std::string>>> layerwise_groups(c
     }
   }
   return groups;
+}
+
+std::map<std::string, int64_t> capped_latent_dims(
+    const ParameterSpec& spec, const std::vector<std::pair<std::string, std::vector<std::string>>>& groups,
+    int64_t total) {
+  MN_CHECK(!groups.empty(), ValueError, "capped_latent_dims: no groups to share ", total, " latent values");
+  std::vector<std::pair<int64_t, size_t>> sizes;  // (n_g, group index)
+  int64_t all = 0;
+  for (size_t i = 0; i < groups.size(); ++i) {
+    int64_t n = 0;
+    for (const auto& name : groups[i].second) n += spec.entry(name).numel;
+    sizes.emplace_back(n, i);
+    all += n;
+  }
+  const int64_t count = static_cast<int64_t>(groups.size());
+  MN_CHECK(total >= count && total <= all, ValueError, "a latent budget of ", total, " for ", count,
+           " groups must be at least one value per group and at most their ", all,
+           " parameters (a latent longer than its group's values cannot be used)");
+  std::stable_sort(sizes.begin(), sizes.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+  std::map<std::string, int64_t> dims;
+  int64_t remaining = total;
+  for (size_t k = 0; k < sizes.size(); ++k) {
+    const int64_t left = count - static_cast<int64_t>(k);
+    const int64_t share = k + 1 == sizes.size() ? remaining : remaining / left;
+    const int64_t dim = std::min(sizes[k].first, share);
+    dims[groups[sizes[k].second].first] = dim;
+    remaining -= dim;
+  }
+  return dims;
 }
 
 std::vector<float> parameter_scales(const ParameterSpec& spec, const nn::Module& target) {
@@ -115,6 +150,9 @@ ParameterGenerator::ParameterGenerator(ParameterSpec spec,
     MN_CHECK(it != latent_dims.end(), KeyError, "no latent dimension given for group '", gname, "'");
     MN_CHECK(it->second > 0, ValueError, "latent_dim must be positive, got ", it->second, " for group '", gname, "'");
   }
+  for (const auto& [gname, dim] : latent_dims)
+    MN_CHECK(seen_groups.count(gname), KeyError, "a latent dimension is given for '", gname,
+             "', which is not a parameter group; the groups are ", bracket_list(group_names_of(groups)));
 
   // The dense family refuses an oversized group before any group's QR runs: the default mapper's one
   // [n_g, L_g] matrix per group is checked for every group first.
@@ -353,12 +391,18 @@ GroupedGenerator::GroupedGenerator(ParameterSpec spec,
                          output_dims) {}
 
 namespace {
+// `dims` with latent_dim for every group it does not name (names that are no group stay, for the
+// constructor's KeyError).
+std::map<std::string, int64_t> with_default_dim(
+    const std::vector<std::pair<std::string, std::vector<std::string>>>& groups, std::map<std::string, int64_t> dims,
+    int64_t latent_dim) {
+  MN_CHECK(latent_dim > 0, ValueError, "latent_dim must be positive, got ", latent_dim);
+  for (const auto& [name, params] : groups) dims.try_emplace(name, latent_dim);
+  return dims;
+}
 std::map<std::string, int64_t> same_dim(const std::vector<std::pair<std::string, std::vector<std::string>>>& groups,
                                         int64_t latent_dim) {
-  MN_CHECK(latent_dim > 0, ValueError, "latent_dim must be positive, got ", latent_dim);
-  std::map<std::string, int64_t> dims;
-  for (const auto& [name, params] : groups) dims[name] = latent_dim;
-  return dims;
+  return with_default_dim(groups, {}, latent_dim);
 }
 }  // namespace
 
@@ -406,11 +450,14 @@ ParameterTree GroupedGenerator::generate_parameters(const LatentOverrides& laten
   return tree;
 }
 
-LayerwiseGenerator::LayerwiseGenerator(ParameterSpec spec, int64_t latent_dim, GeneratorOptions options)
-    : GroupedGenerator(spec, layerwise_groups(spec), latent_dim, std::move(options)) {}
+LayerwiseGenerator::LayerwiseGenerator(ParameterSpec spec, int64_t latent_dim, GeneratorOptions options,
+                                       const std::map<std::string, int64_t>& latent_dims)
+    : GroupedGenerator(spec, layerwise_groups(spec), with_default_dim(layerwise_groups(spec), latent_dims, latent_dim),
+                       std::move(options)) {}
 
-LazyLayerwiseGenerator::LazyLayerwiseGenerator(ParameterSpec spec, int64_t latent_dim, GeneratorOptions options)
-    : LayerwiseGenerator(std::move(spec), latent_dim, std::move(options)) {}
+LazyLayerwiseGenerator::LazyLayerwiseGenerator(ParameterSpec spec, int64_t latent_dim, GeneratorOptions options,
+                                               const std::map<std::string, int64_t>& latent_dims)
+    : LayerwiseGenerator(std::move(spec), latent_dim, std::move(options), latent_dims) {}
 
 ParameterTree LazyLayerwiseGenerator::generate_parameters(const LatentOverrides& latents) const {
   check_overrides(latents);
@@ -431,6 +478,10 @@ std::unique_ptr<ParameterGenerator> make_generator(
     const std::vector<std::pair<std::string, std::vector<std::string>>>& groups,
     const std::map<std::string, int64_t>& group_latent_dims) {
   MN_CHECK(latent_dim > 0, ValueError, "latent_dim must be positive, got ", latent_dim);
+  MN_CHECK(group_latent_dims.empty() || strategy == "grouped" || strategy == "layerwise" ||
+               strategy == "lazy_layerwise",
+           ValueError, "per-group latent lengths are for strategies grouped, layerwise and lazy_layerwise; strategy '",
+           strategy, "' takes one latent_dim");
   // slvt + LRD: one group "all" whose map produces the factors (mapping/lrd.h).
   if ((strategy == "slvt" || strategy == "single_vector") && options.lrd_rank > 0) {
     const int64_t rank = options.lrd_rank;
@@ -438,15 +489,16 @@ std::unique_ptr<ParameterGenerator> make_generator(
   }
   if (strategy == "slvt" || strategy == "single_vector")
     return std::make_unique<SingleVectorGenerator>(spec, latent_dim, std::move(options));
-  if (strategy == "layerwise") return std::make_unique<LayerwiseGenerator>(spec, latent_dim, std::move(options));
+  if (strategy == "layerwise")
+    return std::make_unique<LayerwiseGenerator>(spec, latent_dim, std::move(options), group_latent_dims);
   if (strategy == "lazy_layerwise")
-    return std::make_unique<LazyLayerwiseGenerator>(spec, latent_dim, std::move(options));
+    return std::make_unique<LazyLayerwiseGenerator>(spec, latent_dim, std::move(options), group_latent_dims);
   if (strategy == "grouped") {
     MN_CHECK(!groups.empty(), ValueError, "strategy 'grouped' needs a group map (group name -> parameter names)");
-    std::map<std::string, int64_t> dims = group_latent_dims;
-    for (const auto& [name, params] : groups) dims.try_emplace(name, latent_dim);
-    return std::make_unique<GroupedGenerator>(spec, groups, dims, std::move(options));
+    return std::make_unique<GroupedGenerator>(spec, groups, with_default_dim(groups, group_latent_dims, latent_dim),
+                                              std::move(options));
   }
+
   if (strategy == "lrd") {
     const int64_t rank = options.lrd_rank;
     return std::make_unique<LRDGenerator>(spec, latent_dim, rank, std::move(options));

@@ -150,15 +150,19 @@ class GroupedGenerator : public ParameterGenerator {
                    const std::map<std::string, int64_t>& output_dims);
 };
 
+// One latent per owner module (layerwise_groups). `latent_dims` gives some groups their own length
+// (latent_dim is the others'); a name that is not a group is a KeyError listing the groups.
 class LayerwiseGenerator : public GroupedGenerator {
  public:
-  LayerwiseGenerator(ParameterSpec spec, int64_t latent_dim, GeneratorOptions options = {});
+  LayerwiseGenerator(ParameterSpec spec, int64_t latent_dim, GeneratorOptions options = {},
+                     const std::map<std::string, int64_t>& latent_dims = {});
   std::string strategy() const override { return "layerwise"; }
 };
 
 class LazyLayerwiseGenerator : public LayerwiseGenerator {
  public:
-  LazyLayerwiseGenerator(ParameterSpec spec, int64_t latent_dim, GeneratorOptions options = {});
+  LazyLayerwiseGenerator(ParameterSpec spec, int64_t latent_dim, GeneratorOptions options = {},
+                         const std::map<std::string, int64_t>& latent_dims = {});
   ParameterTree generate_parameters(const LatentOverrides& latents = {}) const override;
   std::string strategy() const override { return "lazy_layerwise"; }
 };
@@ -166,8 +170,21 @@ class LazyLayerwiseGenerator : public LayerwiseGenerator {
 // Owner-module groups of a spec: {"0": [0.weight, 0.bias], "<root>": [...]}, first-appearance order.
 std::vector<std::pair<std::string, std::vector<std::string>>> layerwise_groups(const ParameterSpec& spec);
 
+// Splits a budget of `total` latent values over `groups` by water-filling: every group gets the same
+// share, except that no group gets more than its parameter count n_g (a latent longer than the values
+// it generates adds trainable numbers that W z cannot use: rank(W) <= n_g), and what a capped group
+// leaves goes to the others. Integer shares: groups are served from the smallest n_g up (ties in
+// group order), each taking min(n_g, remaining / groups left), so the larger groups absorb the
+// rounding. ValueError unless groups.size() <= total <= sum of n_g. Example: CNN2's layer groups
+// (160, 4,640, 102,528 and 1,290 values) with 2,688 get 160, 843, 843 and 842.
+std::map<std::string, int64_t> capped_latent_dims(
+    const ParameterSpec& spec, const std::vector<std::pair<std::string, std::vector<std::string>>>& groups,
+    int64_t total);
+
 // Builds a generator by strategy name: "slvt", "layerwise", "lazy_layerwise", "grouped" (which needs
-// `groups`) or "lrd" (LRDGenerator with options.lrd_rank, mapping/lrd.h); "slvt" with lrd_rank > 0 is an
+// `groups`) or "lrd" (LRDGenerator with options.lrd_rank, mapping/lrd.h); `group_latent_dims` gives
+// named groups of "grouped", "layerwise" and "lazy_layerwise" their own latent length (latent_dim is
+// the rest's; a ValueError for the other strategies); "slvt" with lrd_rank > 0 is an
 // LRDGenerator over one group "all" (slvt + LRD). Unknown names are a ValueError listing the choices;
 // "finetuning" needs pretrained weights, which this signature cannot take (a ValueError pointing to
 // FineTuningGenerator and MappingOptions::pretrained).

@@ -39,6 +39,8 @@ MappingModel::MappingModel(std::shared_ptr<nn::Module> target, MappingOptions op
            options_.strategy, "' has no rank (set it to 0)");
   check_target();
   if (options_.strategy == "finetuning") {
+    MN_CHECK(options_.group_latent_dims.empty(), ValueError, "per-group latent lengths are for strategies grouped, "
+             "layerwise and lazy_layerwise; strategy 'finetuning' takes one latent_dim");
     MN_CHECK(!options_.pretrained.empty(), ValueError,
              "strategy 'finetuning' needs MappingOptions::pretrained (the pretrained target's safetensors file)");
     generator_ = std::make_unique<FineTuningGenerator>(

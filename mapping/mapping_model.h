@@ -39,7 +39,10 @@ struct MappingOptions {
   double alpha = 0.01;             // additive modulation of the default mapper
   MapperFactory mapper_factory;    // overrides the default mapper (alpha is then unused)
   std::vector<std::pair<std::string, std::vector<std::string>>> groups;  // strategy "grouped"
-  std::map<std::string, int64_t> group_latent_dims;                      // per-group L (grouped)
+  // Per-group latent lengths overriding latent_dim for the groups named (strategies grouped, layerwise,
+  // lazy_layerwise; the layer-wise groups are the owner modules, "0", "features.3", ...);
+  // capped_latent_dims (mapping/generator.h) shares a total over them.
+  std::map<std::string, int64_t> group_latent_dims;
   int64_t max_projection_elements = 100'000'000;
   bool allow_large = false;
   bool empty_cache_on_cuda = true;

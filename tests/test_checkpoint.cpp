@@ -270,6 +270,14 @@ TEST_CASE("checkpoint: an incompatible model is rejected before it is touched, n
                          doctest::Contains("latent dimension mismatch for group '0': checkpoint 4, model 5"),
                          ValueError);
   }
+  SUBCASE("per-group latent lengths: the group whose length differs") {
+    MappingOptions per_group = options("layerwise", 4);
+    per_group.group_latent_dims = {{"0", 6}};
+    MappingModel model(saved_target, per_group);
+    CHECK_THROWS_WITH_AS(load_checkpoint(path, model),
+                         doctest::Contains("latent dimension mismatch for group '0': checkpoint 4, model 6"),
+                         ValueError);
+  }
   SUBCASE("other seed: the mapper matrices would differ") {
     MappingModel model(saved_target, options("layerwise", 4, /*seed=*/8));
     CHECK_THROWS_WITH_AS(load_checkpoint(path, model), doctest::Contains("seed 7"), ValueError);

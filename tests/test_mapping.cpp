@@ -301,6 +301,67 @@ TEST_CASE("mapping: lazy_layerwise equals layerwise bit for bit, scaling include
   CHECK(std_dev(generated.detach(), {}, 0.0).item() == doctest::Approx(scales[0]).epsilon(0.5));
 }
 
+TEST_CASE("mapping: per-group latent lengths for layer-wise generators, and a budget shared by water-filling") {
+  // CNN2's layer groups: 160, 4,640, 102,528 and 1,290 values. An equal share of 2,688 would give the first
+  // 672 latents for 160 values; capped, it keeps 160 and the rest share 2,528 (842 to the smallest, the
+  // larger two absorb the rounding).
+  const ParameterSpec cnn2 = ParameterSpec::from_shapes({{"0.weight", {16, 1, 3, 3}}, {"0.bias", {16}},
+                                                         {"3.weight", {32, 16, 3, 3}}, {"3.bias", {32}},
+                                                         {"7.weight", {128, 800}}, {"7.bias", {128}},
+                                                         {"9.weight", {10, 128}}, {"9.bias", {10}}});
+  const auto groups = layerwise_groups(cnn2);
+  const std::map<std::string, int64_t> shared = capped_latent_dims(cnn2, groups, 2688);
+  CHECK(shared == std::map<std::string, int64_t>{{"0", 160}, {"3", 843}, {"7", 843}, {"9", 842}});
+  // Without a cap in play the shares are equal up to rounding; every value goes somewhere.
+  CHECK(capped_latent_dims(cnn2, groups, 403) == std::map<std::string, int64_t>{{"0", 100}, {"3", 101}, {"7", 101}, {"9", 101}});
+  CHECK(capped_latent_dims(cnn2, groups, 4) == std::map<std::string, int64_t>{{"0", 1}, {"3", 1}, {"7", 1}, {"9", 1}});
+  // Everything: each group its whole count.
+  CHECK(capped_latent_dims(cnn2, groups, 108'618) ==
+        std::map<std::string, int64_t>{{"0", 160}, {"3", 4'640}, {"7", 102'528}, {"9", 1'290}});
+  CHECK_THROWS_WITH_AS(capped_latent_dims(cnn2, groups, 3), doctest::Contains("at least one value per group"),
+                       ValueError);
+  CHECK_THROWS_WITH_AS(capped_latent_dims(cnn2, groups, 108'619), doctest::Contains("at most their 108618"),
+                       ValueError);
+
+  // The lengths reach the generator: named groups get theirs, the others latent_dim; a generator with
+  // all four equal to the default is the plain layer-wise one, bit for bit.
+  auto net = two_linear();  // groups "0" (Linear(3, 2): 8 values) and "1" (Linear(2, 1): 3)
+  const ParameterSpec spec = ParameterSpec::from_module(*net);
+  GeneratorOptions o;
+  o.seed = 5;
+  LayerwiseGenerator plain(spec, 3, o);
+  LayerwiseGenerator same(spec, 3, o, {{"1", 3}});
+  LayerwiseGenerator mixed(spec, 3, o, {{"0", 6}});
+  LazyLayerwiseGenerator lazy(spec, 3, o, {{"0", 6}});
+  CHECK(mixed.named_latents()[0].second.sizes() == Shape{6});
+  CHECK(mixed.named_latents()[1].second.sizes() == Shape{3});
+  CHECK(mixed.trainable_parameter_count() == 9);
+  CHECK(mixed.strategy() == "layerwise");
+  const ParameterTree a = plain.generate_parameters(), b = same.generate_parameters(), m = mixed.generate_parameters(),
+                      l = lazy.generate_parameters();
+  for (const auto& [name, t] : a.items()) CHECK(bitwise_equal(t, b.at(name)));
+  // Group "1" keeps its latent and mapper (a function of seed and group name): the same values.
+  CHECK(bitwise_equal(m.at("1.weight"), a.at("1.weight")));
+  for (const auto& [name, t] : m.items()) CHECK(bitwise_equal(t, l.at(name)));
+  auto made = make_generator("layerwise", spec, 3, o, {}, {{"0", 6}});
+  CHECK(made->trainable_parameter_count() == 9);
+  // A name that is no group is refused with the groups (a typo would otherwise be ignored).
+  CHECK_THROWS_WITH_AS(LayerwiseGenerator(spec, 3, o, {{"2", 4}}),
+                       doctest::Contains("'2', which is not a parameter group; the groups are [0, 1]"), KeyError);
+  CHECK_THROWS_WITH_AS(LayerwiseGenerator(spec, 3, o, {{"0", 0}}), doctest::Contains("for group '0'"), ValueError);
+  CHECK_THROWS_WITH_AS(make_generator("slvt", spec, 3, o, {}, {{"all", 4}}),
+                       doctest::Contains("strategy 'slvt' takes one latent_dim"), ValueError);
+  // Through MappingModel (test_checkpoint: a checkpoint refuses a model whose lengths differ).
+  MappingOptions mo;
+  mo.latent_dim = 3;
+  mo.group_latent_dims = {{"0", 6}};
+  MappingModel model(two_linear(), mo);
+  CHECK(model.trainable_parameter_count() == 9);
+  mo.strategy = "finetuning";
+  CHECK_THROWS_WITH_AS(MappingModel(two_linear(), mo), doctest::Contains("'finetuning' takes one latent_dim"),
+                       ValueError);
+}
+
 TEST_CASE("mapping: scaling fallbacks for biases, root-level bias and one-element tensors") {
   nn::Linear lin(3, 1);
   {
