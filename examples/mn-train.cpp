@@ -137,6 +137,11 @@ struct Options {
   std::vector<int64_t> mlp_hidden{256, 256};
   std::string strategy = "layerwise";
   int64_t latent_dim = 256;
+  // Per-group latent lengths (MappingOptions::group_latent_dims): --latent-dims "NAME=L,..." names some
+  // groups (latent_dim is the rest's); --latent-budget T shares T over all groups with
+  // mapping::capped_latent_dims. Mapped strategies layerwise, lazy_layerwise and grouped only.
+  std::string latent_dims;
+  int64_t latent_budget = 0;  // 0: off
   int64_t epochs = 5;
   int64_t batch_size = 128;
   double lr = 0;  // 0: 1e-3 for direct training, 1e-2 for latents
@@ -232,6 +237,21 @@ const RunOption kRunOptions[] = {
      [](Options& o, const json& v) {
        if (!v.is_null()) o.latent_dim = v.get<int64_t>();
      }},
+    // Per-group latent lengths; runs saved before they existed gave every group latent_dim.
+    {"latent_dims", "--latent-dims",
+     [](Options& o, const json& v) {
+       std::string text;
+       if (v.is_object())
+         for (const auto& [name, dim] : v.items())
+           text += (text.empty() ? "" : ",") + name + "=" + std::to_string(dim.get<int64_t>());
+       o.latent_dims = text;
+     },
+     true},
+    {"latent_budget", "--latent-budget",
+     [](Options& o, const json& v) {
+       if (!v.is_null()) o.latent_budget = v.get<int64_t>();
+     },
+     true},
     {"batch_size", "--batch-size", nullptr},
     {"optimizer", "--optimizer", [](Options& o, const json& v) { o.optimizer = v.get<std::string>(); }},
     {"seed", "--seed", [](Options& o, const json& v) { o.seed = v.get<uint64_t>(); }},
@@ -344,6 +364,35 @@ std::vector<int64_t> parse_classes(const std::string& text) {
   return out;
 }
 
+// --latent-dims "NAME=L,NAME=L": group names (which may hold dots) each with a positive length, no name
+// twice. Empty text: none.
+std::map<std::string, int64_t> parse_latent_dims(const std::string& text) {
+  std::map<std::string, int64_t> dims;
+  if (text.empty()) return dims;
+  MN_CHECK(text.back() != ',', ValueError, "--latent-dims '", text, "' ends with a comma");
+  std::istringstream items(text);
+  std::string item;
+  while (std::getline(items, item, ',')) {
+    const size_t eq = item.rfind('=');
+    MN_CHECK(eq != std::string::npos && eq > 0 && eq + 1 < item.size(), ValueError, "--latent-dims '", text,
+             "': expected GROUP=LENGTH, got '", item, "'");
+    const std::string number = item.substr(eq + 1);
+    size_t used = 0;
+    int64_t dim = 0;
+    try {
+      dim = std::stoll(number, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    MN_CHECK(used == number.size() && dim > 0 && number.find_first_not_of("0123456789") == std::string::npos,
+             ValueError, "--latent-dims '", text, "': the length of '", item.substr(0, eq),
+             "' must be a whole number >= 1, got '", number, "'");
+    MN_CHECK(dims.emplace(item.substr(0, eq), dim).second, ValueError, "--latent-dims '", text, "' names group '",
+             item.substr(0, eq), "' twice");
+  }
+  return dims;
+}
+
 double effective_lr(const Options& o) { return o.lr > 0 ? o.lr : (o.direct() ? 1e-3 : 1e-2); }
 
 // Without --weight-decay, direct training keeps its optimizer's usual setting (AdamW's default decay);
@@ -363,6 +412,8 @@ json run_config(const Options& o, int world_size) {
           {"mlp_hidden", o.target == "mlp" ? json(o.mlp_hidden) : json(nullptr)},
           {"strategy", o.strategy},
           {"latent_dim", mapped(o.latent_dim)},
+          {"latent_dims", mapped(json(parse_latent_dims(o.latent_dims)))},
+          {"latent_budget", mapped(o.latent_budget)},
           {"batch_size", o.batch_size * world_size},
           {"optimizer", o.optimizer},
           {"seed", o.seed},
@@ -511,6 +562,14 @@ void check_knobs_apply(const Options& o) {
            " holds whole weights, and --rank ", o.rank, " would train freshly drawn factors U, V in place of "
            "the 2-D ones: drop --rank, or start the factored run from its own init");
   parse_classes(o.classes);  // checks the syntax before any data is read
+  const bool per_group = !o.latent_dims.empty() || o.latent_budget > 0;
+  MN_CHECK(!per_group || o.strategy == "layerwise" || o.strategy == "lazy_layerwise" || o.strategy == "grouped",
+           ValueError, !o.latent_dims.empty() ? "--latent-dims" : "--latent-budget",
+           " sets per-group latent lengths, which --strategy layerwise, lazy_layerwise and grouped have; ", o.strategy,
+           o.direct() ? " trains the target without latents" : " takes one --latent-dim");
+  MN_CHECK(o.latent_dims.empty() || o.latent_budget == 0, ValueError,
+           "--latent-dims names each group's length and --latent-budget shares a total; give one of them");
+  parse_latent_dims(o.latent_dims);
 }
 
 // --out must take files before any training: otherwise the first epoch's work is lost when its
@@ -780,6 +839,12 @@ Summary run(const Options& o, Device device, const data::Dataset& train_set, con
                                .prune_fraction = o.prune};
     mo.mapper = o.mapper;  // --mapper
     if (o.strategy == "grouped") mo.groups = weight_bias_groups(*target);
+    mo.group_latent_dims = parse_latent_dims(o.latent_dims);
+    if (o.latent_budget > 0) {
+      const mapping::ParameterSpec spec = mapping::ParameterSpec::from_module(*target);
+      mo.group_latent_dims = mapping::capped_latent_dims(
+          spec, o.strategy == "grouped" ? mo.groups : mapping::layerwise_groups(spec), o.latent_budget);
+    }
     if (o.finetuning()) {
       mo.pretrained = o.pretrained;
       mo.finetune_block_size = o.block_size;
@@ -894,6 +959,12 @@ Summary run(const Options& o, Device device, const data::Dataset& train_set, con
           o.target.c_str(), o.strategy.c_str(), static_cast<long long>(target_params),
           static_cast<long long>(trainable), model->compression_ratio(), static_cast<long long>(train_set.size()),
           static_cast<long long>(test.size()), o.optimizer.c_str(), trainer->learning_rate());
+    if (!o.latent_dims.empty() || o.latent_budget > 0) {
+      std::string lengths;
+      for (const auto& g : model->generator().groups())
+        lengths += str(lengths.empty() ? "" : ", ", g.name, ": ", g.latent_dim, " for ", g.local_spec.total_numel());
+      std::printf("latent length per group (for its parameters): %s\n", lengths.c_str());
+    }
     if (ddp)
       std::printf("data parallel: %d ranks (%s), batch %lld per rank = %lld global, %lld steps per epoch, "
                   "%zu bytes all-reduced per step\n",
@@ -974,6 +1045,13 @@ int main(int argc, char** argv) {
   app.add_option("--latent-dim", o.latent_dim, "latent length per group (grouped: weights and biases)")
       ->check(whole_number_at_least(1))
       ->capture_default_str();
+  app.add_option("--latent-dims", o.latent_dims,
+                 "GROUP=L,...: these groups' own latent lengths (layer-wise groups are the owner modules, as "
+                 "PyTorch names them: 0, 3, layer1.0.conv1, ...; --latent-dim for the rest)");
+  app.add_option("--latent-budget", o.latent_budget,
+                 "share this many latent values over the groups: equal shares, none longer than its group's "
+                 "parameter count (replaces --latent-dim)")
+      ->check(whole_number_at_least(1));
   app.add_option("--epochs", o.epochs, "train up to this many epochs in total (0: only evaluate)")
       ->check(whole_number_at_least(0))
       ->capture_default_str();
@@ -1172,6 +1250,8 @@ int main(int argc, char** argv) {
       adopt_saved_run(o, app, saved_run_config(checkpoint), dist.world_size, checkpoint);
     }
     check_knobs_apply(o);
+    MN_CHECK(o.latent_budget == 0 || app.count("--latent-dim") == 0, ValueError, "--latent-budget ", o.latent_budget,
+             " decides every group's latent length; leave out --latent-dim ", o.latent_dim);
     if (device.is_cuda())
       MN_CHECK(cuda_available() && device.index < cuda_device_count(), DeviceError, "--device ", o.device,
                ": CUDA is not available here (built without CUDA, or no usable GPU); use --device cpu");

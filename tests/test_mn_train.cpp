@@ -469,6 +469,58 @@ TEST_CASE("mn-train: --resume takes the run's options from its checkpoint; flags
   CHECK(conflict.all().find("--target") == std::string::npos);
 }
 
+TEST_CASE("mn-train: --latent-budget and --latent-dims set per-group latent lengths, and a resume keeps them") {
+  std::string exe;
+  if (!ready(exe)) return;
+  TempDir dir("mn_train_latent_budget");
+  // mlp 16: groups "1" (Linear(784, 16), 12,560 values) and "3" (Linear(16, 10), 170). A budget of 400
+  // gives "3" all its 170 and "1" the other 230.
+  const std::string run_options = str("--target mlp --mlp-hidden 16 --latent-budget 400 ", kSmall, " --threads 1");
+  const CommandResult text = run(exe, str(run_options, " --epochs 1 --out ", dir / "split"));
+  INFO(text.all());
+  REQUIRE(text.status == 0);
+  CHECK(text.all().find("latent length per group (for its parameters): 1: 230 for 12560, 3: 170 for 170") !=
+        std::string::npos);
+  const json straight = summary(run(exe, str(run_options, " --epochs 2 --json --out ", dir / "straight")));
+  CHECK(straight["trainable_params"] == 400);
+  const json resumed = summary(run(exe, str("--out ", dir / "split", " --resume --epochs 2 --threads 1 --json")));
+  CHECK(resumed["trainable_params"] == 400);
+  CHECK(resumed["test_accuracy"] == straight["test_accuracy"]);
+  check_same_tensors((fs::path(dir / "straight") / "checkpoint.safetensors").string(),
+                     (fs::path(dir / "split") / "checkpoint.safetensors").string(), "latent/");
+  const CommandResult other = run(exe, str("--out ", dir / "split", " --resume --latent-budget 300"));
+  CHECK(other.status != 0);
+  CHECK(other.all().find("--latent-budget: the run has 400, the command line 300") != std::string::npos);
+
+  // Named groups; the others keep --latent-dim.
+  const json named = summary(run(exe, str("--target mlp --mlp-hidden 16 --latent-dim 12 --latent-dims 3=5 ", kSmall,
+                                          " --epochs 0 --json --out ", dir / "named")));
+  CHECK(named["trainable_params"] == 17);
+
+  struct Case {
+    const char* flags;
+    const char* message;
+  };
+  for (const Case& c :
+       {Case{"--latent-dims 2=5", "a latent dimension is given for '2', which is not a parameter group; the groups are "
+                                  "[1, 3]"},
+        Case{"--latent-dims 3=0", "--latent-dims '3=0': the length of '3' must be a whole number >= 1, got '0'"},
+        Case{"--latent-dims 3", "--latent-dims '3': expected GROUP=LENGTH, got '3'"},
+        Case{"--latent-dims 3=4,3=5", "--latent-dims '3=4,3=5' names group '3' twice"},
+        Case{"--latent-budget 400 --latent-dim 8", "--latent-budget 400 decides every group's latent length; leave out "
+                                                   "--latent-dim 8"},
+        Case{"--latent-budget 400 --latent-dims 3=5", "give one of them"},
+        Case{"--latent-budget 1", "a latent budget of 1 for 2 groups must be at least one value per group"},
+        Case{"--strategy slvt --latent-budget 400", "slvt takes one --latent-dim"},
+        Case{"--strategy direct --latent-dims 3=5", "direct trains the target without latents"}}) {
+    INFO("flags " << c.flags);
+    const CommandResult r = run(exe, str("--target mlp --mlp-hidden 16 --epochs 0 ", c.flags, " --out ", dir / "never"));
+    INFO(r.all());
+    CHECK(r.status != 0);
+    CHECK(r.all().find(c.message) != std::string::npos);
+  }
+}
+
 TEST_CASE("mn-train: the target's weights are exported alone, for mapped and direct runs") {
   std::string exe;
   if (!ready(exe)) return;
