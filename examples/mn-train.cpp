@@ -92,6 +92,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <charconv>
 #include <chrono>
 #include <cmath>
 #include <csignal>
@@ -377,16 +378,10 @@ std::map<std::string, int64_t> parse_latent_dims(const std::string& text) {
     MN_CHECK(eq != std::string::npos && eq > 0 && eq + 1 < item.size(), ValueError, "--latent-dims '", text,
              "': expected GROUP=LENGTH, got '", item, "'");
     const std::string number = item.substr(eq + 1);
-    size_t used = 0;
     int64_t dim = 0;
-    try {
-      dim = std::stoll(number, &used);
-    } catch (const std::exception&) {
-      used = 0;
-    }
-    MN_CHECK(used == number.size() && dim > 0 && number.find_first_not_of("0123456789") == std::string::npos,
-             ValueError, "--latent-dims '", text, "': the length of '", item.substr(0, eq),
-             "' must be a whole number >= 1, got '", number, "'");
+    const auto [stop, error] = std::from_chars(number.data(), number.data() + number.size(), dim);
+    MN_CHECK(error == std::errc() && stop == number.data() + number.size() && dim > 0, ValueError, "--latent-dims '",
+             text, "': the length of '", item.substr(0, eq), "' must be a whole number >= 1, got '", number, "'");
     MN_CHECK(dims.emplace(item.substr(0, eq), dim).second, ValueError, "--latent-dims '", text, "' names group '",
              item.substr(0, eq), "' twice");
   }

@@ -400,16 +400,12 @@ std::map<std::string, int64_t> with_default_dim(
   for (const auto& [name, params] : groups) dims.try_emplace(name, latent_dim);
   return dims;
 }
-std::map<std::string, int64_t> same_dim(const std::vector<std::pair<std::string, std::vector<std::string>>>& groups,
-                                        int64_t latent_dim) {
-  return with_default_dim(groups, {}, latent_dim);
-}
 }  // namespace
 
 GroupedGenerator::GroupedGenerator(ParameterSpec spec,
                                    std::vector<std::pair<std::string, std::vector<std::string>>> groups,
                                    int64_t latent_dim, GeneratorOptions options)
-    : GroupedGenerator(std::move(spec), groups, same_dim(groups, latent_dim), std::move(options)) {}
+    : GroupedGenerator(std::move(spec), groups, with_default_dim(groups, {}, latent_dim), std::move(options)) {}
 
 ParameterTree GroupedGenerator::generate_parameters(const LatentOverrides& latents) const {
   check_overrides(latents);
