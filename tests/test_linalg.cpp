@@ -1,10 +1,14 @@
 // Matrix products: mm/bmm/matmul forward by hand and against a naive triple loop (transposed views,
 // broadcast batch dims, 1-D operands), the gemm kernel's alpha/beta and thread-count independence,
-// gradient checks, double backward and shape errors.
+// gradient checks, double backward and shape errors; the packed AVX-512 kernel on its own.
 #include <omp.h>
 
+#include <array>
+#include <cmath>
 #include <cstring>
+#include <limits>
 
+#include "kernels/cpu/packed_gemm.h"
 #include "kernels/kernels.h"
 #include "tests/test_support.h"
 
@@ -200,4 +204,98 @@ TEST_CASE("matmul: shape and type errors") {
   CHECK_THROWS_WITH_AS(matmul(tensor({1, 2}), tensor({1, 2, 3})), doctest::Contains("(2 != 3)"), ValueError);
   Tensor ints = from_vector(std::vector<int64_t>{1, 2, 3, 4, 5, 6}, {3, 2});
   CHECK_THROWS_WITH_AS(matmul(a, ints), doctest::Contains("i64"), TypeError);
+}
+
+// The packed AVX-512 GEMM (kernels/cpu/packed_gemm.h) on its own, against a double-precision sum:
+// shapes around its tile (8 x 48, 16-column vectors) and block sizes (K blocks of at most 256, 320
+// rows, 4800 columns), operands row-major, transposed and with no unit stride, and every way C is
+// stored (beta 0 with NaN in C, beta 1, another beta; alpha 1 and not).
+TEST_CASE("packed gemm: tails, blocks, layouts, alpha and beta against a double sum") {
+  if (!kernels::cpu::packed_gemm_built()) return;  // a build without AVX-512 has only Eigen's kernel
+  using kernels::cpu::MatrixRef;
+  const std::vector<std::array<int64_t, 3>> shapes = {{1, 1, 1},   {8, 48, 8},    {9, 49, 9},    {7, 15, 3},
+                                                      {17, 97, 255}, {3, 33, 256}, {16, 64, 257}, {33, 17, 520},
+                                                      {321, 50, 20}, {5, 4801, 2}, {64, 49, 288}};
+  for (const auto& [m, n, k] : shapes) {
+    for (int layout = 0; layout < 4; ++layout) {  // bit 0: A transposed, bit 1: B transposed
+      for (const auto& [alpha, beta] : std::vector<std::pair<float, float>>{{1, 0}, {1, 1}, {0.5f, 0}, {-2, 0.25f}}) {
+        CAPTURE(m);
+        CAPTURE(n);
+        CAPTURE(k);
+        CAPTURE(layout);
+        CAPTURE(alpha);
+        CAPTURE(beta);
+        // Stored with a padded leading dimension (+3) so strides differ from the extents.
+        const bool ta = layout & 1, tb = layout & 2;
+        const int64_t lda = (ta ? m : k) + 3, ldb = (tb ? k : n) + 3, ldc = n + 5;
+        const std::vector<float> av = random_tensor({(ta ? k : m) * lda}, 21).to_vector<float>();
+        const std::vector<float> bv = random_tensor({(tb ? n : k) * ldb}, 22).to_vector<float>();
+        std::vector<float> c = random_tensor({m * ldc}, 23).to_vector<float>();
+        if (beta == 0.0f) std::fill(c.begin(), c.end(), std::nanf(""));
+        const std::vector<float> c0 = c;
+        const MatrixRef a{av.data(), m, k, ta ? 1 : lda, ta ? lda : 1};
+        const MatrixRef b{bv.data(), k, n, tb ? 1 : ldb, tb ? ldb : 1};
+        kernels::cpu::packed_gemm(a, b, c.data(), ldc, alpha, beta);
+        double worst = 0;
+        for (int64_t i = 0; i < m; ++i) {
+          for (int64_t j = 0; j < n; ++j) {
+            double sum = 0, magnitude = 0;
+            for (int64_t q = 0; q < k; ++q) {
+              const double p = double(a.data[i * a.row_stride + q * a.col_stride]) * b.data[q * b.row_stride + j * b.col_stride];
+              sum += p;
+              magnitude += std::fabs(p);
+            }
+            const double old = beta == 0.0f ? 0.0 : double(beta) * c0[i * ldc + j];
+            const double want = alpha * sum + old;
+            const double err = std::fabs(want - c[i * ldc + j]) / (std::fabs(alpha) * magnitude + std::fabs(old) + 1e-30);
+            worst = std::max(worst, std::isnan(err) ? 1.0 : err);
+          }
+          // Columns past n in each row of C are untouched.
+          for (int64_t j = n; j < ldc && i * ldc + j < m * ldc; ++j)
+            CHECK((std::isnan(c0[i * ldc + j]) ? std::isnan(c[i * ldc + j]) : c[i * ldc + j] == c0[i * ldc + j]));
+        }
+        CHECK(worst < 1e-5);
+      }
+    }
+  }
+}
+
+TEST_CASE("packed gemm: NaN and infinity propagate as in a plain sum") {
+  if (!kernels::cpu::packed_gemm_built()) return;
+  using kernels::cpu::MatrixRef;
+  const int64_t m = 9, n = 50, k = 300;
+  std::vector<float> av = random_tensor({m * k}, 31).to_vector<float>(), bv = random_tensor({k * n}, 32).to_vector<float>();
+  av[2 * k + 260] = std::nanf("");                             // row 2 of A, in the second K block
+  bv[7 * n + 49] = std::numeric_limits<float>::infinity();     // column 49 of B: +-inf unless a row has NaN
+  std::vector<float> c(m * n);
+  kernels::cpu::packed_gemm(MatrixRef{av.data(), m, k, k, 1}, MatrixRef{bv.data(), k, n, n, 1}, c.data(), n, 1.0f, 0.0f);
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t j = 0; j < n; ++j) {
+      CAPTURE(i);
+      CAPTURE(j);
+      if (i == 2) CHECK(std::isnan(c[i * n + j]));
+      else if (j == 49) CHECK(std::isinf(c[i * n + j]));
+      else CHECK(std::isfinite(c[i * n + j]));
+    }
+}
+
+// mm runs the packed kernel by default where it is built; MN_CPU_GEMM=eigen (set_packed_gemm(false))
+// switches every product back to Eigen's, to repeat runs made before it bit for bit. Both agree to
+// float rounding, and the switch really changes the code that runs (the last bits differ somewhere).
+TEST_CASE("packed gemm: the switch to Eigen's kernel, and both kernels agree") {
+  if (!kernels::cpu::packed_gemm_built()) {
+    CHECK_FALSE(kernels::cpu::packed_gemm_enabled());
+    kernels::cpu::set_packed_gemm(true);  // ignored without the kernel
+    CHECK_FALSE(kernels::cpu::packed_gemm_enabled());
+    return;
+  }
+  const bool saved = kernels::cpu::packed_gemm_enabled();
+  Tensor a = random_tensor({200, 300}, 41), b = random_tensor({300, 150}, 42);
+  kernels::cpu::set_packed_gemm(true);
+  Tensor packed = mm(a, b);
+  kernels::cpu::set_packed_gemm(false);
+  Tensor eigen = mm(a, b);
+  kernels::cpu::set_packed_gemm(saved);
+  check_close(packed, eigen.to_vector<float>(), 1e-4);
+  CHECK_FALSE(bitwise_equal(packed, eigen));
 }

@@ -140,11 +140,13 @@ class ScopedEnv {
 // <fixture>/expected_latents_epoch2.safetensors. The code of 80f8169 made the generated parameters by
 // composing the mapper's ops; the fused group kernels (issue 22, mapping/fused_group.h) sum in another
 // order (the latents move by about 1e-5 of their size in one epoch), so the resumed run uses the
-// composition (MN_FUSED_GROUPS=0) to give the recorded bits.
+// composition (MN_FUSED_GROUPS=0) to give the recorded bits. Like every case here it also runs on
+// Eigen's GEMM (MN_CPU_GEMM=eigen), which 80f8169 used; the packed kernel sums in another order.
 void check_mapped_resume(const std::string& fixture, const std::string& flags, const Expected& expected) {
   std::string exe;
   if (!mn::testing::mn_train_ready(exe)) return;
   const ScopedEnv composed("MN_FUSED_GROUPS", "0");
+  const ScopedEnv eigen_gemm("MN_CPU_GEMM", "eigen");
   mn::testing::TempDir dir("mn_pre17");
   const fs::path out = resume_one_epoch(exe, dir, fixture, flags, expected);
   check_latents(out / "checkpoint.safetensors", kFixtures / fixture / "expected_latents_epoch2.safetensors");
@@ -170,6 +172,7 @@ TEST_CASE("pre-17 checkpoint: lazy_layerwise run with a cosine schedule and mapp
 TEST_CASE("pre-17 checkpoint: direct MLP run resumes to the recorded epoch 2") {
   std::string exe;
   if (!mn::testing::mn_train_ready(exe)) return;
+  const ScopedEnv eigen_gemm("MN_CPU_GEMM", "eigen");
   mn::testing::TempDir dir("mn_pre17");
   const fs::path out = resume_one_epoch(exe, dir, "direct_mlp", "--target mlp --mlp-hidden 32 --strategy direct",
                                         {.test_accuracy = 0.564453125, .train_accuracy = 0.544921875});

@@ -1,8 +1,9 @@
 #pragma once
-// Strided single-precision matrix products on top of Eigen's GEMM, shared by the gemm and conv
-// kernels. Eigen never threads here: it is always called on one thread, and the work is split into
-// blocks of the output by us. Eigen's own OpenMP GEMM picks its K blocking from the thread count,
-// so its results would change in the last bits with OMP_NUM_THREADS; ours do not.
+// Strided single-precision matrix products, shared by the gemm, conv and mapped-group kernels: the
+// packed AVX-512 kernel (packed_gemm.h) where the build has it and the shape suits it, Eigen's GEMM
+// otherwise. Neither threads by itself: each serial call runs on one thread, and the work is split
+// into blocks of the output by us. Eigen's own OpenMP GEMM picks its K blocking from the thread
+// count, so its results would change in the last bits with OMP_NUM_THREADS; ours do not.
 #include <cstdint>
 
 namespace mn::kernels::cpu {

@@ -1,6 +1,7 @@
-// CPU matrix products: the batched gemm kernel and the strided Eigen helpers it shares with conv.
-// Operands are read in place whenever Eigen can map them (row-major views, and transposed views as
-// column-major maps); only views with no unit stride are copied.
+// CPU matrix products: the batched gemm kernel and the strided helpers it shares with conv (the packed
+// kernel of packed_gemm.h, or Eigen's). Operands are read in place whenever Eigen can map them
+// (row-major views, and transposed views as column-major maps); only views with no unit stride are
+// copied.
 #include <omp.h>
 
 // GCC 12 flags Eigen's AVX-512 transposes (`__m512 __Y = __Y;` in the intrinsics header) as
@@ -11,6 +12,7 @@
 
 #include "core/parallel.h"
 #include "kernels/cpu/eigen_gemm.h"
+#include "kernels/cpu/packed_gemm.h"
 #include "kernels/gemm_shape.h"
 #include "kernels/kernels.h"
 
@@ -101,6 +103,7 @@ void gemm_serial(const MatrixRef& a, const MatrixRef& b, float* c, int64_t ldc, 
     else if (beta != 1.0f) out *= beta;
     return;
   }
+  if (packed_gemm_enabled() && packed_gemm_suits(m, n, a.cols)) return packed_gemm(a, b, c, ldc, alpha, beta);
   EigenSingleThread single;
   const bool a_rows = row_major_ok(a), b_rows = row_major_ok(b);
   if (a_rows && b_rows) eigen_product(as_row_major(a), as_row_major(b), out, alpha, beta);
