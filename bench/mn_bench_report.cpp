@@ -376,6 +376,44 @@ json report_matmul(const Program* p, const json& bandwidth) {
                frac >= 0.8 ? "ok" : "OVER");
   }
   if (!std::isfinite(peak)) std::cout << "(no FMA peak: run mn_bench_bandwidth in the same results folder)\n";
+
+  // The targets' own products on one thread (BM_GemmTargetShape): each kernel's rate, the packed one as a
+  // fraction of the 1-thread peak.
+  std::map<long, const Result*> packed, eigen;
+  for (const Result* r : family(p, "BM_GemmTargetShape"))
+    if (r->error.empty()) (r->arg("kernel") == 0 ? packed : eigen)[r->arg("shape")] = r;
+  if (!packed.empty()) {
+    const double peak1 = bandwidth.contains(prefix + "1") && bandwidth[prefix + "1"].is_number()
+                             ? bandwidth[prefix + "1"].get<double>()
+                             : std::nan("");
+    section("f32 GEMM on the targets' shapes, 1 thread (mn_bench_matmul BM_GemmTargetShape)");
+    std::cout << fmt("%-40s %8s %7s %10s %13s\n", "product [m x n x k]", "GFLOP/s", "of peak", "Eigen's", "time / Eigen");
+    json rows = json::array();
+    double low = std::nan(""), high = std::nan("");
+    for (const auto& [shape, r] : packed) {
+      const bool is_packed = r->counter("packed") == 1;
+      const double gflops = r->counter("GFLOPS") / 1e9, frac = gflops / peak1;
+      const Result* e = eigen.count(shape) ? eigen[shape] : nullptr;
+      const double eigen_gflops = e ? e->counter("GFLOPS") / 1e9 : std::nan("");
+      std::cout << fmt("%-40s %8.1f %6.0f%% %10.1f %13.2f%s\n", r->label.c_str(), gflops, 100 * frac, eigen_gflops,
+                       eigen_gflops / gflops, is_packed ? "" : "  (Eigen's kernel: no packed one in this build)");
+      rows.push_back({{"shape", r->label},
+                      {"packed", is_packed},
+                      {"gflops", num(gflops)},
+                      {"fraction_of_peak", num(frac)},
+                      {"eigen_gflops", num(eigen_gflops)}});
+      if (std::isfinite(frac)) {
+        low = std::isnan(low) ? frac : std::min(low, frac);
+        high = std::isnan(high) ? frac : std::max(high, frac);
+      }
+    }
+    out["target_shapes"] = rows;
+    if (std::isfinite(low))
+      headline("f32 GEMM, targets' shapes, 1 thread / FMA peak", fmt("%.0f-%.0f%%", 100 * low, 100 * high), ">= 80%",
+               low >= 0.8 ? "ok" : "OVER");
+    else
+      std::cout << "(no 1-thread FMA peak: run mn_bench_bandwidth in the same results folder)\n";
+  }
   return out;
 }
 

@@ -11,6 +11,7 @@
 #include <regex>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -43,6 +44,15 @@ void copy_results(const fs::path& dir) {
 
 mn::testing::CommandResult report(const fs::path& dir, const std::string& options = "") {
   return run_command(std::string("'") + MN_BENCH_REPORT + "' '" + dir.string() + "' " + options);
+}
+
+// Writes each program's benchmark rows as DIR/<program>.json (on a 2-CPU machine) and runs the report
+// on DIR without the chart.
+mn::testing::CommandResult report_rows(const fs::path& dir,
+                                       const std::vector<std::pair<std::string, std::vector<json>>>& programs) {
+  for (const auto& [program, rows] : programs)
+    write_text(dir / (program + ".json"), json{{"context", {{"num_cpus", 2}}}, {"benchmarks", rows}}.dump());
+  return report(dir, "--no-chart");
 }
 
 json read_json(const fs::path& p) {
@@ -305,15 +315,11 @@ TEST_CASE("bench report: f32 GEMM as a fraction of the FMA peak measured at the 
   TempDir dir("mn_bench_report");
   const auto row = [](const std::string& name, const json& counters) { return iteration_row(name, counters); };
   // Peak 300 GFLOP/s on 2 threads (150 on 1); GEMM 1024^3 at 255 GFLOP/s (85 %), 2048^3 at 210 (70 %).
-  const json bandwidth = {{"context", {{"num_cpus", 2}}},
-                          {"benchmarks", {row("BM_FmaPeak/threads:1/real_time", {{"peak_GFLOPs", 150.0}, {"lanes", 16}}),
-                                          row("BM_FmaPeak/threads:2/real_time", {{"peak_GFLOPs", 300.0}, {"lanes", 16}})}}};
-  const json matmul = {{"context", {{"num_cpus", 2}}},
-                       {"benchmarks", {row("BM_MatmulSquare/n:1024/real_time", {{"GFLOPS", 255e9}}),
-                                       row("BM_MatmulSquare/n:2048/real_time", {{"GFLOPS", 210e9}})}}};
-  write_text(dir.path() / "mn_bench_bandwidth.json", bandwidth.dump());
-  write_text(dir.path() / "mn_bench_matmul.json", matmul.dump());
-  const auto r = report(dir.path(), "--no-chart");
+  const auto r = report_rows(
+      dir.path(), {{"mn_bench_bandwidth", {row("BM_FmaPeak/threads:1/real_time", {{"peak_GFLOPs", 150.0}, {"lanes", 16}}),
+                                           row("BM_FmaPeak/threads:2/real_time", {{"peak_GFLOPs", 300.0}, {"lanes", 16}})}},
+                   {"mn_bench_matmul", {row("BM_MatmulSquare/n:1024/real_time", {{"GFLOPS", 255e9}}),
+                                        row("BM_MatmulSquare/n:2048/real_time", {{"GFLOPS", 210e9}})}}});
   INFO(r.all());
   REQUIRE(r.status == 0);
   CHECK(std::regex_search(r.out, std::regex(R"(f32 FMA peak, 2 threads: 300\.0 GFLOP/s)")));
@@ -323,4 +329,29 @@ TEST_CASE("bench report: f32 GEMM as a fraction of the FMA peak measured at the 
   const json s = read_json(dir.path() / "summary.json");
   CHECK(s["matmul"]["n_1024"]["fraction_of_peak"].get<double>() == doctest::Approx(0.85));
   CHECK(s["bandwidth"]["fma_peak_gflops_threads_2"].get<double>() == doctest::Approx(300.0));
+}
+
+TEST_CASE("bench report: the targets' GEMM shapes on one thread, packed against Eigen's kernel") {
+  TempDir dir("mn_bench_report");
+  // 1-thread peak 200 GFLOP/s; shape 0: packed 170 (85 %), Eigen's 100; shape 1: packed 150 (75 %), Eigen's 150.
+  const auto shape = [](int index, int kernel, double gflops, const std::string& label) {
+    json r = iteration_row("BM_GemmTargetShape/shape:" + std::to_string(index) + "/kernel:" + std::to_string(kernel) +
+                               "/real_time",
+                           {{"GFLOPS", gflops * 1e9}, {"packed", kernel == 0 ? 1 : 0}});
+    r["label"] = label;
+    return r;
+  };
+  const auto r = report_rows(
+      dir.path(), {{"mn_bench_bandwidth", {iteration_row("BM_FmaPeak/threads:1/real_time", {{"peak_GFLOPs", 200.0}, {"lanes", 16}})}},
+                   {"mn_bench_matmul", {shape(0, 0, 170, "first product"), shape(0, 1, 100, "first product"),
+                                        shape(1, 0, 150, "second product"), shape(1, 1, 150, "second product")}}});
+  INFO(r.all());
+  REQUIRE(r.status == 0);
+  CHECK(std::regex_search(r.out, std::regex(R"(first product\s+170\.0\s+85%\s+100\.0\s+0\.59)")));
+  CHECK(std::regex_search(r.out, std::regex(R"(second product\s+150\.0\s+75%\s+150\.0\s+1\.00)")));
+  CHECK(std::regex_search(r.out, std::regex(R"(f32 GEMM, targets' shapes, 1 thread / FMA peak\s+75-85%\s+>= 80%\s+OVER)")));
+  const json s = read_json(dir.path() / "summary.json");
+  REQUIRE(s["matmul"]["target_shapes"].size() == 2);
+  CHECK(s["matmul"]["target_shapes"][0]["fraction_of_peak"].get<double>() == doctest::Approx(0.85));
+  CHECK(s["matmul"]["target_shapes"][1]["eigen_gflops"].get<double>() == doctest::Approx(150.0));
 }
