@@ -192,6 +192,7 @@ struct Options {
   std::string classes;                // "0-4", "5,7,9", "0-2,8"; empty: all ten
   bool finetuning() const { return strategy == "finetuning"; }
   // Augmentation and the validation split (issue 19).
+  double label_smoothing = 0;         // --label-smoothing: the classification loss's (PyTorch's label_smoothing)
   std::vector<std::string> augment;   // --augment: "crop" (RandomCrop 28, padding 2), "flip" (p 0.5); empty: off
   double val_split = 0;               // --val-split F: validate on a stratified F of the training set (0: test set)
   bool direct() const { return strategy == "direct"; }
@@ -328,6 +329,9 @@ const RunOption kRunOptions[] = {
      true},
     // Augmentation and the validation split (issue 19).
     {"augment", "--augment", [](Options& o, const json& v) { o.augment = v.get<std::vector<std::string>>(); }, true},
+    // Runs saved before it existed trained without smoothing.
+    {"label_smoothing", "--label-smoothing", [](Options& o, const json& v) { o.label_smoothing = v.get<double>(); },
+     true},
     {"val_split", "--val-split", [](Options& o, const json& v) { o.val_split = v.get<double>(); }, true},
     // Mixed precision (issue 23); runs saved before it existed trained in f32 ("").
     {"amp", "--amp", [](Options& o, const json& v) { o.amp = v.get<std::string>(); }, true},
@@ -436,6 +440,7 @@ json run_config(const Options& o, int world_size) {
           {"init_from", o.direct() ? json(o.init_from) : json(nullptr)},
           {"classes", parse_classes(o.classes)},
           {"augment", o.augment},
+          {"label_smoothing", o.label_smoothing},
           {"val_split", o.val_split},
           {"amp", o.amp}};
 }
@@ -907,10 +912,11 @@ Summary run(const Options& o, Device device, const data::Dataset& train_set, con
   std::unique_ptr<train::Trainer> trainer;
   nn::Module& direct_module = reparametrized ? static_cast<nn::Module&>(*reparametrized) : *target;
   if (o.direct()) {
-    trainer = std::make_unique<train::Trainer>(direct_module, train_loader, validation, train::classification(),
+    trainer = std::make_unique<train::Trainer>(direct_module, train_loader, validation,
+                                               train::classification(o.label_smoothing),
                                                trainer_config(o), callbacks);
   } else {
-    std::shared_ptr<mapping::Loss> loss = std::make_shared<mapping::ClassificationLoss>();
+    std::shared_ptr<mapping::Loss> loss = std::make_shared<mapping::ClassificationLoss>(o.label_smoothing);
     if (o.mapping_loss) loss = std::make_shared<mapping::MappingLoss>(loss, mapping_loss_options(o));
     trainer = std::make_unique<mapping::MappingTrainer>(*model, train_loader, validation, loss, trainer_config(o),
                                                         callbacks);
@@ -1057,6 +1063,10 @@ int main(int argc, char** argv) {
   app.add_option("--weight-decay", o.weight_decay,
                  "optimizer weight decay (default: AdamW's 0.01 for direct adamw, else 0)")
       ->check(finite_number_in_range(0));
+  app.add_option("--label-smoothing", o.label_smoothing,
+                 "the cross-entropy's label smoothing, as PyTorch's: each target puts F / C on each of the C classes "
+                 "and 1 - F more on its own; the reported losses include it (default 0)")
+      ->check(finite_number_in_range(0, 1));
   app.add_option("--clip-norm", o.clip_norm, "clip the gradients' total L2 norm to this (0: no clipping)")
       ->check(finite_number_in_range(0))
       ->capture_default_str();

@@ -1,11 +1,14 @@
-// mn-train's --augment and --val-split end to end on a few hundred Fashion-MNIST images: the run
-// config records them, --resume restores and checks them (1 + 1 epochs = 2 with augmentation on),
-// metrics.csv reports the validation split's val_* columns, and the test set is measured once.
+// mn-train's --augment, --val-split and --label-smoothing end to end on a few hundred Fashion-MNIST
+// images: the run config records them, --resume restores and checks them (1 + 1 epochs = 2 with
+// augmentation on), metrics.csv reports the validation split's val_* columns, the test set is measured
+// once, and the smoothed loss is the one trained and reported.
 // Skipped with a message when the binary or the data set is missing (tests/mn_train_exe.h).
 #include <doctest/doctest.h>
 
+#include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <sstream>
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
@@ -120,7 +123,51 @@ TEST_CASE("mn-train: --val-split validates on held-out training images and measu
   }
 }
 
-TEST_CASE("mn-train: a checkpoint from before --augment and --val-split resumes with them off") {
+// The first epoch's train_loss from metrics.csv (its third column).
+double first_train_loss(const fs::path& metrics) {
+  std::ifstream in(metrics);
+  std::string header, row, field;
+  std::getline(in, header);
+  std::getline(in, row);
+  std::istringstream fields(row);
+  for (int i = 0; i < 3; ++i) std::getline(fields, field, ',');
+  return std::stod(field);
+}
+
+// With smoothing F the target is F/10 on every class plus 1 - F on its own; at F = 1 the loss is the
+// mean of -log p over the ten classes, which is at least ln 10 for any prediction (Jensen), while the
+// same run without smoothing ends its first epoch well below ln 10.
+TEST_CASE("mn-train: --label-smoothing is the loss trained and reported, and part of the run") {
+  std::string exe;
+  if (!mn::testing::mn_train_ready(exe)) return;
+  mn::testing::TempDir dir("mn_train_label_smoothing");
+  const char* const direct = "--target mlp --mlp-hidden 32 --strategy direct --limit 300 --batch-size 64 --lr 0.01 "
+                             "--threads 1 --json --epochs 1";
+  summary(run(exe, str(direct, " --out ", dir / "plain")));
+  summary(run(exe, str(direct, " --label-smoothing 1 --out ", dir / "uniform")));
+  const double ln10 = std::log(10.0);
+  CHECK(first_train_loss(dir / "plain/metrics.csv") < ln10 - 0.2);
+  CHECK(first_train_loss(dir / "uniform/metrics.csv") >= ln10 - 1e-4);
+  CHECK(config_of(dir / "plain/checkpoint.safetensors")["label_smoothing"] == 0.0);
+  CHECK(config_of(dir / "uniform/checkpoint.safetensors")["label_smoothing"] == 1.0);
+  // A mapped run takes it too.
+  summary(run(exe, str(kRun, " --epochs 1 --label-smoothing 1 --out ", dir / "mapped")));
+  CHECK(first_train_loss(dir / "mapped/metrics.csv") >= ln10 - 1e-4);
+  // --resume keeps it and refuses another value; out-of-range values are refused.
+  summary(run(exe, str("--out ", dir / "mapped", " --resume --epochs 2 --threads 1 --json")));
+  CHECK(config_of(dir / "mapped/checkpoint.safetensors")["label_smoothing"] == 1.0);
+  const auto conflict = run(exe, str("--out ", dir / "mapped", " --resume --epochs 3 --label-smoothing 0.1"));
+  CHECK(conflict.status != 0);
+  CHECK(conflict.all().find("--label-smoothing: the run has 1.0, the command line 0.1") != std::string::npos);
+  for (const char* bad : {"-0.1", "1.5", "nan"}) {
+    INFO(bad);
+    const auto refused = run(exe, str(kRun, " --epochs 1 --label-smoothing ", bad, " --out ", dir / "bad"));
+    CHECK(refused.status != 0);
+    CHECK(refused.all().find("--label-smoothing") != std::string::npos);
+  }
+}
+
+TEST_CASE("mn-train: a checkpoint from before --augment, --val-split and --label-smoothing resumes with them off") {
   std::string exe;
   if (!mn::testing::mn_train_ready(exe)) return;
   mn::testing::TempDir dir("mn_train_augment_old");
@@ -132,6 +179,7 @@ TEST_CASE("mn-train: a checkpoint from before --augment and --val-split resumes 
     json config = json::parse(f.metadata.at("config"));
     config.erase("augment");
     config.erase("val_split");
+    config.erase("label_smoothing");
     f.metadata["config"] = config.dump();
     safetensors::NamedTensors tensors;
     for (const auto& e : f.tensors) tensors.emplace_back(e.name, e.tensor);
@@ -142,4 +190,5 @@ TEST_CASE("mn-train: a checkpoint from before --augment and --val-split resumes 
   CHECK_FALSE(resumed.contains("augment"));
   CHECK(config_of(checkpoint)["augment"] == json::array());
   CHECK(config_of(checkpoint)["val_split"] == 0.0);
+  CHECK(config_of(checkpoint)["label_smoothing"] == 0.0);
 }
