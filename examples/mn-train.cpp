@@ -192,9 +192,9 @@ struct Options {
   std::string classes;                // "0-4", "5,7,9", "0-2,8"; empty: all ten
   bool finetuning() const { return strategy == "finetuning"; }
   // Augmentation and the validation split (issue 19).
-  double label_smoothing = 0;         // --label-smoothing: the classification loss's (PyTorch's label_smoothing)
   std::vector<std::string> augment;   // --augment: "crop" (RandomCrop 28, padding 2), "flip" (p 0.5); empty: off
   double val_split = 0;               // --val-split F: validate on a stratified F of the training set (0: test set)
+  double label_smoothing = 0;         // --label-smoothing: the classification loss's (PyTorch's label_smoothing)
   bool direct() const { return strategy == "direct"; }
   // Mid-epoch checkpoints and restarts (issue 20). None defines the run (not in kRunOptions: a resume may
   // change them).

@@ -8,7 +8,8 @@
 // expected values are only claimed for the one).
 //
 // The expected tensors were computed on x86-64 with AVX-512 and MN_NATIVE=ON in a Release build; a
-// machine whose kernels round differently (another instruction set) may get other last bits. Builds
+// machine whose kernels round differently (another instruction set) may get other last bits, and so
+// may a CPU reporting other cache sizes (Eigen's GEMM, which these runs use, sizes its blocks by them). Builds
 // configured otherwise (the sanitizer job at -O1, MN_NATIVE=OFF: MN_PRE17_BITWISE unset by
 // tests/CMakeLists.txt) round differently on any machine, so there the accuracies may differ by two
 // images and the latents by 1e-3 of their largest magnitude, and the direct weights' hashes are not
