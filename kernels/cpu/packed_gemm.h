@@ -30,6 +30,8 @@ bool packed_gemm_suits(int64_t m, int64_t n, int64_t k);
 
 // c = alpha * a @ b + beta * c on the calling thread; c row-major with leading dimension ldc, never
 // read when beta == 0. a and b may have any strides. Only on builds where packed_gemm_built().
+// Each thread that calls it keeps its packing buffers, grown to the largest blocks it has used (at most
+// 5.2 MB), for its lifetime, outside the caching allocator (as Eigen's per-call buffers are).
 void packed_gemm(const MatrixRef& a, const MatrixRef& b, float* c, int64_t ldc, float alpha, float beta);
 
 }  // namespace mn::kernels::cpu
