@@ -353,14 +353,12 @@ json report_bandwidth(const Program* p) {
 json report_matmul(const Program* p, const json& bandwidth) {
   json out = json::object();
   if (!p) return out;
-  double peak = std::nan("");
-  long peak_threads = 0;
-  const std::string prefix = "fma_peak_gflops_threads_";  // report_bandwidth's keys
+  std::map<long, double> peaks;  // threads -> GFLOP/s, from report_bandwidth's keys
+  const std::string prefix = "fma_peak_gflops_threads_";
   for (const auto& [key, value] : bandwidth.items())
-    if (key.rfind(prefix, 0) == 0 && value.is_number()) {
-      const long t = std::stol(key.substr(prefix.size()));
-      if (t > peak_threads) peak_threads = t, peak = value.get<double>();
-    }
+    if (key.rfind(prefix, 0) == 0 && value.is_number()) peaks[std::stol(key.substr(prefix.size()))] = value.get<double>();
+  const long peak_threads = peaks.empty() ? 0 : peaks.rbegin()->first;
+  const double peak = peaks.empty() ? std::nan("") : peaks.rbegin()->second;
   section("f32 GEMM against the FMA peak (mn_bench_matmul, mn_bench_bandwidth)");
   for (const Result* r : family(p, "BM_MatmulSquare")) {
     if (!r->error.empty()) continue;
@@ -383,9 +381,7 @@ json report_matmul(const Program* p, const json& bandwidth) {
   for (const Result* r : family(p, "BM_GemmTargetShape"))
     if (r->error.empty()) (r->arg("kernel") == 0 ? packed : eigen)[r->arg("shape")] = r;
   if (!packed.empty()) {
-    const double peak1 = bandwidth.contains(prefix + "1") && bandwidth[prefix + "1"].is_number()
-                             ? bandwidth[prefix + "1"].get<double>()
-                             : std::nan("");
+    const double peak1 = peaks.count(1) ? peaks[1] : std::nan("");
     section("f32 GEMM on the targets' shapes, 1 thread (mn_bench_matmul BM_GemmTargetShape)");
     std::cout << fmt("%-40s %8s %7s %10s %13s\n", "product [m x n x k]", "GFLOP/s", "of peak", "Eigen's", "time / Eigen");
     json rows = json::array();

@@ -52,6 +52,14 @@ constexpr int64_t kKc = 256, kMc = 320, kNc = 4800;
 // by beta first (first block, other beta).
 enum class Store { kOverwrite, kAdd, kScaleAdd };
 
+// Writes one accumulated vector to C at dst, the lanes in m: alpha * acc, plus C or beta * C per `store`.
+inline void store_vector(float* dst, __m512 acc, __mmask16 m, Store store, float alpha, float beta) {
+  if (alpha != 1.0f) acc = _mm512_mul_ps(acc, _mm512_set1_ps(alpha));
+  if (store == Store::kAdd) acc = _mm512_add_ps(_mm512_maskz_loadu_ps(m, dst), acc);
+  else if (store == Store::kScaleAdd) acc = _mm512_fmadd_ps(_mm512_set1_ps(beta), _mm512_maskz_loadu_ps(m, dst), acc);
+  _mm512_mask_storeu_ps(dst, m, acc);
+}
+
 // One kc x (R rows, NV vectors) tile: acc = A_panel B_panel, then C (R x 16 NV at c, row stride ldc)
 // updated per `store`; the last vector writes only the lanes in `last`.
 template <int R, int NV>
@@ -82,20 +90,12 @@ void tile(int64_t kc, const float* __restrict ap, const float* __restrict bp, fl
     ap += kMr;
     bp += kNr;
   }
-  const __m512 va = _mm512_set1_ps(alpha), vb = _mm512_set1_ps(beta);
 #pragma GCC unroll 8
-  for (int i = 0; i < R; ++i) {
-    float* row = c + i * ldc;
+  for (int i = 0; i < R; ++i)
 #pragma GCC unroll 3
-    for (int v = 0; v < NV; ++v) {
-      const __mmask16 m = v == NV - 1 ? last : static_cast<__mmask16>(0xFFFF);
-      __m512 r = acc[i][v];
-      if (alpha != 1.0f) r = _mm512_mul_ps(r, va);
-      if (store == Store::kAdd) r = _mm512_add_ps(_mm512_maskz_loadu_ps(m, row + 16 * v), r);
-      else if (store == Store::kScaleAdd) r = _mm512_fmadd_ps(vb, _mm512_maskz_loadu_ps(m, row + 16 * v), r);
-      _mm512_mask_storeu_ps(row + 16 * v, m, r);
-    }
-  }
+    for (int v = 0; v < NV; ++v)
+      store_vector(c + i * ldc + 16 * v, acc[i][v], v == NV - 1 ? last : static_cast<__mmask16>(0xFFFF), store, alpha,
+                   beta);
 }
 
 // A tail panel one vector wide gives the tile above only 8 accumulators (one per row), too few to hide
@@ -121,16 +121,8 @@ void tile_pair(int64_t kc, const float* __restrict ap0, const float* __restrict 
     ap1 += kMr;
     bp += kNr;
   }
-  const __m512 va = _mm512_set1_ps(alpha), vb = _mm512_set1_ps(beta);
 #pragma GCC unroll 16
-  for (int i = 0; i < 2 * kMr; ++i) {
-    float* row = c + i * ldc;
-    __m512 r = acc[i];
-    if (alpha != 1.0f) r = _mm512_mul_ps(r, va);
-    if (store == Store::kAdd) r = _mm512_add_ps(_mm512_maskz_loadu_ps(last, row), r);
-    else if (store == Store::kScaleAdd) r = _mm512_fmadd_ps(vb, _mm512_maskz_loadu_ps(last, row), r);
-    _mm512_mask_storeu_ps(row, last, r);
-  }
+  for (int i = 0; i < 2 * kMr; ++i) store_vector(c + i * ldc, acc[i], last, store, alpha, beta);
 }
 
 using TileFn = void (*)(int64_t, const float*, const float*, float*, int64_t, __mmask16, Store, float, float);
