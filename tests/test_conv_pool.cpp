@@ -6,6 +6,8 @@
 #include <cstring>
 #include <limits>
 
+#include "kernels/cpu/conv_implicit.h"
+#include "kernels/cpu/packed_gemm.h"
 #include "nn/functional.h"
 #include "tests/test_support.h"
 
@@ -195,6 +197,76 @@ TEST_CASE("conv2d: padded column path matches the direct convolution for any row
     auto f = [](const std::vector<Tensor>& t) { return F::conv2d(t[0], t[1], Tensor(), {1, 1}, {1, 2}, {1, 2}); };
     CHECK(gradcheck(f, {x, w}) == "");
   }
+}
+
+// With an inner dimension past 32 and one group, AVX-512 builds run the forward as an implicit GEMM
+// (kernels/cpu/conv_implicit.h): 48-position panels packed straight from the padded images, positions
+// running across samples; with unit stride and 64 or more input channels the input gradient is the
+// same kernel on the padded grad_out with flipped weights. Shapes that exercise it: panels and 16-lane
+// vectors that straddle samples (7 x 7 and 5 x 9 outputs), vectors spanning several image rows in one
+// 32-float window or needing several (column stride 2, 3 and dilation), two K blocks (K = 288) and K
+// blocks of unequal length, a partial row panel of the weights (5 and 13 output channels), a
+// non-contiguous input, padding past (KH - 1) * dilation and 64-channel inputs with padding 0, 1 and
+// 2 x dilation 2 (the input gradient's own padding is then 2, 1 and 2; with 3 it keeps the column
+// path), 40 samples. Each against the direct convolution, its gradients against the column path's
+// (MN_CPU_CONV=im2col), bits across thread counts.
+// On builds without AVX-512 both runs take the column path, and the test still checks it.
+TEST_CASE("conv2d: implicit GEMM path matches the direct convolution and the column path") {
+  struct Case {
+    Shape x, w;
+    ConvCase c;
+    bool permuted = false;
+  };
+  const Case cases[] = {
+      {{3, 8, 7, 7}, {13, 8, 3, 3}, {{1, 1}, {1, 1}, {1, 1}, 1}},
+      {{2, 32, 5, 9}, {5, 32, 3, 3}, {{1, 1}, {1, 1}, {1, 1}, 1}},
+      {{2, 6, 15, 15}, {9, 6, 3, 3}, {{2, 2}, {1, 1}, {1, 1}, 1}},
+      {{2, 6, 13, 40}, {9, 6, 3, 3}, {{1, 3}, {0, 2}, {1, 1}, 1}},
+      {{3, 5, 11, 12}, {6, 5, 3, 2}, {{1, 1}, {2, 1}, {2, 2}, 1}},
+      {{2, 7, 9, 9}, {8, 7, 3, 3}, {{1, 1}, {3, 3}, {1, 1}, 1}},
+      {{2, 9, 8, 6}, {10, 9, 2, 3}, {{1, 1}, {1, 0}, {1, 1}, 1}, true},
+      {{40, 8, 5, 5}, {6, 8, 3, 3}, {{1, 1}, {1, 1}, {1, 1}, 1}},
+      {{3, 64, 7, 7}, {6, 64, 3, 3}, {{1, 1}, {1, 1}, {1, 1}, 1}},
+      {{2, 64, 9, 11}, {5, 64, 3, 3}, {{1, 1}, {0, 0}, {1, 1}, 1}},
+      {{2, 64, 9, 8}, {7, 64, 3, 2}, {{1, 1}, {2, 2}, {2, 2}, 1}, true},
+      {{2, 64, 6, 6}, {4, 64, 3, 3}, {{1, 1}, {3, 3}, {1, 1}, 1}},
+  };
+  const int saved = omp_get_max_threads();
+  for (size_t i = 0; i < std::size(cases); ++i) {
+    CAPTURE(i);
+    const Case& k = cases[i];
+    // The permuted case stores x as [N, H, W, C] and convolves its NCHW view.
+    auto make_x = [&] { return random_param(k.permuted ? Shape{k.x[0], k.x[2], k.x[3], k.x[1]} : k.x, 90 + i); };
+    auto run = [&](bool implicit, int threads) {
+      kernels::cpu::set_implicit_conv(implicit);
+      omp_set_num_threads(threads);
+      Tensor leaf = make_x(), w = random_param(k.w, 100 + i), b = random_param({k.w[0]}, 110 + i);
+      Tensor x = k.permuted ? leaf.permute({0, 3, 1, 2}) : leaf;
+      Tensor y = conv(x, w, b, k.c);
+      sum(mul(y, y)).backward();
+      return std::vector<Tensor>{y.detach(), leaf.grad(), w.grad(), b.grad()};
+    };
+    const std::vector<Tensor> implicit = run(true, 1), threaded = run(true, 3), columns = run(false, 1);
+    kernels::cpu::set_implicit_conv(true);
+    Tensor x = k.permuted ? make_x().detach().permute({0, 3, 1, 2}) : make_x().detach();
+    check_close(implicit[0], naive_conv(x, random_param(k.w, 100 + i), random_param({k.w[0]}, 110 + i), k.c), 1e-4);
+    // The forward adds the same chains to the bias as the column path's packed GEMM: the same bits.
+    if (kernels::cpu::packed_gemm_enabled()) CHECK(bitwise_equal(implicit[0], columns[0]));
+    for (size_t t = 0; t < implicit.size(); ++t) {
+      CAPTURE(t);
+      CHECK(bitwise_equal(implicit[t], threaded[t]));
+      check_close(implicit[t], columns[t].to_vector<float>(), 1e-3);
+    }
+  }
+  omp_set_num_threads(saved);
+  // Gradients by finite differences, the forward and the input gradient on the implicit kernel. The
+  // convolution is linear in each input, so a wide step has no truncation error and keeps the f32
+  // rounding of 576-term sums out of the differences.
+  Tensor x = random_param({1, 64, 3, 4}, 120), w = random_param({4, 64, 3, 3}, 121, 0.2), b = random_param({4}, 122);
+  autograd::GradcheckOptions wide;
+  wide.eps = 0.1;
+  CHECK(gradcheck([](const std::vector<Tensor>& t) { return F::conv2d(t[0], t[1], t[2], {1, 1}, {1, 1}); },
+                  {x, w, b}, wide) == "");
 }
 
 // Past 16 samples each of the weight gradient's partial sums covers several samples: the same

@@ -7,15 +7,20 @@
 // batch in fixed chunks reduced in order, so no result depends on the thread count.
 // With column stride 1 (or 2) im2col reads a zero-padded copy of the image, and with stride 1 col2im
 // sums image rows in registers (conv_columns.h); a column matrix of at most kSmallK rows skips the
-// forward GEMM (conv_small.h). Which path runs depends on the shapes only.
+// forward GEMM (conv_small.h). On AVX-512 builds with one group and a longer column, the forward never
+// writes the column matrix (implicit GEMM, conv_implicit.h), nor does the input gradient at unit stride
+// with 64 or more input channels (the forward kernel on grad_out with flipped weights). Which path runs
+// depends on the shapes (and the MN_CPU_CONV / MN_CPU_GEMM switches) only.
 #include <omp.h>
 
 #include <algorithm>
 #include <cstring>
 
 #include "kernels/cpu/conv_columns.h"
+#include "kernels/cpu/conv_implicit.h"
 #include "kernels/cpu/conv_small.h"
 #include "kernels/cpu/eigen_gemm.h"
+#include "kernels/cpu/packed_gemm.h"
 #include "kernels/cpu/loops.h"
 #include "kernels/kernels.h"
 
@@ -30,6 +35,8 @@ using cpu::zero_run;
 
 // The weight gradient is accumulated in at most this many partial sums over the batch.
 constexpr int64_t kWeightGradChunks = 16;
+// The input gradient takes the implicit GEMM from this many input channels (implicit_input_grad).
+constexpr int64_t kImplicitInputChannels = 64;
 // Passes with fewer multiply-adds than this run on one thread.
 constexpr int64_t kParallelWork = int64_t{1} << 16;
 
@@ -57,6 +64,30 @@ struct ConvGeometry {
     return (p.stride_w == 1 || (p.stride_w == 2 && kernel_h * kernel_w > 1)) && !pointwise();
   }
   bool padded_col2im() const { return padded() && p.stride_w == 1; }
+  // The forward by implicit GEMM (conv_implicit.h): one group, an inner dimension past the small-K
+  // product's, AVX-512 builds with it and the packed GEMM on (MN_CPU_CONV=im2col or MN_CPU_GEMM=eigen
+  // keep the column matrix).
+  bool implicit() const {
+    return groups == 1 && !pointwise() && col_rows() > cpu::kSmallK && cpu::implicit_conv_enabled() &&
+           cpu::packed_gemm_enabled();
+  }
+  // The input gradient as the forward convolution of grad_out, padded by (KH - 1) * dilation - pad, with
+  // the weights flipped and their channel axes swapped: unit stride, padding at most that, and at least
+  // kImplicitInputChannels input channels (its output channels: the rows sharing each packed panel).
+  // With fewer, packing the panels costs more than the column path's GEMM W^T . grad_out and col2im
+  // (cnn2.conv2 and cnn1.conv2, 16 and 32 channels: 5-12 % slower forward + backward; at 64 and 128
+  // channels, resnet20.s3 and cnn1.conv4, 10-15 % faster; issue 22).
+  bool implicit_input_grad() const {
+    return groups == 1 && channels >= kImplicitInputChannels && p.stride_h == 1 && p.stride_w == 1 &&
+           p.pad_h <= (kernel_h - 1) * p.dilation_h &&
+           p.pad_w <= (kernel_w - 1) * p.dilation_w && out_channels * kernel_h * kernel_w > cpu::kSmallK &&
+           !pointwise() && cpu::implicit_conv_enabled() && cpu::packed_gemm_enabled();
+  }
+  // That convolution's geometry: grad_out's planes padded, the image's size as its output.
+  cpu::PaddedConv flipped_conv() const {
+    return {out_h,   out_w,   (kernel_h - 1) * p.dilation_h - p.pad_h, (kernel_w - 1) * p.dilation_w - p.pad_w,
+            kernel_h, kernel_w, 1, 1, p.dilation_h, p.dilation_w, height, width};
+  }
   cpu::PaddedConv padded_conv() const {
     return {height,     width,        p.pad_h,      p.pad_w, kernel_h, kernel_w,
             p.stride_h, p.stride_w,   p.dilation_h, p.dilation_w, out_h, out_w};
@@ -185,6 +216,25 @@ void for_each_sample(const ConvGeometry& g, Body&& body) {
   }
 }
 
+// Every sample's channels of x (strides sx_n, sx_c, sx_h, sx_w) into padded planes, [batch, channels,
+// s.plane()], for implicit_conv; returns the buffer.
+Tensor pad_batch(const cpu::PaddedConv& s, const float* x, int64_t batch, int64_t channels, int64_t sx_n, int64_t sx_c,
+                 int64_t sx_h, int64_t sx_w) {
+  Tensor padded = empty({std::max<int64_t>(1, batch * channels * s.plane())});
+  float* pp = padded.data<float>();
+  const int64_t planes = batch * channels;
+  const int team = cpu::parallel_team(planes * s.plane(), kParallelWork);
+#pragma omp parallel for schedule(static) num_threads(team) if (team > 1)
+  for (int64_t i = 0; i < planes; ++i) {
+    const int64_t n = i / channels, c = i % channels;
+    cpu::pad_channels(s, x + n * sx_n, sx_c, sx_h, sx_w, pp + n * channels * s.plane(), c, c + 1);
+  }
+  return padded;
+}
+
+// Threads for an implicit_conv of this many multiply-adds.
+int implicit_team(int64_t work) { return work >= kParallelWork ? cpu::parallel_team(work, kParallelWork) : 1; }
+
 // Runs body(i) for i in [0, count), on the team when parallel.
 template <class Body>
 void for_range(int64_t count, bool parallel, Body&& body) {
@@ -266,6 +316,13 @@ void conv2d_forward_cpu(const Tensor& x, const Tensor& weight, const Tensor& bia
   const float* bp = b.defined() ? b.data<float>() : nullptr;
   float* op = out.data<float>();
   const int64_t plane = g.out_plane();
+  if (g.implicit()) {
+    const cpu::PaddedConv s = g.padded_conv();
+    const Tensor padded = pad_batch(s, xp, g.batch, g.channels, g.sx_n, g.sx_c, g.sx_h, g.sx_w);
+    cpu::implicit_conv(s, g.batch, g.channels, g.out_channels, padded.data<float>(), wp, bp, op,
+                       implicit_team(g.batch * plane * g.out_channels * g.col_rows()));
+    return;
+  }
   const cpu::ColumnGather gather = g.padded() ? cpu::column_gather(g.padded_conv()) : cpu::ColumnGather{};
   // A short inner dimension takes small_k_product instead of the GEMM (AVX-512 builds).
   [[maybe_unused]] const bool small_k = !g.pointwise() && g.col_rows() <= cpu::kSmallK;
@@ -304,6 +361,20 @@ void conv2d_backward_input_cpu(const Tensor& grad_out, const Tensor& weight, con
   const float* gp = go.data<float>();
   float* gx = grad_x.data<float>();
   const int64_t plane = g.out_plane(), image = g.height * g.width, k = g.col_rows();
+  if (g.implicit_input_grad()) {
+    // W'[c, (o, ki, kj)] = W[o, c, KH - 1 - ki, KW - 1 - kj]
+    const int64_t kk = g.kernel_h * g.kernel_w;
+    Tensor flipped = empty({g.channels * g.out_channels * kk});
+    float* fp = flipped.data<float>();
+    for (int64_t c = 0; c < g.channels; ++c)
+      for (int64_t o = 0; o < g.out_channels; ++o)
+        for (int64_t t = 0; t < kk; ++t) fp[(c * g.out_channels + o) * kk + t] = wp[(o * g.channels + c) * kk + kk - 1 - t];
+    const cpu::PaddedConv s = g.flipped_conv();
+    const Tensor padded = pad_batch(s, gp, g.batch, g.out_channels, g.out_channels * plane, plane, g.out_w, 1);
+    cpu::implicit_conv(s, g.batch, g.out_channels, g.channels, padded.data<float>(), fp, nullptr, gx,
+                       implicit_team(g.batch * image * g.channels * g.out_channels * kk));
+    return;
+  }
   for_each_sample(g, [&](int64_t n, float* col, bool parallel) {
     float* gx_sample = gx + n * g.channels * image;
     if (!g.pointwise() && !g.padded_col2im()) std::fill(gx_sample, gx_sample + g.channels * image, 0.0f);

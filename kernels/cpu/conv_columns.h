@@ -87,20 +87,48 @@ inline void add_run(float* dst, const float* src, int64_t n) {
 inline void pad_channels(const PaddedConv& s, const float* x, int64_t sx_c, int64_t sx_h, int64_t sx_w, float* padded,
                          int64_t c_begin, int64_t c_end) {
   const int64_t pw = s.padded_w();
+#if defined(__AVX512F__)
+  // Rows of contiguous x: each padded row is whole vectors, the image's floats loaded into their lanes by
+  // a masked load (lanes outside the row read as zero), stored unmasked in order, so a row's last vector
+  // spills zeros into the next row's start before that row is written, and the last into the slack.
+  // Short masked stores at every border stalled on the loads that followed them.
+  if (sx_w == 1 && (pw + 15) / 16 * 16 - pw <= PaddedConv::kPlaneSlack) {
+    const int64_t vectors = (pw + 15) / 16, rows = s.height + 2 * s.pad_h;
+    for (int64_t c = c_begin; c < c_end; ++c) {
+      float* plane = padded + c * s.plane();
+      for (int64_t y = 0; y < rows; ++y) {
+        float* dst = plane + y * pw;
+        const int64_t iy = y - s.pad_h;
+        if (iy < 0 || iy >= s.height) {
+          for (int64_t v = 0; v < vectors; ++v) _mm512_storeu_ps(dst + 16 * v, _mm512_setzero_ps());
+          continue;
+        }
+        const float* src = x + c * sx_c + iy * sx_h - s.pad_w;  // lane l of vector v: column 16 v + l - pad_w
+        for (int64_t v = 0; v < vectors; ++v) {
+          const int64_t lo = std::clamp<int64_t>(s.pad_w - 16 * v, 0, 16), hi = std::clamp<int64_t>(s.pad_w + s.width - 16 * v, 0, 16);
+          const __mmask16 m = static_cast<__mmask16>(lanes_mask(hi) & ~lanes_mask(lo));
+          _mm512_storeu_ps(dst + 16 * v, _mm512_maskz_loadu_ps(m, src + 16 * v));
+        }
+      }
+      zero_run(plane + rows * pw, s.plane() - rows * pw);
+    }
+    return;
+  }
+#endif
   for (int64_t c = c_begin; c < c_end; ++c) {
     float* plane = padded + c * s.plane();
-    std::fill(plane, plane + s.pad_h * pw + s.pad_w, 0.0f);
+    zero_run(plane, s.pad_h * pw + s.pad_w);
     for (int64_t y = 0; y < s.height; ++y) {
       float* row = plane + (y + s.pad_h) * pw + s.pad_w;
       const float* src = x + c * sx_c + y * sx_h;
-      if (sx_w == 1) std::copy(src, src + s.width, row);
+      if (sx_w == 1) copy_run(row, src, s.width);
       else
         for (int64_t i = 0; i < s.width; ++i) row[i] = src[i * sx_w];
       // right border of this row and left border of the next
-      std::fill(row + s.width, row + s.width + 2 * s.pad_w, 0.0f);
+      zero_run(row + s.width, 2 * s.pad_w);
     }
     float* tail = plane + (s.height + s.pad_h) * pw + s.pad_w;
-    std::fill(tail, plane + s.plane(), 0.0f);
+    zero_run(tail, plane + s.plane() - tail);
   }
 }
 

@@ -1,4 +1,5 @@
 #include "kernels/cpu/packed_gemm.h"
+#include "kernels/cpu/packed_tiles.h"
 
 #include <algorithm>
 #include <atomic>
@@ -37,20 +38,12 @@ bool packed_gemm_enabled() { return g_enabled.load(std::memory_order_relaxed); }
 bool packed_gemm_suits(int64_t m, int64_t n, int64_t k) { return kBuilt && m >= 4 && n >= 16 && k >= 1; }
 
 #if defined(__AVX512F__)
-namespace {
-
-constexpr int kMr = 8;              // rows of the register tile (broadcast from packed A)
-constexpr int kVectors = 3;         // 16-float vectors across the tile
-constexpr int kNr = 16 * kVectors;  // its columns (read from packed B)
+namespace packed {
 // Cache blocking, chosen on Zen 5 (48 KiB L1d, 1 MiB L2): one kKc x kNr panel of B (48 KiB at full
 // kKc) is reused by every 8-row panel of A's kMc x kKc block (320 KiB, in L2); B's kKc x kNc block
 // (4.7 MiB) sits in L3. K blocks of 128-256 and kMc of 160-640 measured alike within this VM's noise.
-// K is cut into equal blocks of at most kKc (k_block).
-constexpr int64_t kKc = 256, kMc = 320, kNc = 4800;
-
-// How the tile meets C: overwrite (first K block, beta 0), add (later blocks, or beta 1), or scale C
-// by beta first (first block, other beta).
-enum class Store { kOverwrite, kAdd, kScaleAdd };
+// K is cut into equal blocks of at most kKc (k_block, packed_tiles.h).
+constexpr int64_t kMc = 320, kNc = 4800;
 
 // Writes one accumulated vector to C at dst, the lanes in m: alpha * acc, plus C or beta * C per `store`.
 inline void store_vector(float* dst, __m512 acc, __mmask16 m, Store store, float alpha, float beta) {
@@ -124,8 +117,6 @@ void tile_pair(int64_t kc, const float* __restrict ap0, const float* __restrict 
 #pragma GCC unroll 16
   for (int i = 0; i < 2 * kMr; ++i) store_vector(c + i * ldc, acc[i], last, store, alpha, beta);
 }
-
-using TileFn = void (*)(int64_t, const float*, const float*, float*, int64_t, __mmask16, Store, float, float);
 
 template <int R>
 TileFn tile_for_vectors(int nv) {
@@ -247,7 +238,7 @@ struct Workspace {
     return buf.get();
   }
 };
-thread_local Workspace t_workspace;
+static thread_local Workspace t_workspace;
 
 // K is cut into equal blocks of at most kKc, rounded up to a multiple of 8, so a K just above kKc does
 // not leave a thin last block; the cut depends on K only.
@@ -289,9 +280,10 @@ void multiply_rows(const MatrixRef& a, const float* bp, float* c, int64_t ldc, i
 
 const float* b_block(const MatrixRef& b, int64_t pc, int64_t jc) { return b.data + pc * b.row_stride + jc * b.col_stride; }
 
-}  // namespace
+}  // namespace packed
 
 void packed_gemm(const MatrixRef& a, const MatrixRef& b, float* c, int64_t ldc, float alpha, float beta) {
+  using namespace packed;
   const int64_t m = a.rows, n = b.cols, k = a.cols;
   if (m == 0 || n == 0) return;
   const int64_t kc_max = k_block(k);

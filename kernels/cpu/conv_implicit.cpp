@@ -1,0 +1,236 @@
+#include "kernels/cpu/conv_implicit.h"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdlib>
+#include <memory>
+#include <new>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "kernels/cpu/packed_tiles.h"
+
+namespace mn::kernels::cpu {
+
+namespace {
+bool enabled_from_environment() {
+  const char* v = std::getenv("MN_CPU_CONV");
+  return implicit_conv_built() && (v == nullptr || std::string(v) != "im2col");
+}
+std::atomic<bool> g_enabled{enabled_from_environment()};
+}  // namespace
+
+void set_implicit_conv(bool enabled) { g_enabled.store(implicit_conv_built() && enabled, std::memory_order_relaxed); }
+bool implicit_conv_enabled() { return g_enabled.load(std::memory_order_relaxed); }
+
+#if defined(__AVX512F__)
+
+bool implicit_conv_built() { return true; }
+
+namespace {
+
+using packed::kMr;
+using packed::kNr;
+using packed::kVectors;
+using packed::Store;
+
+// Part of a vector of 16 consecutive output positions: the lanes in `mask` read padded floats
+// base + index[l] (plus the K row's offset), all within 32 floats of base, so one two-source permute
+// of two loads builds them. Positions of one image row are one run (every stride_w-th float); a vector
+// spanning rows or samples takes one segment per run that does not fit the window of the one before.
+struct Segment {
+  alignas(64) int32_t index[16];
+  int64_t base;
+  __mmask16 mask;
+};
+
+// The segments of a panel's kVectors vectors. At most 16 per vector (one per lane).
+struct PanelLayout {
+  Segment segments[kVectors][16];
+  int count[kVectors];
+  int64_t width;  // output positions in the panel (kNr but at the batch's end)
+};
+
+struct Geometry {
+  const PaddedConv& s;
+  int64_t channels, out_channels, positions, total;  // positions: per sample; total: of the batch
+  int64_t sample_floats;                             // one sample's padded planes
+};
+
+// The segments of the vector of output positions q0 .. q0 + lanes (lanes <= 16; later lanes stay
+// zero); returns their count. Positions are walked with running (sample, row, column) counters.
+int describe_vector(const Geometry& g, int64_t q0, int lanes, Segment* segments) {
+  const PaddedConv& s = g.s;
+  const int64_t pw = s.padded_w();
+  int64_t n = q0 / g.positions, rem = q0 % g.positions, oy = rem / s.out_w, ox = rem % s.out_w;
+  int count = 0;
+  for (int l = 0; l < lanes; ++l) {
+    const int64_t offset = n * g.sample_floats + oy * s.stride_h * pw + ox * s.stride_w;
+    if (count == 0 || offset - segments[count - 1].base >= 32) {
+      Segment& seg = segments[count++];
+      seg.base = offset;
+      seg.mask = 0;
+      std::fill(seg.index, seg.index + 16, 0);
+    }
+    Segment& seg = segments[count - 1];
+    seg.index[l] = static_cast<int32_t>(offset - seg.base);
+    seg.mask = static_cast<__mmask16>(seg.mask | (1u << l));
+    if (++ox == s.out_w) {
+      ox = 0;
+      if (++oy == s.out_h) oy = 0, ++n;
+    }
+  }
+  return count;
+}
+
+// The layout of the panel starting at output position q0.
+void describe_panel(const Geometry& g, int64_t q0, PanelLayout& layout) {
+  layout.width = std::min<int64_t>(kNr, g.total - q0);
+  for (int v = 0; v < kVectors; ++v) {
+    const int lanes = static_cast<int>(std::clamp<int64_t>(layout.width - 16 * v, 0, 16));
+    layout.count[v] = describe_vector(g, q0 + 16 * v, lanes, layout.segments[v]);
+  }
+}
+
+// One segment's lanes for the K row whose padded offset is `row`.
+inline __m512 gather_segment(const float* padded, const Segment& seg, const __m512i index, int64_t row) {
+  const float* from = padded + seg.base + row;
+  return _mm512_permutex2var_ps(_mm512_loadu_ps(from), index, _mm512_loadu_ps(from + 16));
+}
+
+// The vector of a described position vector (count segments) for the K row at padded offset `row`.
+inline __m512 gather_vector(const float* padded, const Segment* seg, int count, int64_t row) {
+  __m512 a = _mm512_maskz_mov_ps(seg[0].mask, gather_segment(padded, seg[0], _mm512_load_si512(seg[0].index), row));
+  for (int i = 1; i < count; ++i)
+    a = _mm512_mask_mov_ps(a, seg[i].mask, gather_segment(padded, seg[i], _mm512_load_si512(seg[i].index), row));
+  return a;
+}
+
+// The B panel (kc x kNr, 64-byte aligned) for K rows [pc, pc + kc): element (k, j) is the padded float
+// at the panel's position j plus row_offset[pc + k]. Lanes past the batch's end are zero.
+void pack_panel(const float* padded, const PanelLayout& layout, const int64_t* row_offset, int64_t kc, float* bp) {
+  for (int v = 0; v < kVectors; ++v) {
+    float* dst = bp + 16 * v;
+    const Segment* seg = layout.segments[v];
+    const int count = layout.count[v];
+    if (count == 0) {
+      for (int64_t k = 0; k < kc; ++k) _mm512_store_ps(dst + k * kNr, _mm512_setzero_ps());
+    } else if (count == 1) {
+      const __m512i i0 = _mm512_load_si512(seg[0].index);
+      const __mmask16 m0 = seg[0].mask;
+      for (int64_t k = 0; k < kc; ++k)
+        _mm512_store_ps(dst + k * kNr, _mm512_maskz_mov_ps(m0, gather_segment(padded, seg[0], i0, row_offset[k])));
+    } else if (count == 2) {
+      const __m512i i0 = _mm512_load_si512(seg[0].index), i1 = _mm512_load_si512(seg[1].index);
+      const __mmask16 m0 = seg[0].mask, m1 = seg[1].mask;
+      for (int64_t k = 0; k < kc; ++k) {
+        const __m512 a = _mm512_maskz_mov_ps(m0, gather_segment(padded, seg[0], i0, row_offset[k]));
+        _mm512_store_ps(dst + k * kNr, _mm512_mask_mov_ps(a, m1, gather_segment(padded, seg[1], i1, row_offset[k])));
+      }
+    } else {
+      for (int64_t k = 0; k < kc; ++k) _mm512_store_ps(dst + k * kNr, gather_vector(padded, seg, count, row_offset[k]));
+    }
+  }
+}
+
+// out (contiguous [batch, out_channels, positions]) = the panel's C (out_channels x kNr, row stride
+// kNr) for the panel's positions q0 .. q0 + width.
+void write_panel(const Geometry& g, const float* c, int64_t q0, int64_t width, float* out) {
+  for (int64_t done = 0; done < width;) {
+    const int64_t q = q0 + done, n = q / g.positions, p = q % g.positions;
+    const int64_t run = std::min(width - done, g.positions - p);
+    for (int64_t o = 0; o < g.out_channels; ++o) copy_run(out + (n * g.out_channels + o) * g.positions + p, c + o * kNr + done, run);
+    done += run;
+  }
+}
+
+// Each column-matrix row's offset within a sample's padded planes.
+std::vector<int64_t> row_offsets(const PaddedConv& s, int64_t channels) {
+  const int64_t kk = s.kernel_h * s.kernel_w;
+  std::vector<int64_t> offset(static_cast<size_t>(channels * kk));
+  for (int64_t r = 0; r < channels * kk; ++r) {
+    const int64_t c = r / kk, ki = (r / s.kernel_w) % s.kernel_h, kj = r % s.kernel_w;
+    offset[static_cast<size_t>(r)] = c * s.plane() + ki * s.dilation_h * s.padded_w() + kj * s.dilation_w;
+  }
+  return offset;
+}
+
+struct FreeAligned {
+  void operator()(float* p) const { std::free(p); }
+};
+std::unique_ptr<float[], FreeAligned> aligned_floats(int64_t count) {
+  const size_t bytes = (static_cast<size_t>(count) * sizeof(float) + 63) / 64 * 64;
+  float* p = static_cast<float*>(std::aligned_alloc(64, std::max<size_t>(bytes, 64)));
+  if (p == nullptr) throw std::bad_alloc();
+  return std::unique_ptr<float[], FreeAligned>(p);
+}
+
+}  // namespace
+
+void implicit_conv(const PaddedConv& s, int64_t batch, int64_t channels, int64_t out_channels, const float* padded,
+                   const float* w, const float* bias, float* out, int threads) {
+  const int64_t kk = s.kernel_h * s.kernel_w, k = channels * kk;
+  const Geometry g{s, channels, out_channels, s.out_h * s.out_w, batch * s.out_h * s.out_w, channels * s.plane()};
+  if (g.total == 0 || out_channels == 0) return;
+  const std::vector<int64_t> row_offset = row_offsets(s, channels);
+  // The weights packed once, block after block of K: rows_padded x kc floats per block.
+  const int64_t kc_max = packed::k_block(k), rows_padded = (out_channels + kMr - 1) / kMr * kMr;
+  auto ap = aligned_floats(rows_padded * k);
+  for (int64_t pc = 0; pc < k; pc += kc_max)
+    packed::pack_a(w + pc, k, 1, out_channels, std::min(kc_max, k - pc), ap.get() + pc * rows_padded);
+
+  const int64_t panels = (g.total + kNr - 1) / kNr;
+  const int team = static_cast<int>(std::clamp<int64_t>(threads, 1, panels));
+  // Per thread: a B panel, the panel's C and its layout, allocated here so that nothing inside the
+  // parallel region can throw.
+  const int64_t per_thread = kc_max * kNr + rows_padded * kNr;
+  auto buffers = aligned_floats(team * per_thread);
+  std::vector<PanelLayout> layouts(static_cast<size_t>(team));
+  auto run = [&](int t, int64_t p_begin, int64_t p_end) {
+    float* bp = buffers.get() + t * per_thread;
+    float* c = bp + kc_max * kNr;
+    PanelLayout& layout = layouts[static_cast<size_t>(t)];
+    for (int64_t p = p_begin; p < p_end; ++p) {
+      const int64_t q0 = p * kNr;
+      describe_panel(g, q0, layout);
+      const int nv = static_cast<int>((layout.width + 15) / 16);
+      const __mmask16 last = packed::low_lanes(layout.width - 16 * (nv - 1));
+      if (bias != nullptr)  // the sums start from the bias, as the column path's GEMM onto it does
+        for (int64_t o = 0; o < out_channels; ++o)
+          for (int v = 0; v < kVectors; ++v) _mm512_store_ps(c + o * kNr + 16 * v, _mm512_set1_ps(bias[o]));
+      for (int64_t pc = 0; pc < k; pc += kc_max) {
+        const int64_t kc = std::min(kc_max, k - pc);
+        pack_panel(padded, layout, row_offset.data() + pc, kc, bp);
+        const Store store = pc == 0 && bias == nullptr ? Store::kOverwrite : Store::kAdd;
+        const float* a_block = ap.get() + pc * rows_padded;
+        for (int64_t ir = 0; ir < out_channels; ir += kMr) {
+          const int rows = static_cast<int>(std::min<int64_t>(kMr, out_channels - ir));
+          packed::tile_for(rows, nv)(kc, a_block + ir * kc, bp, c + ir * kNr, kNr, last, store, 1.0f, 0.0f);
+        }
+      }
+      write_panel(g, c, q0, layout.width, out);
+    }
+  };
+  if (team == 1) return run(0, 0, panels);
+#pragma omp parallel num_threads(team)
+  {
+    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+    run(t, panels * t / nt, panels * (t + 1) / nt);
+  }
+}
+
+
+#else
+
+bool implicit_conv_built() { return false; }
+
+void implicit_conv(const PaddedConv&, int64_t, int64_t, int64_t, const float*, const float*, const float*, float*, int) {
+  throw std::logic_error("implicit_conv: this build has no AVX-512 kernel (implicit_conv_built() is false)");
+}
+
+#endif
+
+}  // namespace mn::kernels::cpu

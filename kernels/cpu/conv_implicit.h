@@ -1,0 +1,37 @@
+#pragma once
+// Implicit-GEMM convolution for AVX-512 builds: the packed GEMM's register tiles (packed_tiles.h) with
+// B packed straight from zero-padded images instead of from a column matrix. The column matrix of
+// im2col is never written: each 48-position panel of it is built in L1 for one K block, used by every
+// 8-row panel of the weights, and dropped. Output positions run across samples (position q of the
+// batch is position q % (OH * OW) of sample q / (OH * OW)), so a 7 x 7 output plane does not leave a
+// 1-wide tail panel per sample as a GEMM per sample does.
+//
+// Every output starts from its bias (or zero) and adds one chain of fused multiply-adds per K block
+// (packed::k_block, a function of K only), in order: the bits do not depend on the thread count or on
+// which panel an output falls in, and they are those of the column matrix times the weights through
+// the packed GEMM onto the bias (the column path with the packed GEMM on).
+#include <cstdint>
+
+#include "kernels/cpu/conv_columns.h"
+
+namespace mn::kernels::cpu {
+
+// Whether this build has implicit_conv.
+bool implicit_conv_built();
+
+// Whether the CPU convolution uses it where it applies (kernels/cpu/conv.cpp). On by default where
+// built; MN_CPU_CONV=im2col in the environment starts the process with the column-matrix path, which
+// reproduces runs made before it bit for bit. set_implicit_conv(true) on a build without it is ignored.
+void set_implicit_conv(bool enabled);
+bool implicit_conv_enabled();
+
+// out[n, o, q] = sum_r w[o, r] * col_n[r, q] (+ bias[o]) for samples n < batch, output channels
+// o < out_channels and output positions q < s.out_h * s.out_w, where col_n is the column matrix (rows
+// r = (c, ki, kj)) of sample n's `channels` padded planes, padded + (n * channels + c) * s.plane(), as
+// pad_channels writes them (any stride_w). w is row-major [out_channels, channels * kernel_h *
+// kernel_w]; bias may be null; out is contiguous [batch, out_channels, out_h * out_w]. Runs on up to
+// `threads` OpenMP threads (1: the calling thread only).
+void implicit_conv(const PaddedConv& s, int64_t batch, int64_t channels, int64_t out_channels, const float* padded,
+                   const float* w, const float* bias, float* out, int threads);
+
+}  // namespace mn::kernels::cpu
