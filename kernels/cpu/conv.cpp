@@ -216,22 +216,6 @@ void for_each_sample(const ConvGeometry& g, Body&& body) {
   }
 }
 
-// Every sample's channels of x (strides sx_n, sx_c, sx_h, sx_w) into padded planes, [batch, channels,
-// s.plane()], for implicit_conv; returns the buffer.
-Tensor pad_batch(const cpu::PaddedConv& s, const float* x, int64_t batch, int64_t channels, int64_t sx_n, int64_t sx_c,
-                 int64_t sx_h, int64_t sx_w) {
-  Tensor padded = empty({std::max<int64_t>(1, batch * channels * s.plane())});
-  float* pp = padded.data<float>();
-  const int64_t planes = batch * channels;
-  const int team = cpu::parallel_team(planes * s.plane(), kParallelWork);
-#pragma omp parallel for schedule(static) num_threads(team) if (team > 1)
-  for (int64_t i = 0; i < planes; ++i) {
-    const int64_t n = i / channels, c = i % channels;
-    cpu::pad_channels(s, x + n * sx_n, sx_c, sx_h, sx_w, pp + n * channels * s.plane(), c, c + 1);
-  }
-  return padded;
-}
-
 // Threads for an implicit_conv of this many multiply-adds.
 int implicit_team(int64_t work) { return work >= kParallelWork ? cpu::parallel_team(work, kParallelWork) : 1; }
 
@@ -317,10 +301,8 @@ void conv2d_forward_cpu(const Tensor& x, const Tensor& weight, const Tensor& bia
   float* op = out.data<float>();
   const int64_t plane = g.out_plane();
   if (g.implicit()) {
-    const cpu::PaddedConv s = g.padded_conv();
-    const Tensor padded = pad_batch(s, xp, g.batch, g.channels, g.sx_n, g.sx_c, g.sx_h, g.sx_w);
-    cpu::implicit_conv(s, g.batch, g.channels, g.out_channels, padded.data<float>(), wp, bp, op,
-                       implicit_team(g.batch * plane * g.out_channels * g.col_rows()));
+    cpu::implicit_conv(g.padded_conv(), g.batch, g.channels, g.out_channels, {xp, g.sx_n, g.sx_c, g.sx_h, g.sx_w}, wp, bp,
+                       op, implicit_team(g.batch * plane * g.out_channels * g.col_rows()));
     return;
   }
   const cpu::ColumnGather gather = g.padded() ? cpu::column_gather(g.padded_conv()) : cpu::ColumnGather{};
@@ -369,10 +351,8 @@ void conv2d_backward_input_cpu(const Tensor& grad_out, const Tensor& weight, con
     for (int64_t c = 0; c < g.channels; ++c)
       for (int64_t o = 0; o < g.out_channels; ++o)
         for (int64_t t = 0; t < kk; ++t) fp[(c * g.out_channels + o) * kk + t] = wp[(o * g.channels + c) * kk + kk - 1 - t];
-    const cpu::PaddedConv s = g.flipped_conv();
-    const Tensor padded = pad_batch(s, gp, g.batch, g.out_channels, g.out_channels * plane, plane, g.out_w, 1);
-    cpu::implicit_conv(s, g.batch, g.out_channels, g.channels, padded.data<float>(), fp, nullptr, gx,
-                       implicit_team(g.batch * image * g.channels * g.out_channels * kk));
+    cpu::implicit_conv(g.flipped_conv(), g.batch, g.out_channels, g.channels, {gp, g.out_channels * plane, plane, g.out_w, 1},
+                       fp, nullptr, gx, implicit_team(g.batch * image * g.channels * g.out_channels * kk));
     return;
   }
   for_each_sample(g, [&](int64_t n, float* col, bool parallel) {

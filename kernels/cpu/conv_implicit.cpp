@@ -58,6 +58,7 @@ struct Geometry {
   const PaddedConv& s;
   int64_t channels, out_channels, positions, total;  // positions: per sample; total: of the batch
   int64_t sample_floats;                             // one sample's padded planes
+  int64_t ring;                                      // samples a thread holds padded (sample n in slot n % ring)
 };
 
 // The segments of the vector of output positions q0 .. q0 + lanes (lanes <= 16; later lanes stay
@@ -65,11 +66,13 @@ struct Geometry {
 int describe_vector(const Geometry& g, int64_t q0, int lanes, Segment* segments) {
   const PaddedConv& s = g.s;
   const int64_t pw = s.padded_w();
-  int64_t n = q0 / g.positions, rem = q0 % g.positions, oy = rem / s.out_w, ox = rem % s.out_w;
+  const int64_t n = q0 / g.positions, rem = q0 % g.positions;
+  int64_t slot = n % g.ring, oy = rem / s.out_w, ox = rem % s.out_w;
   int count = 0;
   for (int l = 0; l < lanes; ++l) {
-    const int64_t offset = n * g.sample_floats + oy * s.stride_h * pw + ox * s.stride_w;
-    if (count == 0 || offset - segments[count - 1].base >= 32) {
+    const int64_t offset = slot * g.sample_floats + oy * s.stride_h * pw + ox * s.stride_w;
+    // Samples' positions are more than 32 floats apart, and the ring may put the next sample first.
+    if (count == 0 || offset < segments[count - 1].base || offset - segments[count - 1].base >= 32) {
       Segment& seg = segments[count++];
       seg.base = offset;
       seg.mask = 0;
@@ -80,7 +83,7 @@ int describe_vector(const Geometry& g, int64_t q0, int lanes, Segment* segments)
     seg.mask = static_cast<__mmask16>(seg.mask | (1u << l));
     if (++ox == s.out_w) {
       ox = 0;
-      if (++oy == s.out_h) oy = 0, ++n;
+      if (++oy == s.out_h) oy = 0, slot = slot + 1 == g.ring ? 0 : slot + 1;
     }
   }
   return count;
@@ -170,10 +173,12 @@ std::unique_ptr<float[], FreeAligned> aligned_floats(int64_t count) {
 
 }  // namespace
 
-void implicit_conv(const PaddedConv& s, int64_t batch, int64_t channels, int64_t out_channels, const float* padded,
+void implicit_conv(const PaddedConv& s, int64_t batch, int64_t channels, int64_t out_channels, const ConvSource& x,
                    const float* w, const float* bias, float* out, int threads) {
-  const int64_t kk = s.kernel_h * s.kernel_w, k = channels * kk;
-  const Geometry g{s, channels, out_channels, s.out_h * s.out_w, batch * s.out_h * s.out_w, channels * s.plane()};
+  const int64_t kk = s.kernel_h * s.kernel_w, k = channels * kk, positions = s.out_h * s.out_w;
+  // A panel spans at most (kNr - 1) / positions + 2 samples.
+  const int64_t ring = std::min<int64_t>(batch, (kNr - 1) / std::max<int64_t>(positions, 1) + 2);
+  const Geometry g{s, channels, out_channels, positions, batch * positions, channels * s.plane(), ring};
   if (g.total == 0 || out_channels == 0) return;
   const std::vector<int64_t> row_offset = row_offsets(s, channels);
   // The weights packed once, block after block of K: rows_padded x kc floats per block.
@@ -184,18 +189,30 @@ void implicit_conv(const PaddedConv& s, int64_t batch, int64_t channels, int64_t
 
   const int64_t panels = (g.total + kNr - 1) / kNr;
   const int team = static_cast<int>(std::clamp<int64_t>(threads, 1, panels));
-  // Per thread: a B panel, the panel's C and its layout, allocated here so that nothing inside the
-  // parallel region can throw.
-  const int64_t per_thread = kc_max * kNr + rows_padded * kNr;
+  // Per thread: a B panel, the panel's C, its layout and the ring of padded samples (each sample is padded
+  // when a panel first needs it, so the padded planes stay in cache), allocated here so that nothing
+  // inside the parallel region can throw.
+  const int64_t ring_floats = (ring * g.sample_floats + 15) / 16 * 16;
+  const int64_t per_thread = kc_max * kNr + rows_padded * kNr + ring_floats;
   auto buffers = aligned_floats(team * per_thread);
   std::vector<PanelLayout> layouts(static_cast<size_t>(team));
+  std::vector<int64_t> held(static_cast<size_t>(team * ring), -1);  // the sample in each slot
   auto run = [&](int t, int64_t p_begin, int64_t p_end) {
     float* bp = buffers.get() + t * per_thread;
     float* c = bp + kc_max * kNr;
+    float* padded = c + rows_padded * kNr;
+    int64_t* slots = held.data() + t * ring;
     PanelLayout& layout = layouts[static_cast<size_t>(t)];
     for (int64_t p = p_begin; p < p_end; ++p) {
       const int64_t q0 = p * kNr;
       describe_panel(g, q0, layout);
+      for (int64_t n = q0 / positions; n <= (q0 + layout.width - 1) / positions; ++n) {
+        int64_t& slot = slots[n % ring];
+        if (slot == n) continue;
+        pad_channels(s, x.data + n * x.stride_n, x.stride_c, x.stride_h, x.stride_w, padded + (n % ring) * g.sample_floats,
+                     0, channels);
+        slot = n;
+      }
       const int nv = static_cast<int>((layout.width + 15) / 16);
       const __mmask16 last = packed::low_lanes(layout.width - 16 * (nv - 1));
       if (bias != nullptr)  // the sums start from the bias, as the column path's GEMM onto it does
@@ -227,7 +244,8 @@ void implicit_conv(const PaddedConv& s, int64_t batch, int64_t channels, int64_t
 
 bool implicit_conv_built() { return false; }
 
-void implicit_conv(const PaddedConv&, int64_t, int64_t, int64_t, const float*, const float*, const float*, float*, int) {
+void implicit_conv(const PaddedConv&, int64_t, int64_t, int64_t, const ConvSource&, const float*, const float*, float*,
+                   int) {
   throw std::logic_error("implicit_conv: this build has no AVX-512 kernel (implicit_conv_built() is false)");
 }
 

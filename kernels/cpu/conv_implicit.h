@@ -25,13 +25,20 @@ bool implicit_conv_built();
 void set_implicit_conv(bool enabled);
 bool implicit_conv_enabled();
 
+// An image batch [N, C, H, W] with any strides (elements).
+struct ConvSource {
+  const float* data;
+  int64_t stride_n, stride_c, stride_h, stride_w;
+};
+
 // out[n, o, q] = sum_r w[o, r] * col_n[r, q] (+ bias[o]) for samples n < batch, output channels
 // o < out_channels and output positions q < s.out_h * s.out_w, where col_n is the column matrix (rows
-// r = (c, ki, kj)) of sample n's `channels` padded planes, padded + (n * channels + c) * s.plane(), as
-// pad_channels writes them (any stride_w). w is row-major [out_channels, channels * kernel_h *
-// kernel_w]; bias may be null; out is contiguous [batch, out_channels, out_h * out_w]. Runs on up to
-// `threads` OpenMP threads (1: the calling thread only).
-void implicit_conv(const PaddedConv& s, int64_t batch, int64_t channels, int64_t out_channels, const float* padded,
+// r = (c, ki, kj)) of sample n of x (`channels` channels) under the geometry s (any stride_w). w is
+// row-major [out_channels, channels * kernel_h * kernel_w]; bias may be null; out is contiguous [batch,
+// out_channels, out_h * out_w]. Each thread pads the samples its panels read into a small ring of
+// padded planes (pad_channels) as it reaches them. Runs on up to `threads` OpenMP threads (1: the
+// calling thread only).
+void implicit_conv(const PaddedConv& s, int64_t batch, int64_t channels, int64_t out_channels, const ConvSource& x,
                    const float* w, const float* bias, float* out, int threads);
 
 }  // namespace mn::kernels::cpu
