@@ -432,13 +432,20 @@ void conv2d_backward_weight_cpu(const Tensor& grad_out, const Tensor& x, const C
   } else {
     for (int64_t chunk = 0; chunk < chunks; ++chunk) run_chunk(chunk, col_base, split.inside_samples);
   }
+  // gw = partial_0 + partial_1 + ... in chunk order, a block of elements at a time so that the adds
+  // run along rows (vectorised) and the block stays in L1 across the chunks.
   float* gw = grad_weight.data<float>();
+  constexpr int64_t kSumBlock = 2048;
+  const int64_t blocks = (weight_size + kSumBlock - 1) / kSumBlock;
   const int sum_team = cpu::parallel_team(chunks * weight_size);
-#pragma omp parallel for schedule(static) num_threads(sum_team) if (sum_team > 1)
-  for (int64_t i = 0; i < weight_size; ++i) {
-    float s = partial_base[i];
-    for (int64_t chunk = 1; chunk < chunks; ++chunk) s += partial_base[chunk * weight_size + i];
-    gw[i] = s;
+#pragma omp parallel for schedule(static) num_threads(sum_team) if (sum_team > 1 && blocks > 1)
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t begin = b * kSumBlock, end = std::min(weight_size, begin + kSumBlock);
+    std::copy(partial_base + begin, partial_base + end, gw + begin);
+    for (int64_t chunk = 1; chunk < chunks; ++chunk) {
+      const float* part = partial_base + chunk * weight_size;
+      for (int64_t i = begin; i < end; ++i) gw[i] += part[i];
+    }
   }
 }
 
