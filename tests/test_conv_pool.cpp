@@ -230,6 +230,11 @@ TEST_CASE("conv2d: implicit GEMM path matches the direct convolution and the col
       {{2, 64, 9, 11}, {5, 64, 3, 3}, {{1, 1}, {0, 0}, {1, 1}, 1}},
       {{2, 64, 9, 8}, {7, 64, 3, 2}, {{1, 1}, {2, 2}, {2, 2}, 1}, true},
       {{2, 64, 6, 6}, {4, 64, 3, 3}, {{1, 1}, {3, 3}, {1, 1}, 1}},
+      // Weight-gradient tiles: 64 output channels (6 x 4 tiles) over 400 positions (two K blocks) and 27
+      // rows; 20 (a masked second vector) at stride 2; 48 over 17 samples in 16 chunks.
+      {{2, 3, 20, 20}, {64, 3, 3, 3}, {{1, 1}, {1, 1}, {1, 1}, 1}},
+      {{3, 4, 9, 9}, {20, 4, 3, 3}, {{2, 2}, {1, 1}, {1, 1}, 1}},
+      {{17, 5, 6, 6}, {48, 5, 3, 3}, {{1, 1}, {1, 1}, {1, 1}, 1}},
   };
   const int saved = omp_get_max_threads();
   for (size_t i = 0; i < std::size(cases); ++i) {
@@ -250,8 +255,12 @@ TEST_CASE("conv2d: implicit GEMM path matches the direct convolution and the col
     kernels::cpu::set_implicit_conv(true);
     Tensor x = k.permuted ? make_x().detach().permute({0, 3, 1, 2}) : make_x().detach();
     check_close(implicit[0], naive_conv(x, random_param(k.w, 100 + i), random_param({k.w[0]}, 110 + i), k.c), 1e-4);
-    // The forward adds the same chains to the bias as the column path's packed GEMM: the same bits.
-    if (kernels::cpu::packed_gemm_enabled()) CHECK(bitwise_equal(implicit[0], columns[0]));
+    // The forward adds the same chains to the bias as the column path's packed GEMM, and the weight
+    // gradient forms and adds the same chains as its per-sample products: the same bits.
+    if (kernels::cpu::packed_gemm_enabled()) {
+      CHECK(bitwise_equal(implicit[0], columns[0]));
+      CHECK(bitwise_equal(implicit[2], columns[2]));
+    }
     for (size_t t = 0; t < implicit.size(); ++t) {
       CAPTURE(t);
       CHECK(bitwise_equal(implicit[t], threaded[t]));

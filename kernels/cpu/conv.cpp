@@ -83,6 +83,12 @@ struct ConvGeometry {
            p.pad_w <= (kernel_w - 1) * p.dilation_w && out_channels * kernel_h * kernel_w > cpu::kSmallK &&
            !pointwise() && cpu::implicit_conv_enabled() && cpu::packed_gemm_enabled();
   }
+  // The weight gradient with the column matrix read in place (implicit_conv_weight_grad): the same bits as
+  // the column path wherever that path runs the packed GEMM, so the choice needs no threshold for them.
+  bool implicit_weight_grad() const {
+    return groups == 1 && !pointwise() && cpu::implicit_conv_enabled() && cpu::packed_gemm_enabled() &&
+           cpu::packed_gemm_suits(out_channels, col_rows(), out_plane());
+  }
   // That convolution's geometry: grad_out's planes padded, the image's size as its output.
   cpu::PaddedConv flipped_conv() const {
     return {out_h,   out_w,   (kernel_h - 1) * p.dilation_h - p.pad_h, (kernel_w - 1) * p.dilation_w - p.pad_w,
@@ -400,6 +406,12 @@ void conv2d_backward_weight_cpu(const Tensor& grad_out, const Tensor& x, const C
   const int64_t chunks = std::max<int64_t>(1, std::min(g.batch, kWeightGradChunks));
   const BatchSplit split = batch_split(g, chunks);
   const int workers = split.across_samples ? split.threads : 1;
+  if (g.implicit_weight_grad() && !split.inside_samples) {  // inside_samples: fewer chunks than threads
+    cpu::implicit_conv_weight_grad(g.padded_conv(), g.batch, g.channels, g.out_channels,
+                                   {x.data<float>(), g.sx_n, g.sx_c, g.sx_h, g.sx_w}, gp, grad_weight.data<float>(),
+                                   chunks, workers);
+    return;
+  }
   // One partial weight gradient per chunk of samples, and one column buffer per worker.
   Tensor partial = empty({chunks * weight_size + workers * std::max<int64_t>(1, g.scratch_size())});
   float* partial_base = partial.data<float>();

@@ -3,12 +3,14 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cstdlib>
 #include <memory>
 #include <new>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kernels/cpu/packed_tiles.h"
@@ -171,6 +173,71 @@ std::unique_ptr<float[], FreeAligned> aligned_floats(int64_t count) {
   return std::unique_ptr<float[], FreeAligned>(p);
 }
 
+// The weight gradient's register tile: R rows of a sample's column matrix, read in place (row i of the
+// tile at xp[i] + pos[q] for output position q), times NV vectors of grad_out^T (gt + q * ldb, 64-byte
+// aligned), summed over positions q0 <= q < q1 in order; then C^T (R x 16 NV floats at c, row stride ldc)
+// overwritten or added to per `store`, the last vector writing only the lanes in `last`. Each element is
+// the chain the packed GEMM's tile forms for grad_out . col^T over the same K block (x * g and g * x
+// round alike), so the bits are the column path's.
+template <int R, int NV>
+void wgrad_tile(int64_t q0, int64_t q1, const float* const* xp, const int64_t* pos, const float* gt, int64_t ldb,
+                float* c, int64_t ldc, __mmask16 last, Store store) {
+  const float* p[R];
+#pragma GCC unroll 8
+  for (int i = 0; i < R; ++i) p[i] = xp[i];
+  __m512 acc[R][NV];
+#pragma GCC unroll 8
+  for (int i = 0; i < R; ++i)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_setzero_ps();
+  for (int64_t q = q0; q < q1; ++q) {
+    const int64_t po = pos[q];
+    __m512 b[NV];
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) b[v] = _mm512_load_ps(gt + q * ldb + 16 * v);
+#pragma GCC unroll 8
+    for (int i = 0; i < R; ++i) {
+      const __m512 a = _mm512_set1_ps(p[i][po]);
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_fmadd_ps(a, b[v], acc[i][v]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < R; ++i)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) {
+      const __mmask16 m = v == NV - 1 ? last : static_cast<__mmask16>(0xFFFF);
+      float* dst = c + i * ldc + 16 * v;
+      __m512 value = acc[i][v];
+      if (store == Store::kAdd) value = _mm512_add_ps(_mm512_maskz_loadu_ps(m, dst), value);
+      _mm512_mask_storeu_ps(dst, m, value);
+    }
+}
+
+using WgradTileFn = void (*)(int64_t, int64_t, const float* const*, const int64_t*, const float*, int64_t, float*,
+                             int64_t, __mmask16, Store);
+// wgrad_tile<rows, nv> for rows 1..8 and nv 1..4, at [(rows - 1) * 4 + nv - 1].
+template <size_t... I>
+constexpr std::array<WgradTileFn, sizeof...(I)> wgrad_tiles(std::index_sequence<I...>) {
+  return {&wgrad_tile<static_cast<int>(I / 4 + 1), static_cast<int>(I % 4 + 1)>...};
+}
+constexpr auto kWgradTiles = wgrad_tiles(std::make_index_sequence<32>());
+WgradTileFn wgrad_tile_for(int rows, int nv) { return kWgradTiles[static_cast<size_t>((rows - 1) * 4 + nv - 1)]; }
+
+// gt[q * ldb + o] = g[o * positions + q] for o < rows, q < positions; zero for rows <= o < ldb.
+void transpose_rows(const float* g, int64_t rows, int64_t positions, float* gt, int64_t ldb) {
+  const int64_t r8 = rows / 8 * 8, q8 = positions / 8 * 8;
+  for (int64_t o = 0; o < r8; o += 8) {
+    for (int64_t q = 0; q < q8; q += 8) packed::transpose8x8(g + o * positions + q, positions, gt + q * ldb + o, ldb);
+    for (int64_t q = q8; q < positions; ++q)
+      for (int64_t i = 0; i < 8; ++i) gt[q * ldb + o + i] = g[(o + i) * positions + q];
+  }
+  for (int64_t q = 0; q < positions; ++q) {
+    for (int64_t o = r8; o < rows; ++o) gt[q * ldb + o] = g[o * positions + q];
+    std::fill(gt + q * ldb + rows, gt + (q + 1) * ldb, 0.0f);
+  }
+}
+
 }  // namespace
 
 void implicit_conv(const PaddedConv& s, int64_t batch, int64_t channels, int64_t out_channels, const ConvSource& x,
@@ -239,6 +306,72 @@ void implicit_conv(const PaddedConv& s, int64_t batch, int64_t channels, int64_t
   }
 }
 
+void implicit_conv_weight_grad(const PaddedConv& s, int64_t batch, int64_t channels, int64_t out_channels,
+                               const ConvSource& x, const float* grad_out, float* grad_weight, int64_t chunks,
+                               int threads) {
+  const int64_t rows = channels * s.kernel_h * s.kernel_w, positions = s.out_h * s.out_w;
+  const int64_t weight_size = rows * out_channels;
+  if (weight_size == 0) return;
+  chunks = std::max<int64_t>(chunks, 1);
+  const int64_t vectors = (out_channels + 15) / 16, ldb = 16 * vectors;
+  // Tiles of 6 rows x 4 vectors when the output channels fill groups of four vectors (64, 128), else 8 x 3
+  // (and the 1- or 2-vector rest): 24 accumulators either way.
+  const int nv_main = vectors % 4 == 0 ? 4 : 3, rows_main = nv_main == 4 ? 6 : 8;
+  const int64_t kc_max = packed::k_block(std::max<int64_t>(positions, 1));
+  std::vector<int64_t> pos(static_cast<size_t>(positions));
+  for (int64_t q = 0; q < positions; ++q)
+    pos[static_cast<size_t>(q)] = q / s.out_w * s.stride_h * s.padded_w() + q % s.out_w * s.stride_w;
+  const std::vector<int64_t> row_offset = row_offsets(s, channels);
+
+  const int team = static_cast<int>(std::clamp<int64_t>(threads, 1, chunks));
+  const int64_t sample_floats = (channels * s.plane() + 15) / 16 * 16;
+  const int64_t per_thread = sample_floats + std::max<int64_t>(positions, 1) * ldb;
+  // Each chunk's sum as C^T [rows, out_channels]; everything allocated here so that nothing inside the
+  // parallel region can throw.
+  auto partial = aligned_floats(chunks * weight_size);
+  auto buffers = aligned_floats(team * per_thread);
+  auto run_chunk = [&](int t, int64_t chunk) {
+    float* padded = buffers.get() + t * per_thread;
+    float* gt = padded + sample_floats;
+    float* acc = partial.get() + chunk * weight_size;
+    const int64_t n_begin = batch * chunk / chunks, n_end = batch * (chunk + 1) / chunks;
+    if (n_begin == n_end || positions == 0) std::fill(acc, acc + weight_size, 0.0f);
+    for (int64_t n = n_begin; n < n_end && positions > 0; ++n) {
+      pad_channels(s, x.data + n * x.stride_n, x.stride_c, x.stride_h, x.stride_w, padded, 0, channels);
+      transpose_rows(grad_out + n * out_channels * positions, out_channels, positions, gt, ldb);
+      for (int64_t pc = 0; pc < positions; pc += kc_max) {
+        const int64_t q1 = std::min(positions, pc + kc_max);
+        const Store store = n == n_begin && pc == 0 ? Store::kOverwrite : Store::kAdd;
+        for (int64_t r0 = 0; r0 < rows; r0 += rows_main) {
+          const int rr = static_cast<int>(std::min<int64_t>(rows_main, rows - r0));
+          const float* xp[8];
+          for (int i = 0; i < rr; ++i) xp[i] = padded + row_offset[static_cast<size_t>(r0 + i)];
+          for (int64_t v0 = 0; v0 < vectors; v0 += nv_main) {
+            const int nv = static_cast<int>(std::min<int64_t>(nv_main, vectors - v0));
+            const __mmask16 last = packed::low_lanes(out_channels - 16 * (v0 + nv - 1));
+            wgrad_tile_for(rr, nv)(pc, q1, xp, pos.data(), gt + 16 * v0, ldb, acc + r0 * out_channels + 16 * v0,
+                                   out_channels, last, store);
+          }
+        }
+      }
+    }
+  };
+  if (team == 1) {
+    for (int64_t chunk = 0; chunk < chunks; ++chunk) run_chunk(0, chunk);
+  } else {
+#pragma omp parallel for schedule(static) num_threads(team)
+    for (int64_t chunk = 0; chunk < chunks; ++chunk) run_chunk(omp_get_thread_num(), chunk);
+  }
+  // The chunks' sums added in chunk order (as the column path does), then transposed into [out_channels, rows].
+  float* sum = partial.get();
+  for (int64_t chunk = 1; chunk < chunks; ++chunk) {
+    const float* part = partial.get() + chunk * weight_size;
+    for (int64_t i = 0; i < weight_size; ++i) sum[i] += part[i];
+  }
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t o = 0; o < out_channels; ++o) grad_weight[o * rows + r] = sum[r * out_channels + o];
+}
+
 
 #else
 
@@ -247,6 +380,11 @@ bool implicit_conv_built() { return false; }
 void implicit_conv(const PaddedConv&, int64_t, int64_t, int64_t, const ConvSource&, const float*, const float*, float*,
                    int) {
   throw std::logic_error("implicit_conv: this build has no AVX-512 kernel (implicit_conv_built() is false)");
+}
+
+void implicit_conv_weight_grad(const PaddedConv&, int64_t, int64_t, int64_t, const ConvSource&, const float*, float*,
+                               int64_t, int) {
+  throw std::logic_error("implicit_conv_weight_grad: this build has no AVX-512 kernel (implicit_conv_built() is false)");
 }
 
 #endif
