@@ -235,6 +235,9 @@ TEST_CASE("conv2d: implicit GEMM path matches the direct convolution and the col
       {{2, 3, 20, 20}, {64, 3, 3, 3}, {{1, 1}, {1, 1}, {1, 1}, 1}},
       {{3, 4, 9, 9}, {20, 4, 3, 3}, {{2, 2}, {1, 1}, {1, 1}, 1}},
       {{17, 5, 6, 6}, {48, 5, 3, 3}, {{1, 1}, {1, 1}, {1, 1}, 1}},
+      // The forward on padded coordinates (rows of 28 outputs in 30 padded floats): 18 panels per sample,
+      // two K blocks.
+      {{2, 32, 28, 28}, {16, 32, 3, 3}, {{1, 1}, {1, 1}, {1, 1}, 1}},
   };
   const int saved = omp_get_max_threads();
   for (size_t i = 0; i < std::size(cases); ++i) {

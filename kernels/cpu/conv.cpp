@@ -83,6 +83,15 @@ struct ConvGeometry {
            p.pad_w <= (kernel_w - 1) * p.dilation_w && out_channels * kernel_h * kernel_w > cpu::kSmallK &&
            !pointwise() && cpu::implicit_conv_enabled() && cpu::packed_gemm_enabled();
   }
+  // The forward on padded coordinates (direct_conv, the implicit path's bits without packing B): unit
+  // stride, and rows wide enough that the padding columns computed and dropped cost less than packing
+  // (out_w >= 5/6 of the padded width). Forward alone, one thread, against implicit_conv: 28 of 30
+  // (resnet20.s1) 0.72x, 14 of 16 (resnet20.s2, cnn1.conv2) 0.86-0.93x, 11 of 13 (cnn2.conv2) 0.92x,
+  // 7 of 9 (resnet20.s3, cnn1.conv3 / conv4) 1.15-1.24x.
+  bool direct() const {
+    return implicit() && p.stride_h == 1 && p.stride_w == 1 && (kernel_w - 1) * p.dilation_w <= 17 &&
+           out_w * 6 >= padded_conv().padded_w() * 5;
+  }
   // The weight gradient with the column matrix read in place (implicit_conv_weight_grad): the same bits as
   // the column path wherever that path runs the packed GEMM, so the choice needs no threshold for them.
   bool implicit_weight_grad() const {
@@ -306,6 +315,11 @@ void conv2d_forward_cpu(const Tensor& x, const Tensor& weight, const Tensor& bia
   const float* bp = b.defined() ? b.data<float>() : nullptr;
   float* op = out.data<float>();
   const int64_t plane = g.out_plane();
+  if (g.direct()) {
+    cpu::direct_conv(g.padded_conv(), g.batch, g.channels, g.out_channels, {xp, g.sx_n, g.sx_c, g.sx_h, g.sx_w}, wp, bp,
+                     op, implicit_team(g.batch * plane * g.out_channels * g.col_rows()));
+    return;
+  }
   if (g.implicit()) {
     cpu::implicit_conv(g.padded_conv(), g.batch, g.channels, g.out_channels, {xp, g.sx_n, g.sx_c, g.sx_h, g.sx_w}, wp, bp,
                        op, implicit_team(g.batch * plane * g.out_channels * g.col_rows()));

@@ -173,6 +173,48 @@ std::unique_ptr<float[], FreeAligned> aligned_floats(int64_t count) {
   return std::unique_ptr<float[], FreeAligned>(p);
 }
 
+// A tile's sums into C (R x 16 NV floats at c, row stride ldc): overwritten, or added to C as the packed
+// GEMM's tile adds them (C + sum), per `store`; the last vector writes only the lanes in `last`.
+template <int R, int NV>
+inline void store_tile(const __m512 (&acc)[R][NV], float* c, int64_t ldc, __mmask16 last, Store store) {
+#pragma GCC unroll 8
+  for (int i = 0; i < R; ++i)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) {
+      const __mmask16 m = v == NV - 1 ? last : static_cast<__mmask16>(0xFFFF);
+      float* dst = c + i * ldc + 16 * v;
+      __m512 value = acc[i][v];
+      if (store == Store::kAdd) value = _mm512_add_ps(_mm512_maskz_loadu_ps(m, dst), value);
+      _mm512_mask_storeu_ps(dst, m, value);
+    }
+}
+
+// The direct forward's register tile: R rows of packed weights (ap: the packed GEMM's A panel, kc x kMr)
+// times NV vectors of 16 consecutive padded positions read in place, K row k's at b + b_off[k] + 16 v,
+// summed over the K block; then C updated per `store`. The same chains as packed::tile over a packed
+// copy of those vectors.
+template <int R, int NV>
+void direct_tile(int64_t kc, const float* __restrict ap, const float* b, const int64_t* b_off, float* c, int64_t ldc,
+                 __mmask16 last, Store store) {
+  __m512 acc[R][NV];
+#pragma GCC unroll 8
+  for (int i = 0; i < R; ++i)
+#pragma GCC unroll 3
+    for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_setzero_ps();
+  packed::accumulate<R, NV>(kc, ap, [b, b_off](int64_t k, int v) { return _mm512_loadu_ps(b + b_off[k] + 16 * v); },
+                            acc);
+  store_tile<R, NV>(acc, c, ldc, last, store);
+}
+
+using DirectTileFn = void (*)(int64_t, const float*, const float*, const int64_t*, float*, int64_t, __mmask16, Store);
+// direct_tile<rows, nv> for rows 1..8 and nv 1..3, at [(rows - 1) * 3 + nv - 1].
+template <size_t... I>
+constexpr std::array<DirectTileFn, sizeof...(I)> direct_tiles(std::index_sequence<I...>) {
+  return {&direct_tile<static_cast<int>(I / 3 + 1), static_cast<int>(I % 3 + 1)>...};
+}
+constexpr auto kDirectTiles = direct_tiles(std::make_index_sequence<24>());
+DirectTileFn direct_tile_for(int rows, int nv) { return kDirectTiles[static_cast<size_t>((rows - 1) * 3 + nv - 1)]; }
+
 // The weight gradient's register tile: R rows of a sample's column matrix, read in place (row i of the
 // tile at xp[i] + pos[q] for output position q), times NV vectors of grad_out^T (gt + q * ldb, 64-byte
 // aligned), summed over positions q0 <= q < q1 in order; then C^T (R x 16 NV floats at c, row stride ldc)
@@ -202,16 +244,7 @@ void wgrad_tile(int64_t q0, int64_t q1, const float* const* xp, const int64_t* p
       for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_fmadd_ps(a, b[v], acc[i][v]);
     }
   }
-#pragma GCC unroll 8
-  for (int i = 0; i < R; ++i)
-#pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) {
-      const __mmask16 m = v == NV - 1 ? last : static_cast<__mmask16>(0xFFFF);
-      float* dst = c + i * ldc + 16 * v;
-      __m512 value = acc[i][v];
-      if (store == Store::kAdd) value = _mm512_add_ps(_mm512_maskz_loadu_ps(m, dst), value);
-      _mm512_mask_storeu_ps(dst, m, value);
-    }
+  store_tile<R, NV>(acc, c, ldc, last, store);
 }
 
 using WgradTileFn = void (*)(int64_t, int64_t, const float* const*, const int64_t*, const float*, int64_t, float*,
@@ -238,6 +271,16 @@ void transpose_rows(const float* g, int64_t rows, int64_t positions, float* gt, 
   }
 }
 
+// The weights [rows, k] packed once, block after block of K (packed::k_block(k)): ceil(rows / kMr) * kMr
+// x kc floats per block, as the packed GEMM packs A.
+std::unique_ptr<float[], FreeAligned> pack_weights(const float* w, int64_t rows, int64_t k) {
+  const int64_t kc_max = packed::k_block(k), rows_padded = (rows + kMr - 1) / kMr * kMr;
+  auto ap = aligned_floats(rows_padded * k);
+  for (int64_t pc = 0; pc < k; pc += kc_max)
+    packed::pack_a(w + pc, k, 1, rows, std::min(kc_max, k - pc), ap.get() + pc * rows_padded);
+  return ap;
+}
+
 }  // namespace
 
 void implicit_conv(const PaddedConv& s, int64_t batch, int64_t channels, int64_t out_channels, const ConvSource& x,
@@ -248,11 +291,8 @@ void implicit_conv(const PaddedConv& s, int64_t batch, int64_t channels, int64_t
   const Geometry g{s, channels, out_channels, positions, batch * positions, channels * s.plane(), ring};
   if (g.total == 0 || out_channels == 0) return;
   const std::vector<int64_t> row_offset = row_offsets(s, channels);
-  // The weights packed once, block after block of K: rows_padded x kc floats per block.
   const int64_t kc_max = packed::k_block(k), rows_padded = (out_channels + kMr - 1) / kMr * kMr;
-  auto ap = aligned_floats(rows_padded * k);
-  for (int64_t pc = 0; pc < k; pc += kc_max)
-    packed::pack_a(w + pc, k, 1, out_channels, std::min(kc_max, k - pc), ap.get() + pc * rows_padded);
+  const auto ap = pack_weights(w, out_channels, k);
 
   const int64_t panels = (g.total + kNr - 1) / kNr;
   const int team = static_cast<int>(std::clamp<int64_t>(threads, 1, panels));
@@ -296,6 +336,61 @@ void implicit_conv(const PaddedConv& s, int64_t batch, int64_t channels, int64_t
         }
       }
       write_panel(g, c, q0, layout.width, out);
+    }
+  };
+  if (team == 1) return run(0, 0, panels);
+#pragma omp parallel num_threads(team)
+  {
+    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+    run(t, panels * t / nt, panels * (t + 1) / nt);
+  }
+}
+
+void direct_conv(const PaddedConv& s, int64_t batch, int64_t channels, int64_t out_channels, const ConvSource& x,
+                 const float* w, const float* bias, float* out, int threads) {
+  const int64_t k = channels * s.kernel_h * s.kernel_w, pw = s.padded_w(), positions = s.out_h * s.out_w;
+  // A sample's outputs in padded coordinates: row oy, column ox < pw at oy * pw + ox (ox >= out_w computed
+  // and dropped), so that each K row's 16 positions are 16 consecutive padded floats.
+  const int64_t span = s.out_h * pw, per_sample = (span + kNr - 1) / kNr, panels = batch * per_sample;
+  if (panels == 0 || out_channels == 0) return;
+  const std::vector<int64_t> row_offset = row_offsets(s, channels);
+  const int64_t kc_max = packed::k_block(k), rows_padded = (out_channels + kMr - 1) / kMr * kMr;
+  const auto ap = pack_weights(w, out_channels, k);
+  const int team = static_cast<int>(std::clamp<int64_t>(threads, 1, panels));
+  const int64_t sample_floats = (channels * s.plane() + 15) / 16 * 16, per_thread = rows_padded * kNr + sample_floats;
+  auto buffers = aligned_floats(team * per_thread);  // per thread: the panel's C, the padded sample
+  auto run = [&](int t, int64_t p_begin, int64_t p_end) {
+    float* c = buffers.get() + t * per_thread;
+    float* padded = c + rows_padded * kNr;
+    int64_t held = -1;
+    for (int64_t p = p_begin; p < p_end; ++p) {
+      const int64_t n = p / per_sample, q0 = p % per_sample * kNr, width = std::min<int64_t>(kNr, span - q0);
+      if (held != n) {
+        pad_channels(s, x.data + n * x.stride_n, x.stride_c, x.stride_h, x.stride_w, padded, 0, channels);
+        held = n;
+      }
+      const int nv = static_cast<int>((width + 15) / 16);
+      const __mmask16 last = packed::low_lanes(width - 16 * (nv - 1));
+      if (bias != nullptr)  // the sums start from the bias, as the column path's GEMM onto it does
+        for (int64_t o = 0; o < out_channels; ++o)
+          for (int v = 0; v < kVectors; ++v) _mm512_store_ps(c + o * kNr + 16 * v, _mm512_set1_ps(bias[o]));
+      for (int64_t pc = 0; pc < k; pc += kc_max) {
+        const int64_t kc = std::min(kc_max, k - pc);
+        const Store store = pc == 0 && bias == nullptr ? Store::kOverwrite : Store::kAdd;
+        const float* a_block = ap.get() + pc * rows_padded;
+        for (int64_t ir = 0; ir < out_channels; ir += kMr) {
+          const int rows = static_cast<int>(std::min<int64_t>(kMr, out_channels - ir));
+          direct_tile_for(rows, nv)(kc, a_block + ir * kc, padded + q0, row_offset.data() + pc, c + ir * kNr, kNr, last,
+                                    store);
+        }
+      }
+      // The panel's real positions, one image row's run at a time.
+      for (int64_t oy = q0 / pw; oy * pw < q0 + width; ++oy) {
+        const int64_t lo = std::max(q0, oy * pw) - oy * pw, hi = std::min(q0 + width - oy * pw, s.out_w);
+        if (hi <= lo) continue;
+        for (int64_t o = 0; o < out_channels; ++o)
+          copy_run(out + (n * out_channels + o) * positions + oy * s.out_w + lo, c + o * kNr + oy * pw + lo - q0, hi - lo);
+      }
     }
   };
   if (team == 1) return run(0, 0, panels);
@@ -380,6 +475,11 @@ bool implicit_conv_built() { return false; }
 void implicit_conv(const PaddedConv&, int64_t, int64_t, int64_t, const ConvSource&, const float*, const float*, float*,
                    int) {
   throw std::logic_error("implicit_conv: this build has no AVX-512 kernel (implicit_conv_built() is false)");
+}
+
+void direct_conv(const PaddedConv&, int64_t, int64_t, int64_t, const ConvSource&, const float*, const float*, float*,
+                 int) {
+  throw std::logic_error("direct_conv: this build has no AVX-512 kernel (implicit_conv_built() is false)");
 }
 
 void implicit_conv_weight_grad(const PaddedConv&, int64_t, int64_t, int64_t, const ConvSource&, const float*, float*,

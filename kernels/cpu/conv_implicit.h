@@ -41,6 +41,14 @@ struct ConvSource {
 void implicit_conv(const PaddedConv& s, int64_t batch, int64_t channels, int64_t out_channels, const ConvSource& x,
                    const float* w, const float* bias, float* out, int threads);
 
+// The same convolution and the same bits as implicit_conv, for unit stride (s.stride_h == s.stride_w ==
+// 1) and (kernel_w - 1) * dilation_w <= 17, without packing B: outputs are computed in padded
+// coordinates (out_h rows of padded_w() positions, of which out_w are kept), where every K row's 16
+// positions are 16 consecutive floats of a padded plane, read in place. Worth it where out_w is close
+// to padded_w() (the rest of each row is computed and dropped).
+void direct_conv(const PaddedConv& s, int64_t batch, int64_t channels, int64_t out_channels, const ConvSource& x,
+                 const float* w, const float* bias, float* out, int threads);
+
 // grad_weight [out_channels, channels * kernel_h * kernel_w] = sum over samples n < batch and output
 // positions q of grad_out[n, o, q] * col_n[r, q] (grad_out contiguous [batch, out_channels, out_h *
 // out_w]; col_n as above, any stride and dilation), with the column matrix read in place from each

@@ -70,19 +70,7 @@ void tile(int64_t kc, const float* __restrict ap, const float* __restrict bp, fl
       _mm_prefetch(reinterpret_cast<const char*>(c + i * ldc + 16 * NV - 1), _MM_HINT_T0);
     }
   }
-  for (int64_t k = 0; k < kc; ++k) {
-    __m512 b[NV];
-#pragma GCC unroll 3
-    for (int v = 0; v < NV; ++v) b[v] = _mm512_load_ps(bp + 16 * v);
-#pragma GCC unroll 8
-    for (int i = 0; i < R; ++i) {
-      const __m512 a = _mm512_set1_ps(ap[i]);
-#pragma GCC unroll 3
-      for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_fmadd_ps(a, b[v], acc[i][v]);
-    }
-    ap += kMr;
-    bp += kNr;
-  }
+  accumulate<R, NV>(kc, ap, [bp](int64_t k, int v) { return _mm512_load_ps(bp + k * kNr + 16 * v); }, acc);
 #pragma GCC unroll 8
   for (int i = 0; i < R; ++i)
 #pragma GCC unroll 3

@@ -40,6 +40,25 @@ void pack_a(const float* a, int64_t rs, int64_t cs, int64_t mc, int64_t kc, floa
 // is computed.
 int64_t k_block(int64_t k);
 
+// The inner loop of every register tile: acc[i][v] += A[k][i] * B_k[v] over k < kc, one chain per
+// element in k order, where A is a packed A panel (kc x kMr floats) and B_k's NV vectors come from
+// load_b(k, v) (a packed B panel, or floats read in place).
+template <int R, int NV, class LoadB>
+inline void accumulate(int64_t kc, const float* __restrict ap, LoadB load_b, __m512 (&acc)[R][NV]) {
+  for (int64_t k = 0; k < kc; ++k) {
+    __m512 b[NV];
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) b[v] = load_b(k, v);
+#pragma GCC unroll 8
+    for (int i = 0; i < R; ++i) {
+      const __m512 a = _mm512_set1_ps(ap[i]);
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_fmadd_ps(a, b[v], acc[i][v]);
+    }
+    ap += kMr;
+  }
+}
+
 // dst[k * ds + i] = src[i * rs + k] for i, k < 8.
 inline void transpose8x8(const float* src, int64_t rs, float* dst, int64_t ds) {
   const __m256 r0 = _mm256_loadu_ps(src), r1 = _mm256_loadu_ps(src + rs), r2 = _mm256_loadu_ps(src + 2 * rs),
