@@ -3,6 +3,7 @@
 // (first and second order), PyTorch's ceil_mode output sizes, and errors.
 #include <omp.h>
 
+#include <cmath>
 #include <cstring>
 #include <limits>
 
@@ -283,6 +284,22 @@ TEST_CASE("conv2d: implicit GEMM path matches the direct convolution and the col
 
 // Past 16 samples each of the weight gradient's partial sums covers several samples: the same
 // gradient as the sum of per-sample gradients, and the same bits on any thread count.
+// The stride-2 col2im (a stride-2 convolution's input gradient) adds eight sources at once into the even
+// floats of a vector: each sum as the scalar loop forms it, the odd floats (a -0.0, a NaN) untouched.
+TEST_CASE("conv2d: the stride-2 run add equals the scalar loop") {
+  for (int64_t n = 0; n <= 40; ++n) {
+    CAPTURE(n);
+    std::vector<float> src(static_cast<size_t>(n)), expected(static_cast<size_t>(2 * n + 3)), dst;
+    for (int64_t i = 0; i < n; ++i) src[static_cast<size_t>(i)] = 0.37f * static_cast<float>(i) - 3.1f;
+    for (size_t i = 0; i < expected.size(); ++i)
+      expected[i] = i % 2 == 1 ? (i % 4 == 1 ? -0.0f : std::nanf("")) : 1.0f / static_cast<float>(i + 3);
+    dst = expected;
+    for (int64_t i = 0; i < n; ++i) expected[static_cast<size_t>(2 * i)] += src[static_cast<size_t>(i)];
+    kernels::cpu::add_run_stride2(dst.data(), src.data(), n);
+    CHECK(std::memcmp(dst.data(), expected.data(), dst.size() * sizeof(float)) == 0);
+  }
+}
+
 TEST_CASE("conv2d: weight gradient summed in chunks of samples") {
   const int saved = omp_get_max_threads();
   const ConvCase c{{1, 1}, {1, 1}, {1, 1}, 1};

@@ -187,6 +187,8 @@ void col2im_add(const ConvGeometry& g, const float* col, float* grad_x, int64_t 
       const int64_t count = ox_end - ox_begin;
       if (p.stride_w == 1)
         add_run(dst, run, count);
+      else if (p.stride_w == 2)
+        cpu::add_run_stride2(dst, run, count);
       else
         for (int64_t i = 0; i < count; ++i) dst[i * p.stride_w] += run[i];
     }
@@ -476,6 +478,28 @@ void conv2d_backward_weight_cpu(const Tensor& grad_out, const Tensor& x, const C
 }
 
 }  // namespace
+
+namespace cpu {
+
+void add_run_stride2(float* dst, const float* src, int64_t n) {
+#if defined(__AVX512F__)
+  // Eight sources spread to the even lanes of a vector (one permute); only those lanes are loaded, added
+  // and stored.
+  const __m512i spread = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+  for (int64_t i = 0; i < n; i += 8) {
+    const int64_t m = std::min<int64_t>(8, n - i);
+    const __m512 loaded = _mm512_maskz_loadu_ps(lanes_mask(m), src + i);
+    const __m512 v = _mm512_permutex2var_ps(loaded, spread, loaded);
+    const __mmask16 even = static_cast<__mmask16>(0x5555 & lanes_mask(2 * m - 1));
+    float* d = dst + 2 * i;
+    _mm512_mask_storeu_ps(d, even, _mm512_add_ps(_mm512_maskz_loadu_ps(even, d), v));
+  }
+#else
+  for (int64_t i = 0; i < n; ++i) dst[2 * i] += src[i];
+#endif
+}
+
+}  // namespace cpu
 
 void register_cpu_conv() {
   conv2d_forward.set(DeviceType::CPU, &conv2d_forward_cpu);

@@ -83,6 +83,10 @@ inline void add_run(float* dst, const float* src, int64_t n) {
 #endif
 }
 
+// dst[2 i] += src[i] for i < n; the floats between are not touched. Defined in conv.cpp (compiled for the
+// build machine's CPU, as the tests that call it are not).
+void add_run_stride2(float* dst, const float* src, int64_t n);
+
 // Channels [c_begin, c_end) of x (strides sx_c, sx_h, sx_w) into padded planes (zero borders and slack).
 inline void pad_channels(const PaddedConv& s, const float* x, int64_t sx_c, int64_t sx_h, int64_t sx_w, float* padded,
                          int64_t c_begin, int64_t c_end) {
