@@ -300,6 +300,47 @@ TEST_CASE("conv2d: the stride-2 run add equals the scalar loop") {
   }
 }
 
+// The input gradient at column stride 2 sums each image row in registers: with one output channel every
+// column-matrix value is one exact product w * g, so the column path's sums can be formed here in its
+// order (rows (c, ki, kj) ascending onto +0) and compared bit for bit.
+TEST_CASE("conv2d: stride-2 input gradient has the column path's bits") {
+  struct Case {
+    Shape x, w;
+    ConvCase c;
+  };
+  const Case cases[] = {
+      {{2, 3, 13, 13}, {1, 3, 3, 3}, {{2, 2}, {1, 1}, {1, 1}, 1}},
+      {{1, 2, 9, 27}, {1, 2, 3, 3}, {{2, 2}, {2, 2}, {2, 2}, 1}},  // two vectors per image row, dilation
+      {{2, 2, 7, 12}, {1, 2, 2, 4}, {{1, 2}, {0, 1}, {1, 1}, 1}},  // row stride 1, an even-width kernel
+  };
+  for (size_t i = 0; i < std::size(cases); ++i) {
+    CAPTURE(i);
+    const Case& k = cases[i];
+    Tensor x = random_param(k.x, 130 + i), w = random_tensor(k.w, 140 + i);
+    Tensor y = conv(x, w, Tensor(), k.c);
+    Tensor go = random_tensor(y.sizes(), 150 + i);
+    y.backward(go);
+    const int64_t n = k.x[0], ch = k.x[1], h = k.x[2], wd = k.x[3], kh = k.w[2], kw = k.w[3];
+    const int64_t oh = y.size(2), ow = y.size(3);
+    const std::vector<float> wv = w.to_vector<float>(), gv = go.to_vector<float>();
+    std::vector<float> expected(static_cast<size_t>(n * ch * h * wd), 0.0f);
+    for (int64_t s = 0; s < n; ++s)
+      for (int64_t c = 0; c < ch; ++c)
+        for (int64_t ki = 0; ki < kh; ++ki)
+          for (int64_t kj = 0; kj < kw; ++kj)
+            for (int64_t oy = 0; oy < oh; ++oy)
+              for (int64_t ox = 0; ox < ow; ++ox) {
+                const int64_t iy = oy * k.c.stride[0] - k.c.padding[0] + ki * k.c.dilation[0];
+                const int64_t ix = ox * k.c.stride[1] - k.c.padding[1] + kj * k.c.dilation[1];
+                if (iy < 0 || iy >= h || ix < 0 || ix >= wd) continue;
+                const float product = wv[static_cast<size_t>((c * kh + ki) * kw + kj)] * gv[static_cast<size_t>((s * oh + oy) * ow + ox)];
+                expected[static_cast<size_t>(((s * ch + c) * h + iy) * wd + ix)] += product;
+              }
+    const std::vector<float> got = x.grad().to_vector<float>();
+    CHECK(std::memcmp(got.data(), expected.data(), got.size() * sizeof(float)) == 0);
+  }
+}
+
 TEST_CASE("conv2d: weight gradient summed in chunks of samples") {
   const int saved = omp_get_max_threads();
   const ConvCase c{{1, 1}, {1, 1}, {1, 1}, 1};

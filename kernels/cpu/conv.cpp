@@ -64,6 +64,15 @@ struct ConvGeometry {
     return (p.stride_w == 1 || (p.stride_w == 2 && kernel_h * kernel_w > 1)) && !pointwise();
   }
   bool padded_col2im() const { return padded() && p.stride_w == 1; }
+  // Column stride 2 with image rows of at most 32 floats, output rows of at most 16 and kernels at most
+  // 8 wide: col2im sums each image row in registers (col2im_stride2_rows).
+  bool stride2_col2im() const {
+#if defined(__AVX512F__)
+    return p.stride_w == 2 && !pointwise() && width <= 32 && out_w <= 16 && kernel_w <= 8;
+#else
+    return false;
+#endif
+  }
   // The forward by implicit GEMM (conv_implicit.h): one group, an inner dimension past the small-K
   // product's, AVX-512 builds with it and the packed GEMM on (MN_CPU_CONV=im2col or MN_CPU_GEMM=eigen
   // keep the column matrix).
@@ -195,6 +204,53 @@ void col2im_add(const ConvGeometry& g, const float* col, float* grad_x, int64_t 
   }
 }
 
+#if defined(__AVX512F__)
+// grad_x (contiguous [Cg, H, W] of one group of one sample) = col2im(col) for channels [c_begin, c_end),
+// column stride 2 (stride2_col2im()): each image row (one or two vectors) starts at +0 and takes the
+// column-matrix runs that land on it, for ki and then kj in ascending order, each run spread to its
+// lanes by a permute and added under a mask; so every float is the sum col2im_add forms on a
+// zero-filled grad_x, with the same bits.
+void col2im_stride2_rows(const ConvGeometry& g, const float* col, float* grad_x, int64_t c_begin, int64_t c_end) {
+  const Conv2dParams& p = g.p;
+  const int64_t plane = g.out_plane(), halves = (g.width + 15) / 16;
+  // Per kj and half h: lane l (image column 16 h + l) takes output column (16 h + l + pad_w - kj dil_w) / 2
+  // where that is a whole column in range.
+  __m512i index[8][2];
+  __mmask16 mask[8][2];
+  for (int64_t kj = 0; kj < g.kernel_w; ++kj)
+    for (int64_t h = 0; h < halves; ++h) {
+      alignas(64) int32_t idx[16] = {};
+      uint32_t m = 0;
+      for (int64_t l = 0; l < 16; ++l) {
+        const int64_t ix = 16 * h + l, t = ix + p.pad_w - kj * p.dilation_w;
+        if (ix < g.width && t >= 0 && t % 2 == 0 && t / 2 < g.out_w) {
+          idx[l] = static_cast<int32_t>(t / 2);
+          m |= 1u << l;
+        }
+      }
+      index[kj][h] = _mm512_load_si512(idx);
+      mask[kj][h] = static_cast<__mmask16>(m);
+    }
+  const __mmask16 run_lanes = cpu::lanes_mask(g.out_w);
+  for (int64_t c = c_begin; c < c_end; ++c)
+    for (int64_t iy = 0; iy < g.height; ++iy) {
+      __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+      for (int64_t ki = 0; ki < g.kernel_h; ++ki) {
+        const int64_t ty = iy + p.pad_h - ki * p.dilation_h;
+        if (ty < 0 || ty % p.stride_h != 0 || ty / p.stride_h >= g.out_h) continue;
+        const float* row = col + ((c * g.kernel_h + ki) * g.kernel_w) * plane + ty / p.stride_h * g.out_w;
+        for (int64_t kj = 0; kj < g.kernel_w; ++kj, row += plane) {
+          const __m512 run = _mm512_maskz_loadu_ps(run_lanes, row);
+          for (int64_t h = 0; h < halves; ++h)
+            acc[h] = _mm512_mask_add_ps(acc[h], mask[kj][h], acc[h], _mm512_permutex2var_ps(run, index[kj][h], run));
+        }
+      }
+      float* dst = grad_x + (c * g.height + iy) * g.width;
+      for (int64_t h = 0; h < halves; ++h) _mm512_mask_storeu_ps(dst + 16 * h, cpu::lanes_mask(g.width - 16 * h), acc[h]);
+    }
+}
+#endif
+
 // Whether a pass over the batch is worth threads, and if so whether to spread whole samples over them
 // (enough samples) or to parallelise inside each sample.
 struct BatchSplit {
@@ -291,6 +347,9 @@ void col2im(const ConvGeometry& g, const float* col, float* gx_group, bool paral
   const cpu::PaddedConv s = g.padded_conv();
   float* padded = const_cast<float*>(col) + g.col_size();
   auto channels = [&](int64_t c_begin, int64_t c_end) {
+#if defined(__AVX512F__)
+    if (g.stride2_col2im()) return col2im_stride2_rows(g, col, gx_group, c_begin, c_end);
+#endif
     if (!g.padded_col2im()) return col2im_add(g, col, gx_group, c_begin, c_end);
 #if defined(__AVX512F__)
     if (cpu::col2im_rows_fits(s)) return cpu::col2im_rows(s, col, gx_group, c_begin, c_end);
@@ -379,7 +438,8 @@ void conv2d_backward_input_cpu(const Tensor& grad_out, const Tensor& weight, con
   }
   for_each_sample(g, [&](int64_t n, float* col, bool parallel) {
     float* gx_sample = gx + n * g.channels * image;
-    if (!g.pointwise() && !g.padded_col2im()) std::fill(gx_sample, gx_sample + g.channels * image, 0.0f);
+    if (!g.pointwise() && !g.padded_col2im() && !g.stride2_col2im())
+      std::fill(gx_sample, gx_sample + g.channels * image, 0.0f);
     for (int64_t group = 0; group < g.groups; ++group) {
       const MatrixRef w_t{wp + group * g.group_out * k, k, g.group_out, 1, k};  // W_g^T
       const MatrixRef go_group{gp + (n * g.out_channels + group * g.group_out) * plane, g.group_out, plane, plane, 1};
