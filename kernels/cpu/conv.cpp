@@ -37,6 +37,8 @@ using cpu::zero_run;
 constexpr int64_t kWeightGradChunks = 16;
 // The input gradient takes the implicit GEMM from this many input channels (implicit_input_grad).
 constexpr int64_t kImplicitInputChannels = 64;
+// ... and on padded coordinates (direct_input_grad) from this many.
+constexpr int64_t kDirectInputChannels = 16;
 // Passes with fewer multiply-adds than this run on one thread.
 constexpr int64_t kParallelWork = int64_t{1} << 16;
 
@@ -93,19 +95,29 @@ struct ConvGeometry {
            !pointwise() && cpu::implicit_conv_enabled() && cpu::packed_gemm_enabled();
   }
   // The forward on padded coordinates (direct_conv, the implicit path's bits without packing B): unit
-  // stride, and rows wide enough that the padding columns computed and dropped cost less than packing
-  // (out_w >= 5/6 of the padded width). Forward alone, one thread, against implicit_conv: 28 of 30
-  // (resnet20.s1) 0.72x, 14 of 16 (resnet20.s2, cnn1.conv2) 0.86-0.93x, 11 of 13 (cnn2.conv2) 0.92x,
-  // 7 of 9 (resnet20.s3, cnn1.conv3 / conv4) 1.15-1.24x.
+  // stride, and rows wide enough that the lanes computed and dropped cost less than packing (at least 80 %
+  // of the lanes used, direct_lane_use). Forward alone, one thread, against implicit_conv: resnet20.s1
+  // (92 % used) 0.72x, resnet20.s2 and cnn1.conv2 (88 %) 0.86-0.93x, cnn2.conv2 (84 %) 0.92x, resnet20.s3
+  // and cnn1.conv3 / conv4 (77 %) 1.15-1.24x.
   bool direct() const {
     return implicit() && p.stride_h == 1 && p.stride_w == 1 && (kernel_w - 1) * p.dilation_w <= 17 &&
-           out_w * 6 >= padded_conv().padded_w() * 5;
+           cpu::direct_lane_use(padded_conv()) >= 0.8;
   }
   // The weight gradient with the column matrix read in place (implicit_conv_weight_grad): the same bits as
   // the column path wherever that path runs the packed GEMM, so the choice needs no threshold for them.
   bool implicit_weight_grad() const {
     return groups == 1 && !pointwise() && cpu::implicit_conv_enabled() && cpu::packed_gemm_enabled() &&
            cpu::packed_gemm_suits(out_channels, col_rows(), out_plane());
+  }
+  // The same flipped convolution on padded coordinates (direct_conv), from kDirectInputChannels input
+  // channels where at least 85 % of the lanes are used: forward + backward, one thread, against the column
+  // path's input gradient, resnet20.s1 (92 %), s2 and cnn1.conv2 (88 %) 0.90x, cnn2.conv2 (81 %) 1.06x.
+  bool direct_input_grad() const {
+    return groups == 1 && channels >= kDirectInputChannels && p.stride_h == 1 && p.stride_w == 1 &&
+           p.pad_h <= (kernel_h - 1) * p.dilation_h && p.pad_w <= (kernel_w - 1) * p.dilation_w &&
+           out_channels * kernel_h * kernel_w > cpu::kSmallK && !pointwise() && cpu::implicit_conv_enabled() &&
+           cpu::packed_gemm_enabled() && (kernel_w - 1) * p.dilation_w <= 17 &&
+           cpu::direct_lane_use(flipped_conv()) >= 0.85;
   }
   // That convolution's geometry: grad_out's planes padded, the image's size as its output.
   cpu::PaddedConv flipped_conv() const {
@@ -424,7 +436,7 @@ void conv2d_backward_input_cpu(const Tensor& grad_out, const Tensor& weight, con
   const float* gp = go.data<float>();
   float* gx = grad_x.data<float>();
   const int64_t plane = g.out_plane(), image = g.height * g.width, k = g.col_rows();
-  if (g.implicit_input_grad()) {
+  if (g.direct_input_grad() || g.implicit_input_grad()) {
     // W'[c, (o, ki, kj)] = W[o, c, KH - 1 - ki, KW - 1 - kj]
     const int64_t kk = g.kernel_h * g.kernel_w;
     Tensor flipped = empty({g.channels * g.out_channels * kk});
@@ -432,8 +444,13 @@ void conv2d_backward_input_cpu(const Tensor& grad_out, const Tensor& weight, con
     for (int64_t c = 0; c < g.channels; ++c)
       for (int64_t o = 0; o < g.out_channels; ++o)
         for (int64_t t = 0; t < kk; ++t) fp[(c * g.out_channels + o) * kk + t] = wp[(o * g.channels + c) * kk + kk - 1 - t];
-    cpu::implicit_conv(g.flipped_conv(), g.batch, g.out_channels, g.channels, {gp, g.out_channels * plane, plane, g.out_w, 1},
-                       fp, nullptr, gx, implicit_team(g.batch * image * g.channels * g.out_channels * kk));
+    const int team = implicit_team(g.batch * image * g.channels * g.out_channels * kk);
+    if (g.direct_input_grad())
+      cpu::direct_conv(g.flipped_conv(), g.batch, g.out_channels, g.channels, {gp, g.out_channels * plane, plane, g.out_w, 1},
+                       fp, nullptr, gx, team);
+    else
+      cpu::implicit_conv(g.flipped_conv(), g.batch, g.out_channels, g.channels, {gp, g.out_channels * plane, plane, g.out_w, 1},
+                         fp, nullptr, gx, team);
     return;
   }
   for_each_sample(g, [&](int64_t n, float* col, bool parallel) {

@@ -346,6 +346,12 @@ void implicit_conv(const PaddedConv& s, int64_t batch, int64_t channels, int64_t
   }
 }
 
+double direct_lane_use(const PaddedConv& s) {
+  const int64_t span = s.out_h * s.padded_w(), full = span / kNr * kNr;
+  const int64_t lanes = full + (span - full + 15) / 16 * 16;
+  return lanes == 0 ? 0.0 : static_cast<double>(s.out_h * s.out_w) / static_cast<double>(lanes);
+}
+
 void direct_conv(const PaddedConv& s, int64_t batch, int64_t channels, int64_t out_channels, const ConvSource& x,
                  const float* w, const float* bias, float* out, int threads) {
   const int64_t k = channels * s.kernel_h * s.kernel_w, pw = s.padded_w(), positions = s.out_h * s.out_w;
@@ -471,6 +477,8 @@ void implicit_conv_weight_grad(const PaddedConv& s, int64_t batch, int64_t chann
 #else
 
 bool implicit_conv_built() { return false; }
+
+double direct_lane_use(const PaddedConv&) { return 0.0; }
 
 void implicit_conv(const PaddedConv&, int64_t, int64_t, int64_t, const ConvSource&, const float*, const float*, float*,
                    int) {

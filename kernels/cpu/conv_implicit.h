@@ -48,6 +48,9 @@ void implicit_conv(const PaddedConv& s, int64_t batch, int64_t channels, int64_t
 // to padded_w() (the rest of each row is computed and dropped).
 void direct_conv(const PaddedConv& s, int64_t batch, int64_t channels, int64_t out_channels, const ConvSource& x,
                  const float* w, const float* bias, float* out, int threads);
+// The share of the lanes direct_conv computes for s that hold outputs (the rest are padding columns and
+// the last panel's empty lanes).
+double direct_lane_use(const PaddedConv& s);
 
 // grad_weight [out_channels, channels * kernel_h * kernel_w] = sum over samples n < batch and output
 // positions q of grad_out[n, o, q] * col_n[r, q] (grad_out contiguous [batch, out_channels, out_h *
