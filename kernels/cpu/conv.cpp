@@ -39,6 +39,9 @@ constexpr int64_t kWeightGradChunks = 16;
 constexpr int64_t kImplicitInputChannels = 64;
 // ... and on padded coordinates (direct_input_grad) from this many.
 constexpr int64_t kDirectInputChannels = 16;
+// The stride-2 column path's input gradient takes several samples per product below this many output
+// positions (backward_input_batched).
+constexpr int64_t kBatchedColumns = 192;
 // Passes with fewer multiply-adds than this run on one thread.
 constexpr int64_t kParallelWork = int64_t{1} << 16;
 
@@ -218,13 +221,14 @@ void col2im_add(const ConvGeometry& g, const float* col, float* grad_x, int64_t 
 
 #if defined(__AVX512F__)
 // grad_x (contiguous [Cg, H, W] of one group of one sample) = col2im(col) for channels [c_begin, c_end),
-// column stride 2 (stride2_col2im()): each image row (one or two vectors) starts at +0 and takes the
+// col's rows col_stride floats apart, column stride 2 (stride2_col2im()): each image row (one or two vectors) starts at +0 and takes the
 // column-matrix runs that land on it, for ki and then kj in ascending order, each run spread to its
 // lanes by a permute and added under a mask; so every float is the sum col2im_add forms on a
 // zero-filled grad_x, with the same bits.
-void col2im_stride2_rows(const ConvGeometry& g, const float* col, float* grad_x, int64_t c_begin, int64_t c_end) {
+void col2im_stride2_rows(const ConvGeometry& g, const float* col, int64_t col_stride, float* grad_x, int64_t c_begin,
+                         int64_t c_end) {
   const Conv2dParams& p = g.p;
-  const int64_t plane = g.out_plane(), halves = (g.width + 15) / 16;
+  const int64_t plane = col_stride, halves = (g.width + 15) / 16;
   // Per kj and half h: lane l (image column 16 h + l) takes output column (16 h + l + pad_w - kj dil_w) / 2
   // where that is a whole column in range.
   __m512i index[8][2];
@@ -360,7 +364,7 @@ void col2im(const ConvGeometry& g, const float* col, float* gx_group, bool paral
   float* padded = const_cast<float*>(col) + g.col_size();
   auto channels = [&](int64_t c_begin, int64_t c_end) {
 #if defined(__AVX512F__)
-    if (g.stride2_col2im()) return col2im_stride2_rows(g, col, gx_group, c_begin, c_end);
+    if (g.stride2_col2im()) return col2im_stride2_rows(g, col, g.out_plane(), gx_group, c_begin, c_end);
 #endif
     if (!g.padded_col2im()) return col2im_add(g, col, gx_group, c_begin, c_end);
 #if defined(__AVX512F__)
@@ -428,6 +432,53 @@ void conv2d_forward_cpu(const Tensor& x, const Tensor& weight, const Tensor& bia
   });
 }
 
+#if defined(__AVX512F__)
+// The column-path input gradient at column stride 2 for small outputs: W^T . grad_out for S samples side
+// by side in one product (S * out_plane() >= kBatchedColumns columns, instead of out_plane(): resnet20.s3's
+// 49 columns left three of four vectors of the last panel empty, and W^T was packed once per sample),
+// then col2im per sample from the block's columns. Every column-matrix value is the same chain over the
+// output channels, so the bits are the per-sample path's.
+void backward_input_batched(const ConvGeometry& g, const float* wp, const float* gp, float* gx) {
+  const int64_t plane = g.out_plane(), image = g.height * g.width, k = g.col_rows();
+  const int64_t per_block = std::min(g.batch, (kBatchedColumns + plane - 1) / plane), width = per_block * plane;
+  const int64_t blocks = (g.batch + per_block - 1) / per_block;
+  const MatrixRef w_t{wp, k, g.out_channels, 1, k};  // W^T
+  const BatchSplit split = batch_split(g, blocks);
+  const int workers = split.across_samples ? split.threads : 1;
+  const int64_t scratch = g.out_channels * width + k * width;  // grad_out of the block, its columns
+  Tensor buffer = empty({std::max<int64_t>(1, workers * scratch)});
+  auto run_block = [&](int64_t b, float* go_block, bool parallel) {
+    float* col = go_block + g.out_channels * width;
+    const int64_t n0 = b * per_block, count = std::min(per_block, g.batch - n0);
+    for (int64_t o = 0; o < g.out_channels; ++o)
+      for (int64_t i = 0; i < count; ++i)
+        copy_run(go_block + o * width + i * plane, gp + ((n0 + i) * g.out_channels + o) * plane, plane);
+    const MatrixRef go{go_block, g.out_channels, count * plane, width, 1};
+    gemm(w_t, go, col, width, 0.0f, parallel);
+    for (int64_t i = 0; i < count; ++i) {
+      float* gx_sample = gx + (n0 + i) * g.channels * image;
+      if (!parallel) {
+        col2im_stride2_rows(g, col + i * plane, width, gx_sample, 0, g.channels);
+        continue;
+      }
+#pragma omp parallel for schedule(static) num_threads(get_num_threads_in_use())
+      for (int64_t c = 0; c < g.channels; ++c) col2im_stride2_rows(g, col + i * plane, width, gx_sample, c, c + 1);
+    }
+  };
+  float* base = buffer.data<float>();
+  if (!split.across_samples) {
+    for (int64_t b = 0; b < blocks; ++b) run_block(b, base, split.inside_samples);
+    return;
+  }
+#pragma omp parallel num_threads(workers)
+  {
+    float* own = base + omp_get_thread_num() * scratch;
+#pragma omp for schedule(static)
+    for (int64_t b = 0; b < blocks; ++b) run_block(b, own, false);
+  }
+}
+#endif
+
 void conv2d_backward_input_cpu(const Tensor& grad_out, const Tensor& weight, const Conv2dParams& p, Tensor& grad_x) {
   MN_CHECK(grad_x.is_contiguous(), ValueError, "conv2d backward: grad_x must be contiguous");
   const ConvGeometry g = geometry(grad_x, weight.sizes(), grad_out.sizes(), p);
@@ -453,6 +504,9 @@ void conv2d_backward_input_cpu(const Tensor& grad_out, const Tensor& weight, con
                          fp, nullptr, gx, team);
     return;
   }
+#if defined(__AVX512F__)
+  if (g.stride2_col2im() && g.groups == 1 && plane < kBatchedColumns) return backward_input_batched(g, wp, gp, gx);
+#endif
   for_each_sample(g, [&](int64_t n, float* col, bool parallel) {
     float* gx_sample = gx + n * g.channels * image;
     if (!g.pointwise() && !g.padded_col2im() && !g.stride2_col2im())
