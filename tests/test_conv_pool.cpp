@@ -239,6 +239,11 @@ TEST_CASE("conv2d: implicit GEMM path matches the direct convolution and the col
       // The forward on padded coordinates (rows of 28 outputs in 30 padded floats): 18 panels per sample,
       // two K blocks.
       {{2, 32, 28, 28}, {16, 32, 3, 3}, {{1, 1}, {1, 1}, {1, 1}, 1}},
+      // Output channels along the vectors (channel_vector_conv): 64 at stride 2 (6 x 4 tiles), 40 (a
+      // masked third vector); and 64 input channels, whose input gradient takes it too.
+      {{3, 16, 11, 11}, {64, 16, 3, 3}, {{2, 2}, {1, 1}, {1, 1}, 1}},
+      {{2, 8, 9, 9}, {40, 8, 3, 3}, {{1, 1}, {1, 1}, {1, 1}, 1}},
+      {{2, 64, 7, 7}, {32, 64, 3, 3}, {{1, 1}, {1, 1}, {1, 1}, 1}},
   };
   const int saved = omp_get_max_threads();
   for (size_t i = 0; i < std::size(cases); ++i) {

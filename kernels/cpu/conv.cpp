@@ -37,8 +37,10 @@ using cpu::zero_run;
 constexpr int64_t kWeightGradChunks = 16;
 // The input gradient takes the implicit GEMM from this many input channels (implicit_input_grad).
 constexpr int64_t kImplicitInputChannels = 64;
-// ... and on padded coordinates (direct_input_grad) from this many.
+// ... and, where its rows are wide (wide_input_grad), from this many.
 constexpr int64_t kDirectInputChannels = 16;
+// From this many output channels implicit_family takes channel_vector_conv.
+constexpr int64_t kChannelVectorOutputs = 32;
 // The stride-2 column path's input gradient takes several samples per product below this many output
 // positions (backward_input_batched).
 constexpr int64_t kBatchedColumns = 192;
@@ -97,25 +99,16 @@ struct ConvGeometry {
            p.pad_w <= (kernel_w - 1) * p.dilation_w && out_channels * kernel_h * kernel_w > cpu::kSmallK &&
            !pointwise() && cpu::implicit_conv_enabled() && cpu::packed_gemm_enabled();
   }
-  // The forward on padded coordinates (direct_conv, the implicit path's bits without packing B): unit
-  // stride, and rows wide enough that the lanes computed and dropped cost less than packing (at least 80 %
-  // of the lanes used, direct_lane_use). Forward alone, one thread, against implicit_conv: resnet20.s1
-  // (92 % used) 0.72x, resnet20.s2 and cnn1.conv2 (88 %) 0.86-0.93x, cnn2.conv2 (84 %) 0.92x, resnet20.s3
-  // and cnn1.conv3 / conv4 (77 %) 1.15-1.24x.
-  bool direct() const {
-    return implicit() && p.stride_h == 1 && p.stride_w == 1 && (kernel_w - 1) * p.dilation_w <= 17 &&
-           cpu::direct_lane_use(padded_conv()) >= 0.8;
-  }
   // The weight gradient with the column matrix read in place (implicit_conv_weight_grad): the same bits as
   // the column path wherever that path runs the packed GEMM, so the choice needs no threshold for them.
   bool implicit_weight_grad() const {
     return groups == 1 && !pointwise() && cpu::implicit_conv_enabled() && cpu::packed_gemm_enabled() &&
            cpu::packed_gemm_suits(out_channels, col_rows(), out_plane());
   }
-  // The same flipped convolution on padded coordinates (direct_conv), from kDirectInputChannels input
-  // channels where at least 85 % of the lanes are used: forward + backward, one thread, against the column
-  // path's input gradient, resnet20.s1 (92 %), s2 and cnn1.conv2 (88 %) 0.90x, cnn2.conv2 (81 %) 1.06x.
-  bool direct_input_grad() const {
+  // The same flipped convolution also from kDirectInputChannels input channels where direct_conv would use
+  // at least 85 % of its lanes: forward + backward, one thread, with direct_conv against the column path's
+  // input gradient, resnet20.s1 (92 %), s2 and cnn1.conv2 (88 %) 0.90x, cnn2.conv2 (81 %) 1.06x.
+  bool wide_input_grad() const {
     return groups == 1 && channels >= kDirectInputChannels && p.stride_h == 1 && p.stride_w == 1 &&
            p.pad_h <= (kernel_h - 1) * p.dilation_h && p.pad_w <= (kernel_w - 1) * p.dilation_w &&
            out_channels * kernel_h * kernel_w > cpu::kSmallK && !pointwise() && cpu::implicit_conv_enabled() &&
@@ -383,6 +376,22 @@ MatrixRef group_weight(const ConvGeometry& g, const float* w, int64_t group) {
   return {w + group * g.group_out * k, g.group_out, k, k, 1};
 }
 
+// The convolution s of `source`'s padded planes through the kernel of conv_implicit.h that suits its shape.
+// They all form the same sums, so the choice never changes a bit. Forward alone, one thread, each against
+// implicit_conv: channel_vector_conv from 32 output channels (two or more vectors of them) on resnet20.s3
+// 0.83x, s3.down 0.70x, s2.down 0.66x, cnn1.conv3 / conv4 0.91x, and against direct_conv on s2 0.88x,
+// cnn1.conv2 0.89x, cnn2.conv2 0.82x; with 16 (resnet20.s1) it was 1.11x direct_conv's time. direct_conv
+// where at least 80 % of its lanes hold outputs (direct_lane_use): resnet20.s1 (92 %) 0.72x implicit_conv,
+// 77 % (a 7 x 7 image) 1.15-1.24x.
+void implicit_family(const cpu::PaddedConv& s, int64_t batch, int64_t channels, int64_t out_channels,
+                     const cpu::ConvSource& source, const float* w, const float* bias, float* out, int threads) {
+  if (out_channels >= kChannelVectorOutputs)
+    return cpu::channel_vector_conv(s, batch, channels, out_channels, source, w, bias, out, threads);
+  if (s.stride_h == 1 && s.stride_w == 1 && (s.kernel_w - 1) * s.dilation_w <= 17 && cpu::direct_lane_use(s) >= 0.8)
+    return cpu::direct_conv(s, batch, channels, out_channels, source, w, bias, out, threads);
+  cpu::implicit_conv(s, batch, channels, out_channels, source, w, bias, out, threads);
+}
+
 void conv2d_forward_cpu(const Tensor& x, const Tensor& weight, const Tensor& bias, const Conv2dParams& p, Tensor& out) {
   const ConvGeometry g = geometry(x, weight.sizes(), out.sizes(), p);
   const Tensor w = dense(weight);
@@ -392,14 +401,9 @@ void conv2d_forward_cpu(const Tensor& x, const Tensor& weight, const Tensor& bia
   const float* bp = b.defined() ? b.data<float>() : nullptr;
   float* op = out.data<float>();
   const int64_t plane = g.out_plane();
-  if (g.direct()) {
-    cpu::direct_conv(g.padded_conv(), g.batch, g.channels, g.out_channels, {xp, g.sx_n, g.sx_c, g.sx_h, g.sx_w}, wp, bp,
-                     op, implicit_team(g.batch * plane * g.out_channels * g.col_rows()));
-    return;
-  }
   if (g.implicit()) {
-    cpu::implicit_conv(g.padded_conv(), g.batch, g.channels, g.out_channels, {xp, g.sx_n, g.sx_c, g.sx_h, g.sx_w}, wp, bp,
-                       op, implicit_team(g.batch * plane * g.out_channels * g.col_rows()));
+    implicit_family(g.padded_conv(), g.batch, g.channels, g.out_channels, {xp, g.sx_n, g.sx_c, g.sx_h, g.sx_w}, wp, bp, op,
+                    implicit_team(g.batch * plane * g.out_channels * g.col_rows()));
     return;
   }
   const cpu::ColumnGather gather = g.padded() ? cpu::column_gather(g.padded_conv()) : cpu::ColumnGather{};
@@ -487,7 +491,7 @@ void conv2d_backward_input_cpu(const Tensor& grad_out, const Tensor& weight, con
   const float* gp = go.data<float>();
   float* gx = grad_x.data<float>();
   const int64_t plane = g.out_plane(), image = g.height * g.width, k = g.col_rows();
-  if (g.direct_input_grad() || g.implicit_input_grad()) {
+  if (g.wide_input_grad() || g.implicit_input_grad()) {
     // W'[c, (o, ki, kj)] = W[o, c, KH - 1 - ki, KW - 1 - kj]
     const int64_t kk = g.kernel_h * g.kernel_w;
     Tensor flipped = empty({g.channels * g.out_channels * kk});
@@ -495,13 +499,8 @@ void conv2d_backward_input_cpu(const Tensor& grad_out, const Tensor& weight, con
     for (int64_t c = 0; c < g.channels; ++c)
       for (int64_t o = 0; o < g.out_channels; ++o)
         for (int64_t t = 0; t < kk; ++t) fp[(c * g.out_channels + o) * kk + t] = wp[(o * g.channels + c) * kk + kk - 1 - t];
-    const int team = implicit_team(g.batch * image * g.channels * g.out_channels * kk);
-    if (g.direct_input_grad())
-      cpu::direct_conv(g.flipped_conv(), g.batch, g.out_channels, g.channels, {gp, g.out_channels * plane, plane, g.out_w, 1},
-                       fp, nullptr, gx, team);
-    else
-      cpu::implicit_conv(g.flipped_conv(), g.batch, g.out_channels, g.channels, {gp, g.out_channels * plane, plane, g.out_w, 1},
-                         fp, nullptr, gx, team);
+    implicit_family(g.flipped_conv(), g.batch, g.out_channels, g.channels, {gp, g.out_channels * plane, plane, g.out_w, 1}, fp,
+                    nullptr, gx, implicit_team(g.batch * image * g.channels * g.out_channels * kk));
     return;
   }
 #if defined(__AVX512F__)

@@ -215,14 +215,16 @@ constexpr std::array<DirectTileFn, sizeof...(I)> direct_tiles(std::index_sequenc
 constexpr auto kDirectTiles = direct_tiles(std::make_index_sequence<24>());
 DirectTileFn direct_tile_for(int rows, int nv) { return kDirectTiles[static_cast<size_t>((rows - 1) * 3 + nv - 1)]; }
 
-// The weight gradient's register tile: R rows of a sample's column matrix, read in place (row i of the
-// tile at xp[i] + pos[q] for output position q), times NV vectors of grad_out^T (gt + q * ldb, 64-byte
-// aligned), summed over positions q0 <= q < q1 in order; then C^T (R x 16 NV floats at c, row stride ldc)
-// overwritten or added to per `store`, the last vector writing only the lanes in `last`. Each element is
-// the chain the packed GEMM's tile forms for grad_out . col^T over the same K block (x * g and g * x
-// round alike), so the bits are the column path's.
+// The register tile whose rows are broadcast in place from padded planes: row i's value for K index q at
+// xp[i][pos[q]], times NV vectors at gt + q * ldb (64-byte aligned), summed over q0 <= q < q1 in order; then
+// C (R x 16 NV floats at c, row stride ldc) overwritten or added to per `store`, the last vector writing
+// only the lanes in `last`. For the weight gradient the rows are column-matrix rows, K the output
+// positions and the vectors grad_out^T; for channel_vector_conv the rows are output positions, K the
+// column-matrix rows and the vectors W^T. Either way each element is the chain the packed GEMM's tile
+// forms for the column path's product over the same K block (x * g and g * x round alike), so the bits
+// are that path's.
 template <int R, int NV>
-void wgrad_tile(int64_t q0, int64_t q1, const float* const* xp, const int64_t* pos, const float* gt, int64_t ldb,
+void broadcast_tile(int64_t q0, int64_t q1, const float* const* xp, const int64_t* pos, const float* gt, int64_t ldb,
                 float* c, int64_t ldc, __mmask16 last, Store store) {
   const float* p[R];
 #pragma GCC unroll 8
@@ -247,15 +249,35 @@ void wgrad_tile(int64_t q0, int64_t q1, const float* const* xp, const int64_t* p
   store_tile<R, NV>(acc, c, ldc, last, store);
 }
 
-using WgradTileFn = void (*)(int64_t, int64_t, const float* const*, const int64_t*, const float*, int64_t, float*,
+using BroadcastTileFn = void (*)(int64_t, int64_t, const float* const*, const int64_t*, const float*, int64_t, float*,
                              int64_t, __mmask16, Store);
-// wgrad_tile<rows, nv> for rows 1..8 and nv 1..4, at [(rows - 1) * 4 + nv - 1].
+// broadcast_tile<rows, nv> for rows 1..8 and nv 1..4, at [(rows - 1) * 4 + nv - 1].
 template <size_t... I>
-constexpr std::array<WgradTileFn, sizeof...(I)> wgrad_tiles(std::index_sequence<I...>) {
-  return {&wgrad_tile<static_cast<int>(I / 4 + 1), static_cast<int>(I % 4 + 1)>...};
+constexpr std::array<BroadcastTileFn, sizeof...(I)> broadcast_tiles(std::index_sequence<I...>) {
+  return {&broadcast_tile<static_cast<int>(I / 4 + 1), static_cast<int>(I % 4 + 1)>...};
 }
-constexpr auto kWgradTiles = wgrad_tiles(std::make_index_sequence<32>());
-WgradTileFn wgrad_tile_for(int rows, int nv) { return kWgradTiles[static_cast<size_t>((rows - 1) * 4 + nv - 1)]; }
+constexpr auto kBroadcastTiles = broadcast_tiles(std::make_index_sequence<32>());
+BroadcastTileFn broadcast_tile_for(int rows, int nv) { return kBroadcastTiles[static_cast<size_t>((rows - 1) * 4 + nv - 1)]; }
+
+// Every row of a product C (rows x cols floats, row stride cols) over the K range [k0, k1) through
+// broadcast_tile: row i's broadcasts at base + row_base[i] + k_off[k], the vectors of K row k at b + k * ldb
+// (ldb = 16 * ceil(cols / 16), zero past cols). Tiles of 6 rows x 4 vectors when the columns fill groups of
+// four vectors (64, 128), else 8 x 3 and a 1- or 2-vector rest: 24 accumulators either way.
+void broadcast_product(const float* base, const int64_t* row_base, int64_t rows, int64_t k0, int64_t k1,
+                       const int64_t* k_off, const float* b, int64_t ldb, int64_t cols, float* c, Store store) {
+  const int64_t vectors = ldb / 16;
+  const int nv_main = vectors % 4 == 0 ? 4 : 3, rows_main = nv_main == 4 ? 6 : 8;
+  for (int64_t r0 = 0; r0 < rows; r0 += rows_main) {
+    const int rr = static_cast<int>(std::min<int64_t>(rows_main, rows - r0));
+    const float* xp[8];
+    for (int i = 0; i < rr; ++i) xp[i] = base + row_base[r0 + i];
+    for (int64_t v0 = 0; v0 < vectors; v0 += nv_main) {
+      const int nv = static_cast<int>(std::min<int64_t>(nv_main, vectors - v0));
+      const __mmask16 last = packed::low_lanes(cols - 16 * (v0 + nv - 1));
+      broadcast_tile_for(rr, nv)(k0, k1, xp, k_off, b + 16 * v0, ldb, c + r0 * cols + 16 * v0, cols, last, store);
+    }
+  }
+}
 
 // gt[q * ldb + o] = g[o * positions + q] for o < rows, q < positions; zero for rows <= o < ldb.
 void transpose_rows(const float* g, int64_t rows, int64_t positions, float* gt, int64_t ldb) {
@@ -407,6 +429,47 @@ void direct_conv(const PaddedConv& s, int64_t batch, int64_t channels, int64_t o
   }
 }
 
+void channel_vector_conv(const PaddedConv& s, int64_t batch, int64_t channels, int64_t out_channels,
+                         const ConvSource& x, const float* w, const float* bias, float* out, int threads) {
+  const int64_t k = channels * s.kernel_h * s.kernel_w, positions = s.out_h * s.out_w;
+  if (batch == 0 || positions == 0 || out_channels == 0) return;
+  const int64_t vectors = (out_channels + 15) / 16, ldb = 16 * vectors;
+  const int64_t kc_max = packed::k_block(std::max<int64_t>(k, 1));
+  const std::vector<int64_t> row_offset = row_offsets(s, channels);
+  // W^T [k, ldb], zero past out_channels: row r holds every output channel's weight r.
+  auto wt = aligned_floats(std::max<int64_t>(k, 1) * ldb);
+  transpose_rows(w, out_channels, k, wt.get(), ldb);
+  std::vector<int64_t> pos(static_cast<size_t>(positions));
+  for (int64_t q = 0; q < positions; ++q)
+    pos[static_cast<size_t>(q)] = q / s.out_w * s.stride_h * s.padded_w() + q % s.out_w * s.stride_w;
+
+  const int team = static_cast<int>(std::clamp<int64_t>(threads, 1, batch));
+  const int64_t sample_floats = (channels * s.plane() + 15) / 16 * 16, c_floats = positions * out_channels;
+  const int64_t per_thread = sample_floats + (c_floats + 15) / 16 * 16;
+  auto buffers = aligned_floats(team * per_thread);  // per thread: the padded sample, its outputs [q, o]
+  auto run = [&](int t, int64_t n_begin, int64_t n_end) {
+    float* padded = buffers.get() + t * per_thread;
+    float* ct = padded + sample_floats;
+    for (int64_t n = n_begin; n < n_end; ++n) {
+      pad_channels(s, x.data + n * x.stride_n, x.stride_c, x.stride_h, x.stride_w, padded, 0, channels);
+      if (bias != nullptr)  // the sums start from the bias, as the column path's GEMM onto it does
+        for (int64_t q = 0; q < positions; ++q) std::copy(bias, bias + out_channels, ct + q * out_channels);
+      for (int64_t pc = 0; pc < k; pc += kc_max) {
+        const int64_t k1 = std::min(k, pc + kc_max);
+        const Store store = pc == 0 && bias == nullptr ? Store::kOverwrite : Store::kAdd;
+        broadcast_product(padded, pos.data(), positions, pc, k1, row_offset.data(), wt.get(), ldb, out_channels, ct, store);
+      }
+      transpose_rows(ct, positions, out_channels, out + n * out_channels * positions, positions);
+    }
+  };
+  if (team == 1) return run(0, 0, batch);
+#pragma omp parallel num_threads(team)
+  {
+    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+    run(t, batch * t / nt, batch * (t + 1) / nt);
+  }
+}
+
 void implicit_conv_weight_grad(const PaddedConv& s, int64_t batch, int64_t channels, int64_t out_channels,
                                const ConvSource& x, const float* grad_out, float* grad_weight, int64_t chunks,
                                int threads) {
@@ -415,9 +478,6 @@ void implicit_conv_weight_grad(const PaddedConv& s, int64_t batch, int64_t chann
   if (weight_size == 0) return;
   chunks = std::max<int64_t>(chunks, 1);
   const int64_t vectors = (out_channels + 15) / 16, ldb = 16 * vectors;
-  // Tiles of 6 rows x 4 vectors when the output channels fill groups of four vectors (64, 128), else 8 x 3
-  // (and the 1- or 2-vector rest): 24 accumulators either way.
-  const int nv_main = vectors % 4 == 0 ? 4 : 3, rows_main = nv_main == 4 ? 6 : 8;
   const int64_t kc_max = packed::k_block(std::max<int64_t>(positions, 1));
   std::vector<int64_t> pos(static_cast<size_t>(positions));
   for (int64_t q = 0; q < positions; ++q)
@@ -443,17 +503,7 @@ void implicit_conv_weight_grad(const PaddedConv& s, int64_t batch, int64_t chann
       for (int64_t pc = 0; pc < positions; pc += kc_max) {
         const int64_t q1 = std::min(positions, pc + kc_max);
         const Store store = n == n_begin && pc == 0 ? Store::kOverwrite : Store::kAdd;
-        for (int64_t r0 = 0; r0 < rows; r0 += rows_main) {
-          const int rr = static_cast<int>(std::min<int64_t>(rows_main, rows - r0));
-          const float* xp[8];
-          for (int i = 0; i < rr; ++i) xp[i] = padded + row_offset[static_cast<size_t>(r0 + i)];
-          for (int64_t v0 = 0; v0 < vectors; v0 += nv_main) {
-            const int nv = static_cast<int>(std::min<int64_t>(nv_main, vectors - v0));
-            const __mmask16 last = packed::low_lanes(out_channels - 16 * (v0 + nv - 1));
-            wgrad_tile_for(rr, nv)(pc, q1, xp, pos.data(), gt + 16 * v0, ldb, acc + r0 * out_channels + 16 * v0,
-                                   out_channels, last, store);
-          }
-        }
+        broadcast_product(padded, row_offset.data(), rows, pc, q1, pos.data(), gt, ldb, out_channels, acc, store);
       }
     }
   };
@@ -488,6 +538,11 @@ void implicit_conv(const PaddedConv&, int64_t, int64_t, int64_t, const ConvSourc
 void direct_conv(const PaddedConv&, int64_t, int64_t, int64_t, const ConvSource&, const float*, const float*, float*,
                  int) {
   throw std::logic_error("direct_conv: this build has no AVX-512 kernel (implicit_conv_built() is false)");
+}
+
+void channel_vector_conv(const PaddedConv&, int64_t, int64_t, int64_t, const ConvSource&, const float*, const float*,
+                         float*, int) {
+  throw std::logic_error("channel_vector_conv: this build has no AVX-512 kernel (implicit_conv_built() is false)");
 }
 
 void implicit_conv_weight_grad(const PaddedConv&, int64_t, int64_t, int64_t, const ConvSource&, const float*, float*,

@@ -48,6 +48,14 @@ void implicit_conv(const PaddedConv& s, int64_t batch, int64_t channels, int64_t
 // to padded_w() (the rest of each row is computed and dropped).
 void direct_conv(const PaddedConv& s, int64_t batch, int64_t channels, int64_t out_channels, const ConvSource& x,
                  const float* w, const float* bias, float* out, int threads);
+// The same convolution and the same bits as implicit_conv (any stride), with the roles of the GEMM's
+// operands swapped: output channels run along the vectors (W^T, packed once) and output positions along
+// the tile's rows, each broadcast in place from a sample's padded planes, so nothing is packed per
+// position and no lane is spent on padding; worth it for small images with many output channels, where
+// implicit_conv's panels are mostly packing.
+void channel_vector_conv(const PaddedConv& s, int64_t batch, int64_t channels, int64_t out_channels,
+                         const ConvSource& x, const float* w, const float* bias, float* out, int threads);
+
 // The share of the lanes direct_conv computes for s that hold outputs (the rest are padding columns and
 // the last panel's empty lanes).
 double direct_lane_use(const PaddedConv& s);
