@@ -13,6 +13,7 @@
 #include <utility>
 #include <vector>
 
+#include "core/tensor.h"
 #include "kernels/cpu/packed_tiles.h"
 
 namespace mn::kernels::cpu {
@@ -163,15 +164,14 @@ std::vector<int64_t> row_offsets(const PaddedConv& s, int64_t channels) {
   return offset;
 }
 
-struct FreeAligned {
-  void operator()(float* p) const { std::free(p); }
+// Scratch floats from the caching allocator: 64-byte aligned, and a call that comes again takes its
+// cached block instead of fresh pages (std::aligned_alloc of megabytes mapped and zeroed new pages on
+// every call: a resnet18 step spent a third of its time in page faults).
+struct Scratch {
+  Tensor tensor;
+  float* get() const { return tensor.data<float>(); }
 };
-std::unique_ptr<float[], FreeAligned> aligned_floats(int64_t count) {
-  const size_t bytes = (static_cast<size_t>(count) * sizeof(float) + 63) / 64 * 64;
-  float* p = static_cast<float*>(std::aligned_alloc(64, std::max<size_t>(bytes, 64)));
-  if (p == nullptr) throw std::bad_alloc();
-  return std::unique_ptr<float[], FreeAligned>(p);
-}
+Scratch aligned_floats(int64_t count) { return {empty({std::max<int64_t>(count, 16)})}; }
 
 // A tile's sums into C (R x 16 NV floats at c, row stride ldc): overwritten, or added to C as the packed
 // GEMM's tile adds them (C + sum), per `store`; the last vector writes only the lanes in `last`.
@@ -295,7 +295,7 @@ void transpose_rows(const float* g, int64_t rows, int64_t positions, float* gt, 
 
 // The weights [rows, k] packed once, block after block of K (packed::k_block(k)): ceil(rows / kMr) * kMr
 // x kc floats per block, as the packed GEMM packs A.
-std::unique_ptr<float[], FreeAligned> pack_weights(const float* w, int64_t rows, int64_t k) {
+Scratch pack_weights(const float* w, int64_t rows, int64_t k) {
   const int64_t kc_max = packed::k_block(k), rows_padded = (rows + kMr - 1) / kMr * kMr;
   auto ap = aligned_floats(rows_padded * k);
   for (int64_t pc = 0; pc < k; pc += kc_max)
@@ -439,34 +439,47 @@ void channel_vector_conv(const PaddedConv& s, int64_t batch, int64_t channels, i
   // W^T [k, ldb], zero past out_channels: row r holds every output channel's weight r.
   auto wt = aligned_floats(std::max<int64_t>(k, 1) * ldb);
   transpose_rows(w, out_channels, k, wt.get(), ldb);
-  std::vector<int64_t> pos(static_cast<size_t>(positions));
-  for (int64_t q = 0; q < positions; ++q)
-    pos[static_cast<size_t>(q)] = q / s.out_w * s.stride_h * s.padded_w() + q % s.out_w * s.stride_w;
+  // Samples go in groups of S with at least kGroupRows output positions in all (or the whole batch), so
+  // that each block of W^T read serves that many rows; every row's broadcasts start at its sample's padded
+  // planes in the group's buffer.
+  constexpr int64_t kGroupRows = 96;
+  const int64_t per_group = std::min(batch, (kGroupRows + positions - 1) / positions), rows = per_group * positions;
+  const int64_t groups = (batch + per_group - 1) / per_group;
+  const int64_t sample_floats = (channels * s.plane() + 15) / 16 * 16;
+  std::vector<int64_t> row_base(static_cast<size_t>(rows));
+  for (int64_t i = 0; i < per_group; ++i)
+    for (int64_t q = 0; q < positions; ++q)
+      row_base[static_cast<size_t>(i * positions + q)] =
+          i * sample_floats + q / s.out_w * s.stride_h * s.padded_w() + q % s.out_w * s.stride_w;
 
-  const int team = static_cast<int>(std::clamp<int64_t>(threads, 1, batch));
-  const int64_t sample_floats = (channels * s.plane() + 15) / 16 * 16, c_floats = positions * out_channels;
-  const int64_t per_thread = sample_floats + (c_floats + 15) / 16 * 16;
-  auto buffers = aligned_floats(team * per_thread);  // per thread: the padded sample, its outputs [q, o]
-  auto run = [&](int t, int64_t n_begin, int64_t n_end) {
+  const int team = static_cast<int>(std::clamp<int64_t>(threads, 1, groups));
+  const int64_t c_floats = (rows * out_channels + 15) / 16 * 16, per_thread = per_group * sample_floats + c_floats;
+  auto buffers = aligned_floats(team * per_thread);  // per thread: the group's padded samples, outputs [row, o]
+  auto run = [&](int t, int64_t g_begin, int64_t g_end) {
     float* padded = buffers.get() + t * per_thread;
-    float* ct = padded + sample_floats;
-    for (int64_t n = n_begin; n < n_end; ++n) {
-      pad_channels(s, x.data + n * x.stride_n, x.stride_c, x.stride_h, x.stride_w, padded, 0, channels);
+    float* ct = padded + per_group * sample_floats;
+    for (int64_t group = g_begin; group < g_end; ++group) {
+      const int64_t n0 = group * per_group, count = std::min(per_group, batch - n0), used = count * positions;
+      for (int64_t i = 0; i < count; ++i)
+        pad_channels(s, x.data + (n0 + i) * x.stride_n, x.stride_c, x.stride_h, x.stride_w, padded + i * sample_floats, 0,
+                     channels);
       if (bias != nullptr)  // the sums start from the bias, as the column path's GEMM onto it does
-        for (int64_t q = 0; q < positions; ++q) std::copy(bias, bias + out_channels, ct + q * out_channels);
+        for (int64_t r = 0; r < used; ++r) std::copy(bias, bias + out_channels, ct + r * out_channels);
       for (int64_t pc = 0; pc < k; pc += kc_max) {
         const int64_t k1 = std::min(k, pc + kc_max);
         const Store store = pc == 0 && bias == nullptr ? Store::kOverwrite : Store::kAdd;
-        broadcast_product(padded, pos.data(), positions, pc, k1, row_offset.data(), wt.get(), ldb, out_channels, ct, store);
+        broadcast_product(padded, row_base.data(), used, pc, k1, row_offset.data(), wt.get(), ldb, out_channels, ct, store);
       }
-      transpose_rows(ct, positions, out_channels, out + n * out_channels * positions, positions);
+      for (int64_t i = 0; i < count; ++i)
+        transpose_rows(ct + i * positions * out_channels, positions, out_channels,
+                       out + (n0 + i) * out_channels * positions, positions);
     }
   };
-  if (team == 1) return run(0, 0, batch);
+  if (team == 1) return run(0, 0, groups);
 #pragma omp parallel num_threads(team)
   {
     const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-    run(t, batch * t / nt, batch * (t + 1) / nt);
+    run(t, groups * t / nt, groups * (t + 1) / nt);
   }
 }
 
