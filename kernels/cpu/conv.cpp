@@ -504,7 +504,10 @@ void conv2d_backward_input_cpu(const Tensor& grad_out, const Tensor& weight, con
     return;
   }
 #if defined(__AVX512F__)
-  if (g.stride2_col2im() && g.groups == 1 && plane < kBatchedColumns) return backward_input_batched(g, wp, gp, gx);
+  // With the packed GEMM, whose sums do not depend on the product's width (Eigen's blocking does).
+  if (g.stride2_col2im() && g.groups == 1 && plane < kBatchedColumns && cpu::packed_gemm_enabled() &&
+      cpu::implicit_conv_enabled())
+    return backward_input_batched(g, wp, gp, gx);
 #endif
   for_each_sample(g, [&](int64_t n, float* col, bool parallel) {
     float* gx_sample = gx + n * g.channels * image;
