@@ -93,9 +93,11 @@ struct ConvGeometry {
   // With fewer, packing the panels costs more than the column path's GEMM W^T . grad_out and col2im
   // (cnn2.conv2 and cnn1.conv2, 16 and 32 channels: 5-12 % slower forward + backward; at 64 and 128
   // channels, resnet20.s3 and cnn1.conv4, 10-15 % faster; issue 22).
-  bool implicit_input_grad() const {
-    return groups == 1 && channels >= kImplicitInputChannels && p.stride_h == 1 && p.stride_w == 1 &&
-           p.pad_h <= (kernel_h - 1) * p.dilation_h &&
+  bool implicit_input_grad() const { return flipped_input_grad_fits() && channels >= kImplicitInputChannels; }
+  // What any input gradient through the flipped convolution needs: one group, unit stride, padding at most
+  // (KH - 1) * dilation, an inner dimension past the small-K product's, and the kernels switched on.
+  bool flipped_input_grad_fits() const {
+    return groups == 1 && p.stride_h == 1 && p.stride_w == 1 && p.pad_h <= (kernel_h - 1) * p.dilation_h &&
            p.pad_w <= (kernel_w - 1) * p.dilation_w && out_channels * kernel_h * kernel_w > cpu::kSmallK &&
            !pointwise() && cpu::implicit_conv_enabled() && cpu::packed_gemm_enabled();
   }
@@ -109,10 +111,7 @@ struct ConvGeometry {
   // at least 85 % of its lanes: forward + backward, one thread, with direct_conv against the column path's
   // input gradient, resnet20.s1 (92 %), s2 and cnn1.conv2 (88 %) 0.90x, cnn2.conv2 (81 %) 1.06x.
   bool wide_input_grad() const {
-    return groups == 1 && channels >= kDirectInputChannels && p.stride_h == 1 && p.stride_w == 1 &&
-           p.pad_h <= (kernel_h - 1) * p.dilation_h && p.pad_w <= (kernel_w - 1) * p.dilation_w &&
-           out_channels * kernel_h * kernel_w > cpu::kSmallK && !pointwise() && cpu::implicit_conv_enabled() &&
-           cpu::packed_gemm_enabled() && (kernel_w - 1) * p.dilation_w <= 17 &&
+    return flipped_input_grad_fits() && channels >= kDirectInputChannels &&
            cpu::direct_lane_use(flipped_conv()) >= 0.85;
   }
   // That convolution's geometry: grad_out's planes padded, the image's size as its output.
@@ -214,10 +213,10 @@ void col2im_add(const ConvGeometry& g, const float* col, float* grad_x, int64_t 
 
 #if defined(__AVX512F__)
 // grad_x (contiguous [Cg, H, W] of one group of one sample) = col2im(col) for channels [c_begin, c_end),
-// col's rows col_stride floats apart, column stride 2 (stride2_col2im()): each image row (one or two vectors) starts at +0 and takes the
-// column-matrix runs that land on it, for ki and then kj in ascending order, each run spread to its
-// lanes by a permute and added under a mask; so every float is the sum col2im_add forms on a
-// zero-filled grad_x, with the same bits.
+// col's rows col_stride floats apart, column stride 2 (stride2_col2im()): each image row (one or two
+// vectors) starts at +0 and takes the column-matrix runs that land on it, for ki and then kj in ascending
+// order, each run spread to its lanes by a permute and added under a mask; so every float is the sum
+// col2im_add forms on a zero-filled grad_x, with the same bits.
 void col2im_stride2_rows(const ConvGeometry& g, const float* col, int64_t col_stride, float* grad_x, int64_t c_begin,
                          int64_t c_end) {
   const Conv2dParams& p = g.p;
@@ -387,7 +386,7 @@ void implicit_family(const cpu::PaddedConv& s, int64_t batch, int64_t channels, 
                      const cpu::ConvSource& source, const float* w, const float* bias, float* out, int threads) {
   if (out_channels >= kChannelVectorOutputs)
     return cpu::channel_vector_conv(s, batch, channels, out_channels, source, w, bias, out, threads);
-  if (s.stride_h == 1 && s.stride_w == 1 && (s.kernel_w - 1) * s.dilation_w <= 17 && cpu::direct_lane_use(s) >= 0.8)
+  if (cpu::direct_lane_use(s) >= 0.8)
     return cpu::direct_conv(s, batch, channels, out_channels, source, w, bias, out, threads);
   cpu::implicit_conv(s, batch, channels, out_channels, source, w, bias, out, threads);
 }
@@ -593,26 +592,27 @@ void conv2d_backward_weight_cpu(const Tensor& grad_out, const Tensor& x, const C
   } else {
     for (int64_t chunk = 0; chunk < chunks; ++chunk) run_chunk(chunk, col_base, split.inside_samples);
   }
-  // gw = partial_0 + partial_1 + ... in chunk order, a block of elements at a time so that the adds
-  // run along rows (vectorised) and the block stays in L1 across the chunks.
-  float* gw = grad_weight.data<float>();
-  constexpr int64_t kSumBlock = 2048;
-  const int64_t blocks = (weight_size + kSumBlock - 1) / kSumBlock;
-  const int sum_team = cpu::parallel_team(chunks * weight_size);
-#pragma omp parallel for schedule(static) num_threads(sum_team) if (sum_team > 1 && blocks > 1)
-  for (int64_t b = 0; b < blocks; ++b) {
-    const int64_t begin = b * kSumBlock, end = std::min(weight_size, begin + kSumBlock);
-    std::copy(partial_base + begin, partial_base + end, gw + begin);
-    for (int64_t chunk = 1; chunk < chunks; ++chunk) {
-      const float* part = partial_base + chunk * weight_size;
-      for (int64_t i = begin; i < end; ++i) gw[i] += part[i];
-    }
-  }
+  cpu::sum_in_order(partial_base, chunks, weight_size, grad_weight.data<float>());
 }
 
 }  // namespace
 
 namespace cpu {
+
+void sum_in_order(const float* parts, int64_t count, int64_t size, float* out) {
+  constexpr int64_t kBlock = 2048;
+  const int64_t blocks = (size + kBlock - 1) / kBlock;
+  const int team = parallel_team(count * size);
+#pragma omp parallel for schedule(static) num_threads(team) if (team > 1 && blocks > 1)
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t begin = b * kBlock, end = std::min(size, begin + kBlock);
+    if (out != parts) std::copy(parts + begin, parts + end, out + begin);
+    for (int64_t part = 1; part < count; ++part) {
+      const float* from = parts + part * size;
+      for (int64_t i = begin; i < end; ++i) out[i] += from[i];
+    }
+  }
+}
 
 void add_run_stride2(float* dst, const float* src, int64_t n) {
 #if defined(__AVX512F__)

@@ -83,6 +83,11 @@ inline void add_run(float* dst, const float* src, int64_t n) {
 #endif
 }
 
+// out[i] = parts[i] + parts[size + i] + ... + parts[(count - 1) * size + i] for i < size, added in that order
+// (so the same bits on any thread count), a block of elements at a time so that the adds run along rows and
+// the block stays in L1 across the parts. out may be parts itself. Defined in conv.cpp.
+void sum_in_order(const float* parts, int64_t count, int64_t size, float* out);
+
 // dst[2 i] += src[i] for i < n; the floats between are not touched. Defined in conv.cpp (compiled for the
 // build machine's CPU, as the tests that call it are not).
 void add_run_stride2(float* dst, const float* src, int64_t n);

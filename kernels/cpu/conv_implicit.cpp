@@ -164,6 +164,23 @@ std::vector<int64_t> row_offsets(const PaddedConv& s, int64_t channels) {
   return offset;
 }
 
+// run(t, begin, end) over [0, count) in `team` contiguous ranges, range t on OpenMP thread t (team 1: the
+// calling thread alone).
+template <class Run>
+void split_ranges(int team, int64_t count, Run&& run) {
+  if (team == 1) return run(0, 0, count);
+#pragma omp parallel num_threads(team)
+  {
+    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+    run(t, count * t / nt, count * (t + 1) / nt);
+  }
+}
+
+// Where output position q's window starts in its sample's padded planes.
+int64_t window_offset(const PaddedConv& s, int64_t q) {
+  return q / s.out_w * s.stride_h * s.padded_w() + q % s.out_w * s.stride_w;
+}
+
 // Scratch floats from the caching allocator: 64-byte aligned, and a call that comes again takes its
 // cached block instead of fresh pages (std::aligned_alloc of megabytes mapped and zeroed new pages on
 // every call: a resnet18 step spent a third of its time in page faults).
@@ -360,15 +377,11 @@ void implicit_conv(const PaddedConv& s, int64_t batch, int64_t channels, int64_t
       write_panel(g, c, q0, layout.width, out);
     }
   };
-  if (team == 1) return run(0, 0, panels);
-#pragma omp parallel num_threads(team)
-  {
-    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-    run(t, panels * t / nt, panels * (t + 1) / nt);
-  }
+  split_ranges(team, panels, run);
 }
 
 double direct_lane_use(const PaddedConv& s) {
+  if (s.stride_h != 1 || s.stride_w != 1 || (s.kernel_w - 1) * s.dilation_w > 17) return 0.0;
   const int64_t span = s.out_h * s.padded_w(), full = span / kNr * kNr;
   const int64_t lanes = full + (span - full + 15) / 16 * 16;
   return lanes == 0 ? 0.0 : static_cast<double>(s.out_h * s.out_w) / static_cast<double>(lanes);
@@ -421,12 +434,7 @@ void direct_conv(const PaddedConv& s, int64_t batch, int64_t channels, int64_t o
       }
     }
   };
-  if (team == 1) return run(0, 0, panels);
-#pragma omp parallel num_threads(team)
-  {
-    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-    run(t, panels * t / nt, panels * (t + 1) / nt);
-  }
+  split_ranges(team, panels, run);
 }
 
 void channel_vector_conv(const PaddedConv& s, int64_t batch, int64_t channels, int64_t out_channels,
@@ -449,8 +457,7 @@ void channel_vector_conv(const PaddedConv& s, int64_t batch, int64_t channels, i
   std::vector<int64_t> row_base(static_cast<size_t>(rows));
   for (int64_t i = 0; i < per_group; ++i)
     for (int64_t q = 0; q < positions; ++q)
-      row_base[static_cast<size_t>(i * positions + q)] =
-          i * sample_floats + q / s.out_w * s.stride_h * s.padded_w() + q % s.out_w * s.stride_w;
+      row_base[static_cast<size_t>(i * positions + q)] = i * sample_floats + window_offset(s, q);
 
   const int team = static_cast<int>(std::clamp<int64_t>(threads, 1, groups));
   const int64_t c_floats = (rows * out_channels + 15) / 16 * 16, per_thread = per_group * sample_floats + c_floats;
@@ -475,12 +482,7 @@ void channel_vector_conv(const PaddedConv& s, int64_t batch, int64_t channels, i
                        out + (n0 + i) * out_channels * positions, positions);
     }
   };
-  if (team == 1) return run(0, 0, groups);
-#pragma omp parallel num_threads(team)
-  {
-    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-    run(t, groups * t / nt, groups * (t + 1) / nt);
-  }
+  split_ranges(team, groups, run);
 }
 
 void implicit_conv_weight_grad(const PaddedConv& s, int64_t batch, int64_t channels, int64_t out_channels,
@@ -493,8 +495,7 @@ void implicit_conv_weight_grad(const PaddedConv& s, int64_t batch, int64_t chann
   const int64_t vectors = (out_channels + 15) / 16, ldb = 16 * vectors;
   const int64_t kc_max = packed::k_block(std::max<int64_t>(positions, 1));
   std::vector<int64_t> pos(static_cast<size_t>(positions));
-  for (int64_t q = 0; q < positions; ++q)
-    pos[static_cast<size_t>(q)] = q / s.out_w * s.stride_h * s.padded_w() + q % s.out_w * s.stride_w;
+  for (int64_t q = 0; q < positions; ++q) pos[static_cast<size_t>(q)] = window_offset(s, q);
   const std::vector<int64_t> row_offset = row_offsets(s, channels);
 
   const int team = static_cast<int>(std::clamp<int64_t>(threads, 1, chunks));
@@ -526,14 +527,10 @@ void implicit_conv_weight_grad(const PaddedConv& s, int64_t batch, int64_t chann
 #pragma omp parallel for schedule(static) num_threads(team)
     for (int64_t chunk = 0; chunk < chunks; ++chunk) run_chunk(omp_get_thread_num(), chunk);
   }
-  // The chunks' sums added in chunk order (as the column path does), then transposed into [out_channels, rows].
-  float* sum = partial.get();
-  for (int64_t chunk = 1; chunk < chunks; ++chunk) {
-    const float* part = partial.get() + chunk * weight_size;
-    for (int64_t i = 0; i < weight_size; ++i) sum[i] += part[i];
-  }
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t o = 0; o < out_channels; ++o) grad_weight[o * rows + r] = sum[r * out_channels + o];
+  // The chunks' sums added in chunk order (as the column path adds them) into the first, then transposed
+  // into [out_channels, rows].
+  sum_in_order(partial.get(), chunks, weight_size, partial.get());
+  transpose_rows(partial.get(), rows, out_channels, grad_weight, rows);
 }
 
 

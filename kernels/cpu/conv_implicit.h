@@ -57,7 +57,7 @@ void channel_vector_conv(const PaddedConv& s, int64_t batch, int64_t channels, i
                          const ConvSource& x, const float* w, const float* bias, float* out, int threads);
 
 // The share of the lanes direct_conv computes for s that hold outputs (the rest are padding columns and
-// the last panel's empty lanes).
+// the last panel's empty lanes); 0 where direct_conv cannot run s.
 double direct_lane_use(const PaddedConv& s);
 
 // grad_weight [out_channels, channels * kernel_h * kernel_w] = sum over samples n < batch and output
