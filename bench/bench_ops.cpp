@@ -1,6 +1,6 @@
 // Eager per-op overhead: a 1x16 add without and with autograd recording (end to end: allocation of
 // the output, dispatch, node creation and destruction), plus a tiny forward+backward chain; and
-// layer_norm forward + backward at the ViT shape.
+// layer_norm forward + backward at the ViT shape; max_pool2d at CNN2's pools.
 #include <benchmark/benchmark.h>
 
 #include "autograd/node.h"
@@ -69,3 +69,35 @@ static void BM_LayerNorm_ViT_ForwardBackward(benchmark::State& state) {
   state.SetBytesProcessed(state.iterations() * 4 * x.numel() * 4);
 }
 BENCHMARK(BM_LayerNorm_ViT_ForwardBackward)->Unit(benchmark::kMicrosecond);
+
+// max_pool2d 2x2 / stride 2 at CNN2's two pools, batch 256 (arg: 0 = after conv1 [256, 32, 28, 28],
+// 1 = after conv2 [256, 64, 14, 14]); forward alone, then forward + backward. Bytes: the input read,
+// the output and its i64 indices written (forward); backward adds grad_out and the indices read and
+// grad_x written.
+static Tensor pool_input(int64_t which) {
+  Generator gen(11);
+  return which == 0 ? randn({256, 32, 28, 28}, {}, &gen) : randn({256, 64, 14, 14}, {}, &gen);
+}
+static void BM_MaxPool2d_CNN2_Forward(benchmark::State& state) {
+  const Tensor x = pool_input(state.range(0));
+  autograd::NoGradGuard no_grad;
+  for (auto _ : state) {
+    Tensor y = nn::functional::max_pool2d(x, {2, 2});
+    benchmark::DoNotOptimize(y.raw_data());
+  }
+  state.SetBytesProcessed(state.iterations() * (x.numel() * 4 + x.numel() / 4 * 12));
+}
+BENCHMARK(BM_MaxPool2d_CNN2_Forward)->ArgName("pool")->Arg(0)->Arg(1)->Unit(benchmark::kMicrosecond);
+
+static void BM_MaxPool2d_CNN2_ForwardBackward(benchmark::State& state) {
+  Tensor x = pool_input(state.range(0)).requires_grad_(true);
+  Generator gen(12);
+  const Tensor g = randn({x.size(0), x.size(1), x.size(2) / 2, x.size(3) / 2}, {}, &gen);
+  for (auto _ : state) {
+    nn::functional::max_pool2d(x, {2, 2}).backward(g);
+    benchmark::DoNotOptimize(x.grad().raw_data());
+    x.set_grad(Tensor());
+  }
+  state.SetBytesProcessed(state.iterations() * (2 * x.numel() * 4 + x.numel() / 4 * 28));
+}
+BENCHMARK(BM_MaxPool2d_CNN2_ForwardBackward)->ArgName("pool")->Arg(0)->Arg(1)->Unit(benchmark::kMicrosecond);

@@ -9,6 +9,7 @@
 
 #include "kernels/cpu/conv_implicit.h"
 #include "kernels/cpu/packed_gemm.h"
+#include "kernels/kernels.h"
 #include "nn/functional.h"
 #include "tests/test_support.h"
 
@@ -436,6 +437,56 @@ TEST_CASE("pool: a NaN wins its max_pool2d window and takes the gradient, like P
   check_close(y, {nan, 7, 13, nan});
   sum(y).backward();
   check_close(x.grad(), {0, 0, 0, 0, 1, 0, 0, 1, 0, 0, 0, 0, 0, 1, 0, 1});
+}
+
+// 2 x 2 windows at stride 2 take a branch-free row kernel (eight windows per step in AVX-512 builds):
+// values and indices must be the general scan's - first maximum on ties, the first NaN wins - in full
+// vector steps, partial ones (15 and 7 windows per row), the tensor's last row (partial loads) and, with
+// ceil_mode, the windows that hang past the edge.
+TEST_CASE("pool: the 2x2 max_pool2d rows give the general scan's values and indices") {
+  const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
+  const float pool_values[] = {-inf, -1.0f, 0.0f, 0.0f, 0.0f, 1.0f, 2.0f, nan, inf};
+  for (const auto& [h, w] : {std::pair<int64_t, int64_t>{28, 28}, {14, 14}, {9, 31}, {5, 30}, {2, 2}, {3, 17}}) {
+    for (const bool ceil : {false, true}) {
+      CAPTURE(h);
+      CAPTURE(w);
+      CAPTURE(ceil);
+      const int64_t planes = 6, oh = ceil ? (h + 1) / 2 : h / 2, ow = ceil ? (w + 1) / 2 : w / 2;
+      std::vector<float> v(static_cast<size_t>(planes * h * w));
+      uint64_t state = 12345 + static_cast<uint64_t>(h * 100 + w);
+      for (float& e : v) {
+        state = state * 6364136223846793005ULL + 1442695040888963407ULL;
+        e = pool_values[(state >> 33) % 9];
+      }
+      const Tensor x = tensor(v, {2, 3, h, w});
+      Tensor out = empty({2, 3, oh, ow}), indices = empty({2, 3, oh, ow}, TensorOptions(DType::i64));
+      kernels::Pool2dParams p;
+      p.ceil_mode = ceil;
+      kernels::max_pool2d_forward(kCPU, x, p, out, indices);
+      const std::vector<float> got = out.to_vector<float>();
+      const std::vector<int64_t> got_at = indices.to_vector<int64_t>();
+      int64_t mismatches = 0;
+      for (int64_t pl = 0; pl < planes; ++pl)
+        for (int64_t oy = 0; oy < oh; ++oy)
+          for (int64_t ox = 0; ox < ow; ++ox) {
+            int64_t at = -1;
+            float best = -inf;
+            for (int64_t y = 2 * oy; y < std::min(2 * oy + 2, h) && !(at >= 0 && std::isnan(best)); ++y)
+              for (int64_t xx = 2 * ox; xx < std::min(2 * ox + 2, w); ++xx) {
+                const float e = v[static_cast<size_t>(pl * h * w + y * w + xx)];
+                if (at < 0 || std::isnan(e) || e > best) {
+                  at = y * w + xx;
+                  best = e;
+                  if (std::isnan(e)) break;
+                }
+              }
+            const size_t o = static_cast<size_t>((pl * oh + oy) * ow + ox);
+            const bool same = got_at[o] == at && (std::isnan(best) ? std::isnan(got[o]) : got[o] == best);
+            mismatches += same ? 0 : 1;
+          }
+      CHECK(mismatches == 0);
+    }
+  }
 }
 
 TEST_CASE("pool: avg_pool2d forward by hand") {

@@ -4,6 +4,9 @@
 // the window arithmetic here follows PyTorch, including windows that ceil_mode lets run past the
 // right/bottom padding.
 #include <omp.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -70,6 +73,68 @@ inline int64_t window_argmax(const float* plane, int64_t width, const Window& w)
   return best_at;
 }
 
+#if defined(__AVX512F__) && defined(__AVX512VL__)
+constexpr bool kVectorPool2x2 = true;
+// Outputs [0, n) of one output row of a 2 x 2, stride 2, unpadded pool whose windows lie inside the
+// plane: rows r0 and r1 = r0 + width, `row_at` the flat position of r0[0]. The same scan order, and so
+// the same values and indices, as window_argmax, eight windows per step without a branch per comparison
+// (on pooled activations those mispredict about half the time). Masked loads and stores only where a
+// row ends: with them throughout (even with all lanes on) the kernel ran 2-5x slower on this project's
+// AMD EPYC host.
+void max_pool_2x2_row(const float* r0, int64_t row_at, int64_t width, int64_t n, float* dst, int64_t* idx,
+                      const float* input_end) {
+  const float* r1 = r0 + width;
+  const __m256i even = _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
+  const __m256i odd = _mm256_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15);
+  const __m512i lane_at = _mm512_setr_epi64(0, 2, 4, 6, 8, 10, 12, 14);
+  // 16 consecutive floats as two halves; past `valid` (< 16) zeros, never stored.
+  auto load16 = [](const float* src, int64_t valid, __m256& lo, __m256& hi) {
+    if (valid >= 16) {
+      lo = _mm256_loadu_ps(src);
+      hi = _mm256_loadu_ps(src + 8);
+    } else {
+      lo = _mm256_maskz_loadu_ps(static_cast<__mmask8>((1u << std::min<int64_t>(valid, 8)) - 1), src);
+      hi = _mm256_maskz_loadu_ps(static_cast<__mmask8>((1u << std::max<int64_t>(valid - 8, 0)) - 1), src + 8);
+    }
+  };
+  // v replaces best where larger, or where it is the first NaN (a NaN best stays).
+  auto take = [](__m256 v, __m512i v_at, __m256& best, __m512i& best_at) {
+    const __mmask8 m = _mm256_cmp_ps_mask(v, best, _CMP_GT_OQ) |
+                       (_mm256_cmp_ps_mask(v, v, _CMP_UNORD_Q) & _mm256_cmp_ps_mask(best, best, _CMP_ORD_Q));
+    best = _mm256_mask_mov_ps(best, m, v);
+    best_at = _mm512_mask_mov_epi64(best_at, m, v_at);
+  };
+  for (int64_t ox = 0; ox < n; ox += 8) {
+    const int64_t lanes = std::min<int64_t>(8, n - ox);
+    // Whole vectors wherever they stay inside the input: lanes past `lanes` then read the next row or
+    // plane and are never stored.
+    const int64_t valid = input_end - (r1 + 2 * ox) >= 16 ? 16 : 2 * lanes;
+    __m256 t0, t1, b0, b1;
+    load16(r0 + 2 * ox, valid, t0, t1);
+    load16(r1 + 2 * ox, valid, b0, b1);
+    const __m512i at = _mm512_add_epi64(_mm512_set1_epi64(row_at + 2 * ox), lane_at);
+    const __m512i below = _mm512_add_epi64(at, _mm512_set1_epi64(width));
+    const __m512i one = _mm512_set1_epi64(1);
+    __m256 best = _mm256_permutex2var_ps(t0, even, t1);
+    __m512i best_at = at;
+    take(_mm256_permutex2var_ps(t0, odd, t1), _mm512_add_epi64(at, one), best, best_at);
+    take(_mm256_permutex2var_ps(b0, even, b1), below, best, best_at);
+    take(_mm256_permutex2var_ps(b0, odd, b1), _mm512_add_epi64(below, one), best, best_at);
+    if (lanes == 8) {
+      _mm256_storeu_ps(dst + ox, best);
+      _mm512_storeu_si512(idx + ox, best_at);
+    } else {
+      const __mmask8 out_mask = static_cast<__mmask8>((1u << lanes) - 1);
+      _mm256_mask_storeu_ps(dst + ox, out_mask, best);
+      _mm512_mask_storeu_epi64(idx + ox, out_mask, best_at);
+    }
+  }
+}
+#else
+constexpr bool kVectorPool2x2 = false;
+void max_pool_2x2_row(const float*, int64_t, int64_t, int64_t, float*, int64_t*, const float*) {}
+#endif
+
 void max_pool2d_forward_cpu(const Tensor& x, const Pool2dParams& p, Tensor& out, Tensor& indices) {
   const PoolPlanes s = planes_of(x.sizes(), out.sizes(), "max_pool2d");
   const Tensor xd = dense(x);
@@ -77,17 +142,29 @@ void max_pool2d_forward_cpu(const Tensor& x, const Pool2dParams& p, Tensor& out,
   float* op = out.data<float>();
   int64_t* ip = indices.data<int64_t>();
   const int64_t in_plane = s.height * s.width, out_plane = s.out_h * s.out_w;
+  // 2 x 2 windows at stride 2 without padding (the usual CNN pool), in AVX-512 builds: rows and columns of
+  // windows that lie inside the plane take max_pool_2x2_row; a last one that ceil_mode lets hang past the
+  // edge, the general path.
+  const bool pool_2x2 = kVectorPool2x2 && p.kernel_h == 2 && p.kernel_w == 2 && p.stride_h == 2 &&
+                        p.stride_w == 2 && p.pad_h == 0 && p.pad_w == 0;
+  const int64_t full_h = pool_2x2 ? std::min(s.out_h, s.height / 2) : 0;
+  const int64_t full_w = pool_2x2 ? std::min(s.out_w, s.width / 2) : 0;
   for_each_plane(s.planes, out_plane * p.kernel_h * p.kernel_w, [&](int64_t plane) {
     const float* src = xp + plane * in_plane;
     float* dst = op + plane * out_plane;
     int64_t* idx = ip + plane * out_plane;
-    for (int64_t oy = 0; oy < s.out_h; ++oy)
-      for (int64_t ox = 0; ox < s.out_w; ++ox) {
+    for (int64_t oy = 0; oy < s.out_h; ++oy) {
+      const int64_t first = oy < full_h ? full_w : 0;
+      if (first > 0)
+        max_pool_2x2_row(src + 2 * oy * s.width, 2 * oy * s.width, s.width, first, dst + oy * s.out_w,
+                         idx + oy * s.out_w, xp + s.planes * in_plane);
+      for (int64_t ox = first; ox < s.out_w; ++ox) {
         const Window w = window(p, oy, ox, s.height, s.width);
         const int64_t best_at = window_argmax(src, s.width, w);
         dst[oy * s.out_w + ox] = src[best_at];
         idx[oy * s.out_w + ox] = best_at;
       }
+    }
   });
 }
 
