@@ -213,13 +213,16 @@ TEST_CASE("conv2d: padded column path matches the direct convolution for any row
 // path), 40 samples. Each against the direct convolution, its gradients against the column path's
 // (MN_CPU_CONV=im2col), bits across thread counts.
 // On builds without AVX-512 both runs take the column path, and the test still checks it.
+// An input and weight shape with its convolution arguments; `permuted` stores x as [N, H, W, C] and
+// convolves its NCHW view.
+struct ShapedCase {
+  Shape x, w;
+  ConvCase c;
+  bool permuted = false;
+};
+
 TEST_CASE("conv2d: implicit GEMM path matches the direct convolution and the column path") {
-  struct Case {
-    Shape x, w;
-    ConvCase c;
-    bool permuted = false;
-  };
-  const Case cases[] = {
+  const ShapedCase cases[] = {
       {{3, 8, 7, 7}, {13, 8, 3, 3}, {{1, 1}, {1, 1}, {1, 1}, 1}},
       {{2, 32, 5, 9}, {5, 32, 3, 3}, {{1, 1}, {1, 1}, {1, 1}, 1}},
       {{2, 6, 15, 15}, {9, 6, 3, 3}, {{2, 2}, {1, 1}, {1, 1}, 1}},
@@ -249,7 +252,7 @@ TEST_CASE("conv2d: implicit GEMM path matches the direct convolution and the col
   const int saved = omp_get_max_threads();
   for (size_t i = 0; i < std::size(cases); ++i) {
     CAPTURE(i);
-    const Case& k = cases[i];
+    const ShapedCase& k = cases[i];
     // The permuted case stores x as [N, H, W, C] and convolves its NCHW view.
     auto make_x = [&] { return random_param(k.permuted ? Shape{k.x[0], k.x[2], k.x[3], k.x[1]} : k.x, 90 + i); };
     auto run = [&](bool implicit, int threads) {
@@ -288,6 +291,46 @@ TEST_CASE("conv2d: implicit GEMM path matches the direct convolution and the col
                   {x, w, b}, wide) == "");
 }
 
+// Fewer than 16 column rows (1-channel stems): the weight gradient with positions along the lanes
+// (lane_weight_grad). Its bits are its own but the same on any thread count, and its values the column
+// path's to rounding: rows of 26 outputs (a masked second vector), 9 (one partial vector), two channels
+// with dilation (12 rows: two output channels per sweep), 15 rows (one per sweep), 17 samples over
+// several chunks, an odd output channel count, channels-last storage, and a single sample.
+TEST_CASE("conv2d: weight gradient along the lanes for few column rows") {
+  const ShapedCase cases[] = {
+      {{5, 1, 28, 28}, {16, 1, 3, 3}, {{1, 1}, {0, 0}, {1, 1}, 1}},
+      {{3, 1, 9, 9}, {5, 1, 3, 3}, {{1, 1}, {1, 1}, {1, 1}, 1}},
+      {{2, 2, 9, 20}, {6, 2, 2, 3}, {{1, 1}, {1, 0}, {2, 1}, 1}},
+      {{2, 1, 8, 19}, {3, 1, 3, 5}, {{1, 1}, {1, 2}, {1, 1}, 1}},
+      {{17, 1, 6, 6}, {4, 1, 3, 3}, {{1, 1}, {1, 1}, {1, 1}, 1}},
+      {{3, 1, 12, 17}, {7, 1, 3, 3}, {{1, 1}, {1, 1}, {1, 1}, 1}, true},
+      {{1, 1, 40, 40}, {16, 1, 3, 3}, {{1, 1}, {1, 1}, {1, 1}, 1}},  // one sample: fewer chunks than threads
+  };
+  const int saved = omp_get_max_threads();
+  for (size_t i = 0; i < std::size(cases); ++i) {
+    CAPTURE(i);
+    const ShapedCase& k = cases[i];
+    auto run = [&](bool implicit, int threads) {
+      kernels::cpu::set_implicit_conv(implicit);
+      omp_set_num_threads(threads);
+      Tensor leaf = random_tensor(k.permuted ? Shape{k.x[0], k.x[2], k.x[3], k.x[1]} : k.x, 130 + i);
+      Tensor x = k.permuted ? leaf.permute({0, 3, 1, 2}) : leaf;
+      Tensor w = random_param(k.w, 140 + i), b = random_param({k.w[0]}, 150 + i);
+      Tensor y = conv(x, w, b, k.c);
+      y.backward(random_tensor(y.sizes(), 160 + i));
+      return std::vector<Tensor>{w.grad(), b.grad()};
+    };
+    const std::vector<Tensor> lanes = run(true, 1), threaded = run(true, 3), columns = run(false, 1);
+    kernels::cpu::set_implicit_conv(true);
+    for (size_t t = 0; t < lanes.size(); ++t) {
+      CAPTURE(t);
+      CHECK(bitwise_equal(lanes[t], threaded[t]));
+      check_close(lanes[t], columns[t].to_vector<float>(), 1e-4);
+    }
+  }
+  omp_set_num_threads(saved);
+}
+
 // Past 16 samples each of the weight gradient's partial sums covers several samples: the same
 // gradient as the sum of per-sample gradients, and the same bits on any thread count.
 // The stride-2 col2im (a stride-2 convolution's input gradient) adds eight sources at once into the even
@@ -310,18 +353,14 @@ TEST_CASE("conv2d: the stride-2 run add equals the scalar loop") {
 // column-matrix value is one exact product w * g, so the column path's sums can be formed here in its
 // order (rows (c, ki, kj) ascending onto +0) and compared bit for bit.
 TEST_CASE("conv2d: stride-2 input gradient has the column path's bits") {
-  struct Case {
-    Shape x, w;
-    ConvCase c;
-  };
-  const Case cases[] = {
+  const ShapedCase cases[] = {
       {{2, 3, 13, 13}, {1, 3, 3, 3}, {{2, 2}, {1, 1}, {1, 1}, 1}},
       {{1, 2, 9, 27}, {1, 2, 3, 3}, {{2, 2}, {2, 2}, {2, 2}, 1}},  // two vectors per image row, dilation
       {{2, 2, 7, 12}, {1, 2, 2, 4}, {{1, 2}, {0, 1}, {1, 1}, 1}},  // row stride 1, an even-width kernel
   };
   for (size_t i = 0; i < std::size(cases); ++i) {
     CAPTURE(i);
-    const Case& k = cases[i];
+    const ShapedCase& k = cases[i];
     Tensor x = random_param(k.x, 130 + i), w = random_tensor(k.w, 140 + i);
     Tensor y = conv(x, w, Tensor(), k.c);
     Tensor go = random_tensor(y.sizes(), 150 + i);

@@ -107,6 +107,13 @@ struct ConvGeometry {
     return groups == 1 && !pointwise() && cpu::implicit_conv_enabled() && cpu::packed_gemm_enabled() &&
            cpu::packed_gemm_suits(out_channels, col_rows(), out_plane());
   }
+  // Fewer column rows than the packed GEMM takes (there the column path runs Eigen's GEMM): the weight
+  // gradient with positions along the lanes (lane_weight_grad), with the kernels switched on.
+  bool lane_weight_grad() const {
+    return groups == 1 && !pointwise() && cpu::implicit_conv_enabled() && cpu::packed_gemm_enabled() &&
+           !cpu::packed_gemm_suits(out_channels, col_rows(), out_plane()) &&
+           cpu::lane_weight_grad_fits(padded_conv(), channels);
+  }
   // The same flipped convolution also from kDirectInputChannels input channels where direct_conv would use
   // at least 85 % of its lanes: forward + backward, one thread, with direct_conv against the column path's
   // input gradient, resnet20.s1 (92 %), s2 and cnn1.conv2 (88 %) 0.90x, cnn2.conv2 (81 %) 1.06x.
@@ -554,6 +561,12 @@ void conv2d_backward_weight_cpu(const Tensor& grad_out, const Tensor& x, const C
   const int64_t chunks = std::max<int64_t>(1, std::min(g.batch, kWeightGradChunks));
   const BatchSplit split = batch_split(g, chunks);
   const int workers = split.across_samples ? split.threads : 1;
+  if (g.lane_weight_grad()) {  // its chunks are its only parallel units: fewer samples than threads, fewer threads
+    cpu::lane_weight_grad(g.padded_conv(), g.batch, g.channels, g.out_channels,
+                          {x.data<float>(), g.sx_n, g.sx_c, g.sx_h, g.sx_w}, gp, grad_weight.data<float>(), chunks,
+                          split.across_samples || split.inside_samples ? split.threads : 1);
+    return;
+  }
   if (g.implicit_weight_grad() && !split.inside_samples) {  // inside_samples: fewer chunks than threads
     cpu::implicit_conv_weight_grad(g.padded_conv(), g.batch, g.channels, g.out_channels,
                                    {x.data<float>(), g.sx_n, g.sx_c, g.sx_h, g.sx_w}, gp, grad_weight.data<float>(),

@@ -11,6 +11,7 @@
 #include <stdexcept>
 #include <string>
 #include <utility>
+#include <utility>
 #include <vector>
 
 #include "core/tensor.h"
@@ -534,6 +535,117 @@ void implicit_conv_weight_grad(const PaddedConv& s, int64_t batch, int64_t chann
 }
 
 
+
+namespace {
+// One sample's share of lane_weight_grad for output channels [o0, o0 + OT): lanes[(o * R + r) * 16 + l]
+// += the sum over the positions that lane l takes (columns ox = 16 b + l of every output row) of
+// grad_out[o, q] * col[r, q]. The lanes past a row's end hold no position: their multiply-adds are masked
+// off, so what the next row (or anything) holds there never enters a sum.
+template <int R, int OT>
+void lane_sums(const PaddedConv& s, const float* padded, const int64_t* row_offset, const float* g, const float* g_end,
+               int64_t o0, float* lanes) {
+  const int64_t positions = s.out_h * s.out_w, pw = s.padded_w();
+  __m512 acc[OT][R];
+#pragma GCC unroll 2
+  for (int t = 0; t < OT; ++t)
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) acc[t][r] = _mm512_setzero_ps();
+  for (int64_t oy = 0; oy < s.out_h; ++oy) {
+    const float* g_row = g + o0 * positions + oy * s.out_w;
+    for (int64_t ox = 0; ox < s.out_w; ox += 16) {
+      const __mmask16 m = lanes_mask(s.out_w - ox);
+      // Whole loads unless the last channel's 16 floats would pass the end of grad_out.
+      const bool whole = g_end - (g_row + (OT - 1) * positions + ox) >= 16;
+      __m512 gv[OT];
+#pragma GCC unroll 2
+      for (int t = 0; t < OT; ++t)
+        gv[t] = whole ? _mm512_loadu_ps(g_row + t * positions + ox) : _mm512_maskz_loadu_ps(m, g_row + t * positions + ox);
+      const float* x = padded + oy * pw + ox;
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) {
+        const __m512 xv = _mm512_loadu_ps(x + row_offset[r]);
+#pragma GCC unroll 2
+        for (int t = 0; t < OT; ++t) acc[t][r] = _mm512_mask3_fmadd_ps(xv, gv[t], acc[t][r], m);
+      }
+    }
+  }
+#pragma GCC unroll 2
+  for (int t = 0; t < OT; ++t)
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      float* dst = lanes + ((o0 + t) * R + r) * 16;
+      _mm512_storeu_ps(dst, _mm512_add_ps(_mm512_loadu_ps(dst), acc[t][r]));
+    }
+}
+
+template <int R>
+void lane_sums_all(const PaddedConv& s, const float* padded, const int64_t* row_offset, const float* g,
+                   const float* g_end, int64_t out_channels, float* lanes) {
+  // Two output channels per sweep where their 2 R accumulators and R loads fit the 32 registers.
+  constexpr int kPair = R <= 12 ? 2 : 1;
+  int64_t o = 0;
+  for (; o + kPair <= out_channels; o += kPair) lane_sums<R, kPair>(s, padded, row_offset, g, g_end, o, lanes);
+  for (; o < out_channels; ++o) lane_sums<R, 1>(s, padded, row_offset, g, g_end, o, lanes);
+}
+
+using LaneSums = void (*)(const PaddedConv&, const float*, const int64_t*, const float*, const float*, int64_t, float*);
+
+template <int... Rs>
+LaneSums lane_sums_for(int64_t rows, std::integer_sequence<int, Rs...>) {
+  LaneSums found = nullptr;
+  ((rows == Rs + 1 ? (found = &lane_sums_all<Rs + 1>, 0) : 0), ...);
+  return found;
+}
+}  // namespace
+
+bool lane_weight_grad_fits(const PaddedConv& s, int64_t channels) {
+  const int64_t rows = channels * s.kernel_h * s.kernel_w;
+  return rows >= 1 && rows < kLaneWeightGradRows && s.stride_h == 1 && s.stride_w == 1 && s.out_w >= 1;
+}
+
+void lane_weight_grad(const PaddedConv& s, int64_t batch, int64_t channels, int64_t out_channels, const ConvSource& x,
+                      const float* grad_out, float* grad_weight, int64_t chunks, int threads) {
+  const int64_t rows = channels * s.kernel_h * s.kernel_w, positions = s.out_h * s.out_w;
+  const int64_t weight_size = rows * out_channels;
+  if (weight_size == 0) return;
+  MN_CHECK(lane_weight_grad_fits(s, channels), ValueError, "lane_weight_grad: expected unit stride and fewer than ",
+           kLaneWeightGradRows, " column rows, got ", rows, " rows at stride ", s.stride_h, " x ", s.stride_w);
+  const LaneSums sums = lane_sums_for(rows, std::make_integer_sequence<int, kLaneWeightGradRows - 1>{});
+  chunks = std::max<int64_t>(chunks, 1);
+  const std::vector<int64_t> row_offset = row_offsets(s, channels);
+  const int team = static_cast<int>(std::clamp<int64_t>(threads, 1, chunks));
+  const int64_t sample_floats = (channels * s.plane() + 15) / 16 * 16;
+  const float* g_end = grad_out + batch * out_channels * positions;
+  // Per chunk its 16 lane sums of every weight; per thread a padded sample.
+  auto lanes = aligned_floats(chunks * weight_size * 16);
+  auto buffers = aligned_floats(team * sample_floats);
+  auto run_chunk = [&](int t, int64_t chunk) {
+    float* padded = buffers.get() + t * sample_floats;
+    float* chunk_lanes = lanes.get() + chunk * weight_size * 16;
+    std::fill(chunk_lanes, chunk_lanes + weight_size * 16, 0.0f);
+    const int64_t n_begin = batch * chunk / chunks, n_end = batch * (chunk + 1) / chunks;
+    for (int64_t n = n_begin; n < n_end && positions > 0; ++n) {
+      pad_channels(s, x.data + n * x.stride_n, x.stride_c, x.stride_h, x.stride_w, padded, 0, channels);
+      sums(s, padded, row_offset.data(), grad_out + n * out_channels * positions, g_end, out_channels, chunk_lanes);
+    }
+  };
+  if (team == 1) {
+    for (int64_t chunk = 0; chunk < chunks; ++chunk) run_chunk(0, chunk);
+  } else {
+#pragma omp parallel for schedule(static) num_threads(team)
+    for (int64_t chunk = 0; chunk < chunks; ++chunk) run_chunk(omp_get_thread_num(), chunk);
+  }
+  // Each chunk's 16 lanes added in lane order, then the chunks in chunk order.
+  for (int64_t chunk = 0; chunk < chunks; ++chunk) {
+    const float* chunk_lanes = lanes.get() + chunk * weight_size * 16;
+    for (int64_t i = 0; i < weight_size; ++i) {
+      float total = 0.0f;
+      for (int l = 0; l < 16; ++l) total += chunk_lanes[i * 16 + l];
+      grad_weight[i] = chunk == 0 ? total : grad_weight[i] + total;
+    }
+  }
+}
+
 #else
 
 bool implicit_conv_built() { return false; }
@@ -560,6 +672,11 @@ void implicit_conv_weight_grad(const PaddedConv&, int64_t, int64_t, int64_t, con
   throw std::logic_error("implicit_conv_weight_grad: this build has no AVX-512 kernel (implicit_conv_built() is false)");
 }
 
+bool lane_weight_grad_fits(const PaddedConv&, int64_t) { return false; }
+void lane_weight_grad(const PaddedConv&, int64_t, int64_t, int64_t, const ConvSource&, const float*, float*, int64_t,
+                      int) {
+  throw std::logic_error("lane_weight_grad: this build has no AVX-512 kernel (implicit_conv_built() is false)");
+}
 #endif
 
 }  // namespace mn::kernels::cpu

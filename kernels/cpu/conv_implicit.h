@@ -71,4 +71,21 @@ void implicit_conv_weight_grad(const PaddedConv& s, int64_t batch, int64_t chann
                                const ConvSource& x, const float* grad_out, float* grad_weight, int64_t chunks,
                                int threads);
 
+// The column matrix's rows (channels * kernel_h * kernel_w) below which lane_weight_grad applies.
+constexpr int64_t kLaneWeightGradRows = 16;
+// Whether lane_weight_grad can run s with `channels` input channels: unit stride and fewer than
+// kLaneWeightGradRows column rows (1-channel 3 x 3 stems, such as CNN2's and ResNet-20's first layer).
+bool lane_weight_grad_fits(const PaddedConv& s, int64_t channels);
+
+// The weight gradient of implicit_conv_weight_grad for convolutions with few column rows, where a tile of
+// output channels against those rows leaves most lanes empty: positions run along the lanes instead
+// (16 consecutive columns of an output row against the same columns of each row's window in the padded
+// planes), each weight summing 16 lane partials over a sample's positions. Its bits are its own, not the
+// column path's (whose GEMM for fewer than 16 columns is Eigen's), and do not depend on the thread count:
+// each chunk of samples (as implicit_conv_weight_grad cuts them) adds its samples' lane sums in order,
+// then its 16 lanes in lane order, and the chunks are added in chunk order. Chunks run on up to `threads`
+// OpenMP threads. ValueError where lane_weight_grad_fits is false.
+void lane_weight_grad(const PaddedConv& s, int64_t batch, int64_t channels, int64_t out_channels, const ConvSource& x,
+                      const float* grad_out, float* grad_weight, int64_t chunks, int threads);
+
 }  // namespace mn::kernels::cpu
