@@ -248,6 +248,11 @@ TEST_CASE("conv2d: implicit GEMM path matches the direct convolution and the col
       {{3, 16, 11, 11}, {64, 16, 3, 3}, {{2, 2}, {1, 1}, {1, 1}, 1}},
       {{2, 8, 9, 9}, {40, 8, 3, 3}, {{1, 1}, {1, 1}, {1, 1}, 1}},
       {{2, 64, 7, 7}, {32, 64, 3, 3}, {{1, 1}, {1, 1}, {1, 1}, 1}},
+      // Weight gradients of unpadded convolutions broadcast x in place at its own strides: 1 x 1 stride-2
+      // shortcuts (one channels-last) and a dilated 3 x 3.
+      {{3, 16, 9, 9}, {24, 16, 1, 1}, {{2, 2}, {0, 0}, {1, 1}, 1}},
+      {{2, 16, 8, 8}, {20, 16, 1, 1}, {{2, 2}, {0, 0}, {1, 1}, 1}, true},
+      {{2, 8, 11, 12}, {16, 8, 3, 3}, {{1, 1}, {0, 0}, {2, 2}, 1}, true},
   };
   const int saved = omp_get_max_threads();
   for (size_t i = 0; i < std::size(cases); ++i) {

@@ -182,6 +182,31 @@ int64_t window_offset(const PaddedConv& s, int64_t q) {
   return q / s.out_w * s.stride_h * s.padded_w() + q % s.out_w * s.stride_w;
 }
 
+// Where the column matrix's values sit for the tiles that broadcast them: output position q's window at
+// pos[q] and column-matrix row r at rows[r] from a sample's base. Padded geometries read a padded copy of
+// each sample (row_offsets, window_offset); unpadded ones read x itself at its own strides (`in_place`),
+// the same values without the copy.
+struct WindowOffsets {
+  bool in_place;
+  std::vector<int64_t> pos, rows;
+};
+WindowOffsets window_offsets(const PaddedConv& s, int64_t channels, const ConvSource& x) {
+  WindowOffsets o{s.pad_h == 0 && s.pad_w == 0, std::vector<int64_t>(static_cast<size_t>(s.out_h * s.out_w)), {}};
+  if (!o.in_place) {
+    for (int64_t q = 0; q < s.out_h * s.out_w; ++q) o.pos[static_cast<size_t>(q)] = window_offset(s, q);
+    o.rows = row_offsets(s, channels);
+    return o;
+  }
+  for (int64_t q = 0; q < s.out_h * s.out_w; ++q)
+    o.pos[static_cast<size_t>(q)] = q / s.out_w * s.stride_h * x.stride_h + q % s.out_w * s.stride_w * x.stride_w;
+  const int64_t kk = s.kernel_h * s.kernel_w;
+  o.rows.resize(static_cast<size_t>(channels * kk));
+  for (int64_t r = 0; r < channels * kk; ++r)
+    o.rows[static_cast<size_t>(r)] = r / kk * x.stride_c + (r / s.kernel_w) % s.kernel_h * s.dilation_h * x.stride_h +
+                                     r % s.kernel_w * s.dilation_w * x.stride_w;
+  return o;
+}
+
 // Scratch floats from the caching allocator: 64-byte aligned, and a call that comes again takes its
 // cached block instead of fresh pages (std::aligned_alloc of megabytes mapped and zeroed new pages on
 // every call: a resnet18 step spent a third of its time in page faults).
@@ -444,7 +469,7 @@ void channel_vector_conv(const PaddedConv& s, int64_t batch, int64_t channels, i
   if (batch == 0 || positions == 0 || out_channels == 0) return;
   const int64_t vectors = (out_channels + 15) / 16, ldb = 16 * vectors;
   const int64_t kc_max = packed::k_block(std::max<int64_t>(k, 1));
-  const std::vector<int64_t> row_offset = row_offsets(s, channels);
+  const WindowOffsets offsets = window_offsets(s, channels, x);  // unpadded: broadcast from x itself
   // W^T [k, ldb], zero past out_channels: row r holds every output channel's weight r.
   auto wt = aligned_floats(std::max<int64_t>(k, 1) * ldb);
   transpose_rows(w, out_channels, k, wt.get(), ldb);
@@ -454,11 +479,12 @@ void channel_vector_conv(const PaddedConv& s, int64_t batch, int64_t channels, i
   constexpr int64_t kGroupRows = 96;
   const int64_t per_group = std::min(batch, (kGroupRows + positions - 1) / positions), rows = per_group * positions;
   const int64_t groups = (batch + per_group - 1) / per_group;
-  const int64_t sample_floats = (channels * s.plane() + 15) / 16 * 16;
+  const int64_t sample_floats = offsets.in_place ? 0 : (channels * s.plane() + 15) / 16 * 16;
+  const int64_t sample_step = offsets.in_place ? x.stride_n : sample_floats;
   std::vector<int64_t> row_base(static_cast<size_t>(rows));
   for (int64_t i = 0; i < per_group; ++i)
     for (int64_t q = 0; q < positions; ++q)
-      row_base[static_cast<size_t>(i * positions + q)] = i * sample_floats + window_offset(s, q);
+      row_base[static_cast<size_t>(i * positions + q)] = i * sample_step + offsets.pos[static_cast<size_t>(q)];
 
   const int team = static_cast<int>(std::clamp<int64_t>(threads, 1, groups));
   const int64_t c_floats = (rows * out_channels + 15) / 16 * 16, per_thread = per_group * sample_floats + c_floats;
@@ -468,15 +494,17 @@ void channel_vector_conv(const PaddedConv& s, int64_t batch, int64_t channels, i
     float* ct = padded + per_group * sample_floats;
     for (int64_t group = g_begin; group < g_end; ++group) {
       const int64_t n0 = group * per_group, count = std::min(per_group, batch - n0), used = count * positions;
-      for (int64_t i = 0; i < count; ++i)
+      for (int64_t i = 0; i < count && !offsets.in_place; ++i)
         pad_channels(s, x.data + (n0 + i) * x.stride_n, x.stride_c, x.stride_h, x.stride_w, padded + i * sample_floats, 0,
                      channels);
+      const float* base = offsets.in_place ? x.data + n0 * x.stride_n : padded;
       if (bias != nullptr)  // the sums start from the bias, as the column path's GEMM onto it does
         for (int64_t r = 0; r < used; ++r) std::copy(bias, bias + out_channels, ct + r * out_channels);
       for (int64_t pc = 0; pc < k; pc += kc_max) {
         const int64_t k1 = std::min(k, pc + kc_max);
         const Store store = pc == 0 && bias == nullptr ? Store::kOverwrite : Store::kAdd;
-        broadcast_product(padded, row_base.data(), used, pc, k1, row_offset.data(), wt.get(), ldb, out_channels, ct, store);
+        broadcast_product(base, row_base.data(), used, pc, k1, offsets.rows.data(), wt.get(), ldb, out_channels, ct,
+                          store);
       }
       for (int64_t i = 0; i < count; ++i)
         transpose_rows(ct + i * positions * out_channels, positions, out_channels,
@@ -495,12 +523,14 @@ void implicit_conv_weight_grad(const PaddedConv& s, int64_t batch, int64_t chann
   chunks = std::max<int64_t>(chunks, 1);
   const int64_t vectors = (out_channels + 15) / 16, ldb = 16 * vectors;
   const int64_t kc_max = packed::k_block(std::max<int64_t>(positions, 1));
-  std::vector<int64_t> pos(static_cast<size_t>(positions));
-  for (int64_t q = 0; q < positions; ++q) pos[static_cast<size_t>(q)] = window_offset(s, q);
-  const std::vector<int64_t> row_offset = row_offsets(s, channels);
+  // Unpadded geometries (1 x 1 stride-2 shortcuts, unpadded 3 x 3 and 5 x 5 layers) broadcast from x.
+  const WindowOffsets offsets = window_offsets(s, channels, x);
+  const bool in_place = offsets.in_place;
+  const int64_t* pos = offsets.pos.data();
+  const int64_t* row_offset = offsets.rows.data();
 
   const int team = static_cast<int>(std::clamp<int64_t>(threads, 1, chunks));
-  const int64_t sample_floats = (channels * s.plane() + 15) / 16 * 16;
+  const int64_t sample_floats = in_place ? 0 : (channels * s.plane() + 15) / 16 * 16;
   const int64_t per_thread = sample_floats + std::max<int64_t>(positions, 1) * ldb;
   // Each chunk's sum as C^T [rows, out_channels]; everything allocated here so that nothing inside the
   // parallel region can throw.
@@ -513,12 +543,14 @@ void implicit_conv_weight_grad(const PaddedConv& s, int64_t batch, int64_t chann
     const int64_t n_begin = batch * chunk / chunks, n_end = batch * (chunk + 1) / chunks;
     if (n_begin == n_end || positions == 0) std::fill(acc, acc + weight_size, 0.0f);
     for (int64_t n = n_begin; n < n_end && positions > 0; ++n) {
-      pad_channels(s, x.data + n * x.stride_n, x.stride_c, x.stride_h, x.stride_w, padded, 0, channels);
+      const float* sample = x.data + n * x.stride_n;
+      if (!in_place) pad_channels(s, sample, x.stride_c, x.stride_h, x.stride_w, padded, 0, channels);
       transpose_rows(grad_out + n * out_channels * positions, out_channels, positions, gt, ldb);
       for (int64_t pc = 0; pc < positions; pc += kc_max) {
         const int64_t q1 = std::min(positions, pc + kc_max);
         const Store store = n == n_begin && pc == 0 ? Store::kOverwrite : Store::kAdd;
-        broadcast_product(padded, row_offset.data(), rows, pc, q1, pos.data(), gt, ldb, out_channels, acc, store);
+        broadcast_product(in_place ? sample : padded, row_offset, rows, pc, q1, pos, gt, ldb, out_channels, acc,
+                          store);
       }
     }
   };

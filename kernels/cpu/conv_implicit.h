@@ -50,9 +50,9 @@ void direct_conv(const PaddedConv& s, int64_t batch, int64_t channels, int64_t o
                  const float* w, const float* bias, float* out, int threads);
 // The same convolution and the same bits as implicit_conv (any stride), with the roles of the GEMM's
 // operands swapped: output channels run along the vectors (W^T, packed once) and output positions along
-// the tile's rows, each broadcast in place from a sample's padded planes, so nothing is packed per
-// position and no lane is spent on padding; worth it for small images with many output channels, where
-// implicit_conv's panels are mostly packing.
+// the tile's rows, each broadcast in place from a sample's padded planes (unpadded geometries: from x
+// itself), so nothing is packed per position and no lane is spent on padding; worth it for small images
+// with many output channels, where implicit_conv's panels are mostly packing.
 void channel_vector_conv(const PaddedConv& s, int64_t batch, int64_t channels, int64_t out_channels,
                          const ConvSource& x, const float* w, const float* bias, float* out, int threads);
 
@@ -63,7 +63,7 @@ double direct_lane_use(const PaddedConv& s);
 // grad_weight [out_channels, channels * kernel_h * kernel_w] = sum over samples n < batch and output
 // positions q of grad_out[n, o, q] * col_n[r, q] (grad_out contiguous [batch, out_channels, out_h *
 // out_w]; col_n as above, any stride and dilation), with the column matrix read in place from each
-// sample's padded planes. Summed as the column path sums it with the packed GEMM: the batch in `chunks`
+// sample's padded planes (unpadded geometries: from x itself, at its strides). Summed as the column path sums it with the packed GEMM: the batch in `chunks`
 // chunks (chunk i: samples batch * i / chunks .. batch * (i + 1) / chunks), each sample's product in K
 // blocks of packed::k_block(out_h * out_w) positions added onto its chunk's sum, and the chunks added in
 // order; so the bits are that path's on any thread count. Chunks run on up to `threads` OpenMP threads.
