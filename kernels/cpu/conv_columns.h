@@ -49,6 +49,16 @@ inline std::pair<int64_t, int64_t> valid_range(int64_t offset, int64_t stride, i
 inline __mmask16 lanes_mask(int64_t remaining) {
   return remaining >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << remaining) - 1);
 }
+
+// v with the lanes outside m zeroed, by an AND with m spread to a vector: the compiler folds a zero-masking
+// move after a load into a masked load, which pad_channels avoids (see there).
+inline __m512 keep_lanes(__mmask16 m, __m512 v) {
+#if defined(__AVX512DQ__)
+  return _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v), _mm512_movm_epi32(m)));
+#else
+  return _mm512_castsi512_ps(_mm512_maskz_mov_epi32(m, _mm512_castps_si512(v)));
+#endif
+}
 #endif
 
 inline void copy_run(float* dst, const float* src, int64_t n) {
@@ -97,12 +107,16 @@ inline void pad_channels(const PaddedConv& s, const float* x, int64_t sx_c, int6
                          int64_t c_begin, int64_t c_end) {
   const int64_t pw = s.padded_w();
 #if defined(__AVX512F__)
-  // Rows of contiguous x: each padded row is whole vectors, the image's floats loaded into their lanes by
-  // a masked load (lanes outside the row read as zero), stored unmasked in order, so a row's last vector
-  // spills zeros into the next row's start before that row is written, and the last into the slack.
-  // Short masked stores at every border stalled on the loads that followed them.
+  // Rows of contiguous x: each padded row is whole vectors, the image's floats put into their lanes (lanes
+  // outside the row zeroed), stored unmasked in order, so a row's last vector spills zeros into the next
+  // row's start before that row is written, and the last into the slack. Short masked stores at every
+  // border stalled on the loads that followed them, and masked loads stalled the stores after them (a
+  // third of a ResNet-20 step's padding time on this project's AMD host), so a vector whose 16 floats lie
+  // between the first and the last float read (inside x's storage) is loaded whole and its lanes masked
+  // in registers; only vectors at the ends of that range are masked loads.
   if (sx_w == 1 && (pw + 15) / 16 * 16 - pw <= PaddedConv::kPlaneSlack) {
     const int64_t vectors = (pw + 15) / 16, rows = s.height + 2 * s.pad_h;
+    const int64_t first = c_begin * sx_c, end = (c_end - 1) * sx_c + (s.height - 1) * sx_h + s.width;
     for (int64_t c = c_begin; c < c_end; ++c) {
       float* plane = padded + c * s.plane();
       for (int64_t y = 0; y < rows; ++y) {
@@ -112,11 +126,14 @@ inline void pad_channels(const PaddedConv& s, const float* x, int64_t sx_c, int6
           for (int64_t v = 0; v < vectors; ++v) _mm512_storeu_ps(dst + 16 * v, _mm512_setzero_ps());
           continue;
         }
-        const float* src = x + c * sx_c + iy * sx_h - s.pad_w;  // lane l of vector v: column 16 v + l - pad_w
+        const int64_t row = c * sx_c + iy * sx_h - s.pad_w;  // lane l of vector v: column 16 v + l - pad_w
         for (int64_t v = 0; v < vectors; ++v) {
           const int64_t lo = std::clamp<int64_t>(s.pad_w - 16 * v, 0, 16), hi = std::clamp<int64_t>(s.pad_w + s.width - 16 * v, 0, 16);
           const __mmask16 m = static_cast<__mmask16>(lanes_mask(hi) & ~lanes_mask(lo));
-          _mm512_storeu_ps(dst + 16 * v, _mm512_maskz_loadu_ps(m, src + 16 * v));
+          const int64_t at = row + 16 * v;
+          const __m512 lanes = at >= first && at + 16 <= end ? keep_lanes(m, _mm512_loadu_ps(x + at))
+                                                             : _mm512_maskz_loadu_ps(m, x + at);
+          _mm512_storeu_ps(dst + 16 * v, lanes);
         }
       }
       zero_run(plane + rows * pw, s.plane() - rows * pw);
