@@ -39,6 +39,20 @@ struct GroupShape {
   int64_t chunks() const { return block_chunks + tail_chunks; }
 };
 
+// sum(x[0, n)) in double: eight lane sums (x[8 k + l] into lane l), then the lanes and the tail in order.
+// One double chain per element (the loop before) ran at one add per four cycles, an eighth of the MLP's
+// mapped step; the lanes vectorise. The order is fixed by n alone.
+double sum_in_lanes(const float* x, int64_t n) {
+  double lanes[8] = {};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    for (int l = 0; l < 8; ++l) lanes[l] += static_cast<double>(x[i + l]);
+  double total = 0;
+  for (double lane : lanes) total += lane;
+  for (; i < n; ++i) total += static_cast<double>(x[i]);
+  return total;
+}
+
 void check_f32(const char* op, const char* name, const Tensor& t, std::initializer_list<int64_t> sizes) {
   bool ok = t.dtype() == DType::f32 && t.is_contiguous() && t.dim() == static_cast<int64_t>(sizes.size());
   std::string expected = "[";
@@ -197,9 +211,7 @@ void mapped_group_backward_cpu(const Tensor& block, const Tensor& signs, const T
       for (int64_t i = 0; i < count; ++i) u[i] = g[first + i] * sp[first + i];
       uc = u;
     }
-    double sum = 0;
-    for (int64_t i = 0; i < count; ++i) sum += uc[i];
-    partial_sum[static_cast<size_t>(chunk)] = sum;
+    partial_sum[static_cast<size_t>(chunk)] = sum_in_lanes(uc, count);
     if (in_block && s.small_block) {
       // sum_b s_bj (Q^T u_b)_j = sum_i Q_ij R_ji with R = S^T U ([L, L]): the sign rows read in place.
       const int64_t n = count / L, b0 = chunk * s.block_chunk;
