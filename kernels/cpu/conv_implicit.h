@@ -63,10 +63,11 @@ double direct_lane_use(const PaddedConv& s);
 // grad_weight [out_channels, channels * kernel_h * kernel_w] = sum over samples n < batch and output
 // positions q of grad_out[n, o, q] * col_n[r, q] (grad_out contiguous [batch, out_channels, out_h *
 // out_w]; col_n as above, any stride and dilation), with the column matrix read in place from each
-// sample's padded planes (unpadded geometries: from x itself, at its strides). Summed as the column path sums it with the packed GEMM: the batch in `chunks`
-// chunks (chunk i: samples batch * i / chunks .. batch * (i + 1) / chunks), each sample's product in K
-// blocks of packed::k_block(out_h * out_w) positions added onto its chunk's sum, and the chunks added in
-// order; so the bits are that path's on any thread count. Chunks run on up to `threads` OpenMP threads.
+// sample's padded planes (unpadded geometries: from x itself, at its strides). Summed as the column path
+// sums it with the packed GEMM: the batch in `chunks` chunks (chunk i: samples batch * i / chunks ..
+// batch * (i + 1) / chunks), each sample's product in K blocks of packed::k_block(out_h * out_w) positions
+// added onto its chunk's sum, and the chunks added in order; so the bits are that path's on any thread
+// count. Chunks run on up to `threads` OpenMP threads.
 void implicit_conv_weight_grad(const PaddedConv& s, int64_t batch, int64_t channels, int64_t out_channels,
                                const ConvSource& x, const float* grad_out, float* grad_weight, int64_t chunks,
                                int threads);
