@@ -1,5 +1,5 @@
 // Full training steps (forward + backward + optimizer), the figures bench/compare_torch.py sets
-// beside PyTorch: CNN2 trained directly (batch 128, Adam), CNN2 through a layerwise mapping network
+// beside PyTorch: CNN2 and CNN1 trained directly (batch 128, Adam), CNN2 through a layerwise mapping network
 // (4 groups x 672, batch 256) and MLP 784-256-256-10 layerwise L = 64 (batch 64, no regularisers),
 // and the MLP trained directly (batch 64).
 //
@@ -62,6 +62,9 @@ static void direct_step(benchmark::State& state, const std::string& target, Shap
 
 static void BM_CNN2_DirectStep(benchmark::State& state) { direct_step(state, "cnn2", {0, 1, 28, 28}); }
 BENCHMARK(BM_CNN2_DirectStep)->ArgName("batch")->Arg(128)->Unit(benchmark::kMillisecond)->UseRealTime();
+
+static void BM_CNN1_DirectStep(benchmark::State& state) { direct_step(state, "cnn1", {0, 1, 28, 28}); }
+BENCHMARK(BM_CNN1_DirectStep)->ArgName("batch")->Arg(128)->Unit(benchmark::kMillisecond)->UseRealTime();
 
 // stream: MappingOptions::stream_layers (parameters generated per layer, again in backward). Counter
 // step_peak_MB: the allocator's peak above what was allocated before the timed steps.

@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "parity"))
-from torch_targets import cnn2, mlp, resnet20, vit  # noqa: E402  (the twins of mapping/targets.h)
+from torch_targets import cnn1, cnn2, mlp, resnet20, vit  # noqa: E402  (the twins of mapping/targets.h)
 
 
 def time_steps(step, repeats, inner, clock=time.perf_counter):
@@ -137,7 +137,7 @@ def ours(build, threads, repeats):
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     # Only the plain steps: BM_MappedStepBound (the bandwidth bound) is ./mn bench's business.
     out = subprocess.run([binary, f"--benchmark_repetitions={repeats}", "--benchmark_report_aggregates_only=true",
-                          "--benchmark_format=json", "--benchmark_filter=^BM_(CNN2|MLP|ResNet20|ViT)_"],
+                          "--benchmark_format=json", "--benchmark_filter=^BM_(CNN1|CNN2|MLP|ResNet20|ViT)_"],
                          env=env, check=True, capture_output=True, text=True).stdout
     medians = {}
     for b in json.loads(out)["benchmarks"]:
@@ -246,6 +246,8 @@ def step_rows(args):
     rows = [
         ("CNN2 direct, batch 128, Adam", mine.get("BM_CNN2_DirectStep"),
          {"torch": time_steps(direct_step(128), args.repeats, 5)}),
+        ("CNN1 direct, batch 128, Adam", mine.get("BM_CNN1_DirectStep"),
+         {"torch": time_steps(direct_step(128, cnn1), args.repeats, 2)}),
         ("CNN2 layerwise 4x672, batch 256", mine.get("BM_CNN2_LayerwiseStep"),
          {m: time_steps(mapped_step(cnn2, 672, (256, 1, 28, 28), m), args.repeats, 3)
           for m in ("same", "dense", "literal")}),

@@ -15,6 +15,14 @@ def cnn2():
                          nn.MaxPool2d(2), nn.Flatten(), nn.Linear(800, 128), nn.ReLU(), nn.Linear(128, 10))
 
 
+def cnn1():
+    return nn.Sequential(nn.Conv2d(1, 32, 3, 1, 1), nn.ReLU(), nn.MaxPool2d(2),
+                         nn.Conv2d(32, 64, 3, 1, 1), nn.ReLU(), nn.MaxPool2d(2),
+                         nn.Conv2d(64, 128, 3, 1, 1), nn.ReLU(),
+                         nn.Conv2d(128, 128, 3, 1, 1), nn.ReLU(), nn.MaxPool2d(2),
+                         nn.Flatten(), nn.Linear(1152, 256), nn.ReLU(), nn.Linear(256, 10))
+
+
 def mlp():
     return nn.Sequential(nn.Flatten(), nn.Linear(784, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
                          nn.Linear(256, 10))
