@@ -104,15 +104,18 @@ struct ConvGeometry {
   // The weight gradient with the column matrix read in place (implicit_conv_weight_grad): the same bits as
   // the column path wherever that path runs the packed GEMM, so the choice needs no threshold for them.
   bool implicit_weight_grad() const {
-    return groups == 1 && !pointwise() && cpu::implicit_conv_enabled() && cpu::packed_gemm_enabled() &&
-           cpu::packed_gemm_suits(out_channels, col_rows(), out_plane());
+    return weight_grad_kernels() && cpu::packed_gemm_suits(out_channels, col_rows(), out_plane());
   }
   // Fewer column rows than the packed GEMM takes (there the column path runs Eigen's GEMM): the weight
-  // gradient with positions along the lanes (lane_weight_grad), with the kernels switched on.
+  // gradient with positions along the lanes (lane_weight_grad).
   bool lane_weight_grad() const {
-    return groups == 1 && !pointwise() && cpu::implicit_conv_enabled() && cpu::packed_gemm_enabled() &&
-           !cpu::packed_gemm_suits(out_channels, col_rows(), out_plane()) &&
+    return weight_grad_kernels() && !cpu::packed_gemm_suits(out_channels, col_rows(), out_plane()) &&
            cpu::lane_weight_grad_fits(padded_conv(), channels);
+  }
+  // What both weight-gradient kernels need: one group, not pointwise (there the column matrix is the image
+  // itself), and the kernels switched on.
+  bool weight_grad_kernels() const {
+    return groups == 1 && !pointwise() && cpu::implicit_conv_enabled() && cpu::packed_gemm_enabled();
   }
   // The same flipped convolution also from kDirectInputChannels input channels where direct_conv would use
   // at least 85 % of its lanes: forward + backward, one thread, with direct_conv against the column path's

@@ -661,12 +661,9 @@ void lane_weight_grad(const PaddedConv& s, int64_t batch, int64_t channels, int6
       sums(s, padded, row_offset.data(), grad_out + n * out_channels * positions, g_end, out_channels, chunk_lanes);
     }
   };
-  if (team == 1) {
-    for (int64_t chunk = 0; chunk < chunks; ++chunk) run_chunk(0, chunk);
-  } else {
-#pragma omp parallel for schedule(static) num_threads(team)
-    for (int64_t chunk = 0; chunk < chunks; ++chunk) run_chunk(omp_get_thread_num(), chunk);
-  }
+  split_ranges(team, chunks, [&](int t, int64_t begin, int64_t end) {
+    for (int64_t chunk = begin; chunk < end; ++chunk) run_chunk(t, chunk);
+  });
   // Each chunk's 16 lanes added in lane order, then the chunks in chunk order.
   for (int64_t chunk = 0; chunk < chunks; ++chunk) {
     const float* chunk_lanes = lanes.get() + chunk * weight_size * 16;
