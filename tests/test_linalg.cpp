@@ -260,6 +260,50 @@ TEST_CASE("packed gemm: tails, blocks, layouts, alpha and beta against a double 
   }
 }
 
+// A B shared by many blocks of rows (kernels/cpu/packed_gemm.h, what the mapped-group kernels use): each
+// block of B packed once, in panel ranges as threads would, then rows cut anywhere multiplied by it, give
+// packed_gemm's bits; while the packing buffer is lent, packed_gemm on that thread refuses to run.
+TEST_CASE("packed gemm: a shared B block by block gives packed_gemm's bits for any cut of the rows") {
+  if (!kernels::cpu::packed_gemm_built()) return;
+  using kernels::cpu::MatrixRef;
+  for (const auto& [m, n, k] : std::vector<std::array<int64_t, 3>>{{37, 672, 672}, {9, 4850, 40}, {20, 50, 600}}) {
+    for (bool tb : {false, true}) {
+      CAPTURE(m);
+      CAPTURE(n);
+      CAPTURE(k);
+      CAPTURE(tb);
+      const std::vector<float> av = random_tensor({m * k}, 31).to_vector<float>();
+      const std::vector<float> bv = random_tensor({k * n}, 32).to_vector<float>();
+      const MatrixRef a{av.data(), m, k, k, 1};
+      const MatrixRef b{bv.data(), k, n, tb ? 1 : n, tb ? k : 1};
+      std::vector<float> want(static_cast<size_t>(m * n)), got(static_cast<size_t>(m * n), std::nanf(""));
+      kernels::cpu::packed_gemm(a, b, want.data(), n, 1.0f, 0.0f);
+      const std::vector<kernels::cpu::GemmBBlock> blocks = kernels::cpu::gemm_b_blocks(k, n);
+      CHECK(blocks.size() == static_cast<size_t>(((n + 4799) / 4800) * ((k + 255) / 256)));
+      int64_t floats = 0;
+      for (const auto& blk : blocks) floats = std::max(floats, blk.floats());
+      {
+        kernels::cpu::LentBBuffer lent(floats);
+        CHECK_THROWS_AS(kernels::cpu::packed_gemm(a, b, got.data(), n, 1.0f, 0.0f), std::logic_error);
+        const std::vector<int64_t> cuts = {0, 1, 5, 13, m};  // rows [0, 1), [1, 5), ...: any cut
+        for (const auto& blk : blocks) {
+          const int64_t half = blk.panels() / 2;  // packed in two ranges, as two threads would
+          kernels::cpu::pack_b_block(b, blk, half, blk.panels(), lent.data());
+          kernels::cpu::pack_b_block(b, blk, 0, half, lent.data());
+          for (size_t c = 0; c + 1 < cuts.size(); ++c) {
+            const int64_t r0 = std::min(cuts[c], m), r1 = std::min(cuts[c + 1], m);
+            kernels::cpu::multiply_b_block(av.data() + r0 * k + blk.pc, k, 1, r1 - r0, lent.data(), blk,
+                                           got.data() + r0 * n, n, 1.0f, 0.0f);
+          }
+        }
+      }
+      CHECK(std::memcmp(want.data(), got.data(), want.size() * sizeof(float)) == 0);
+      // The loan is over: packed_gemm runs again.
+      CHECK_NOTHROW(kernels::cpu::packed_gemm(a, b, got.data(), n, 1.0f, 0.0f));
+    }
+  }
+}
+
 TEST_CASE("packed gemm: NaN and infinity propagate as in a plain sum") {
   if (!kernels::cpu::packed_gemm_built()) return;
   using kernels::cpu::MatrixRef;

@@ -9,6 +9,7 @@
 #include <new>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -168,7 +169,25 @@ void pack_b(const float* b, int64_t rs, int64_t cs, int64_t kc, int64_t nc, floa
 // A's block (mc x kc; element (i, k) at a[i * rs + k * cs]) into ceil(mc / kMr) panels of kc x kMr,
 // zero beyond mc.
 void pack_a(const float* a, int64_t rs, int64_t cs, int64_t mc, int64_t kc, float* out) {
-  for (int64_t i0 = 0; i0 < mc; i0 += kMr) {
+  int64_t packed = 0;
+  if (rs == 1 && cs != 1) {
+    // Column-major A (a transposed operand): each k's rows are contiguous. Two panels at a time, so each
+    // k reads 16 floats (a cache line when aligned) instead of 8 scalars per panel.
+    packed = mc / kMr * kMr;
+    int64_t i0 = 0;
+    for (; i0 + 2 * kMr <= packed; i0 += 2 * kMr) {
+      float* lo = out + i0 * kc;
+      float* hi = lo + kMr * kc;
+      for (int64_t k = 0; k < kc; ++k) {
+        const float* src = a + i0 + k * cs;
+        _mm256_storeu_ps(lo + k * kMr, _mm256_loadu_ps(src));
+        _mm256_storeu_ps(hi + k * kMr, _mm256_loadu_ps(src + kMr));
+      }
+    }
+    for (; i0 < packed; i0 += kMr)
+      for (int64_t k = 0; k < kc; ++k) _mm256_storeu_ps(out + i0 * kc + k * kMr, _mm256_loadu_ps(a + i0 + k * cs));
+  }
+  for (int64_t i0 = packed; i0 < mc; i0 += kMr) {
     const int64_t h = std::min<int64_t>(kMr, mc - i0);
     float* dst = out + i0 * kc;
     if (h == kMr && cs == 1) {  // row-major A: 8 x 8 register transposes
@@ -205,6 +224,7 @@ struct Workspace {
   }
 };
 static thread_local Workspace t_workspace;
+static thread_local bool t_b_lent = false;  // t_workspace.b holds a LentBBuffer's blocks
 
 // K is cut into equal blocks of at most kKc, rounded up to a multiple of 8, so a K just above kKc does
 // not leave a thin last block; the cut depends on K only.
@@ -217,14 +237,15 @@ Store store_for(int64_t pc, float beta) {
   return pc > 0 || beta == 1.0f ? Store::kAdd : beta == 0.0f ? Store::kOverwrite : Store::kScaleAdd;
 }
 
-// Rows [r0, r1) of C's block (columns jc .. jc + nc) += the product of A's rows and K block pc .. pc +
-// kc with B's block, already packed at bp; ap has room for kMc x kc floats.
-void multiply_rows(const MatrixRef& a, const float* bp, float* c, int64_t ldc, int64_t r0, int64_t r1, int64_t jc,
-                   int64_t nc, int64_t pc, int64_t kc, float alpha, float beta, float* ap) {
+// Rows [0, m) of C's block (columns jc .. jc + nc) += the product of A's rows and K block pc .. pc + kc
+// with B's block, already packed at bp. a points at A's element (0, pc) (element (i, k) of the block at
+// a[i * rs + k * cs]); ap has room for kMc x kc floats.
+void multiply_rows(const float* a, int64_t rs, int64_t cs, int64_t m, const float* bp, float* c, int64_t ldc,
+                   int64_t jc, int64_t nc, int64_t pc, int64_t kc, float alpha, float beta, float* ap) {
   const Store store = store_for(pc, beta);
-  for (int64_t ic = r0; ic < r1; ic += kMc) {
-    const int64_t mc = std::min(kMc, r1 - ic);
-    pack_a(a.data + ic * a.row_stride + pc * a.col_stride, a.row_stride, a.col_stride, mc, kc, ap);
+  for (int64_t ic = 0; ic < m; ic += kMc) {
+    const int64_t mc = std::min(kMc, m - ic);
+    pack_a(a + ic * rs, rs, cs, mc, kc, ap);
     for (int64_t jr = 0; jr < nc; jr += kNr) {
       const int width = static_cast<int>(std::min<int64_t>(kNr, nc - jr));
       const int nv = (width + 15) / 16;
@@ -248,21 +269,60 @@ const float* b_block(const MatrixRef& b, int64_t pc, int64_t jc) { return b.data
 
 }  // namespace packed
 
+namespace packed {
+float* a_workspace(int64_t m, int64_t k) {
+  const int64_t mc_max = std::min(kMc, (m + kMr - 1) / kMr * kMr);
+  return Workspace::ensure(t_workspace.a, t_workspace.a_size, static_cast<size_t>(k_block(k) * mc_max));
+}
+}  // namespace packed
+
+std::vector<GemmBBlock> gemm_b_blocks(int64_t k, int64_t n) {
+  using namespace packed;
+  std::vector<GemmBBlock> blocks;
+  const int64_t kc_max = k_block(k);
+  for (int64_t jc = 0; jc < n; jc += kNc)
+    for (int64_t pc = 0; pc < k; pc += kc_max) blocks.push_back({jc, std::min(kNc, n - jc), pc, std::min(kc_max, k - pc)});
+  return blocks;
+}
+
+int64_t GemmBBlock::panels() const { return (nc + packed::kNr - 1) / packed::kNr; }
+int64_t GemmBBlock::floats() const { return kc * panels() * packed::kNr; }
+
+void pack_b_block(const MatrixRef& b, const GemmBBlock& blk, int64_t first, int64_t last, float* out) {
+  using namespace packed;
+  for (int64_t p = first; p < last; ++p) {
+    const int64_t jr = p * kNr;
+    pack_b(b_block(b, blk.pc, blk.jc + jr), b.row_stride, b.col_stride, blk.kc, std::min<int64_t>(kNr, blk.nc - jr),
+           out + jr * blk.kc);
+  }
+}
+
+void multiply_b_block(const float* a, int64_t rs, int64_t cs, int64_t rows, const float* b_packed, const GemmBBlock& blk,
+                      float* c, int64_t ldc, float alpha, float beta) {
+  if (rows == 0) return;
+  packed::multiply_rows(a, rs, cs, rows, b_packed, c, ldc, blk.jc, blk.nc, blk.pc, blk.kc, alpha, beta,
+                        packed::a_workspace(rows, blk.kc));
+}
+
+LentBBuffer::LentBBuffer(int64_t floats) {
+  if (packed::t_b_lent) throw std::logic_error("LentBBuffer: this thread's B buffer is already lent");
+  data_ = packed::Workspace::ensure(packed::t_workspace.b, packed::t_workspace.b_size, static_cast<size_t>(floats));
+  packed::t_b_lent = true;
+}
+LentBBuffer::~LentBBuffer() { packed::t_b_lent = false; }
+
 void packed_gemm(const MatrixRef& a, const MatrixRef& b, float* c, int64_t ldc, float alpha, float beta) {
   using namespace packed;
   const int64_t m = a.rows, n = b.cols, k = a.cols;
   if (m == 0 || n == 0) return;
-  const int64_t kc_max = k_block(k);
-  const int64_t nc_max = std::min(kNc, (n + kNr - 1) / kNr * kNr), mc_max = std::min(kMc, (m + kMr - 1) / kMr * kMr);
-  float* bp = Workspace::ensure(t_workspace.b, t_workspace.b_size, static_cast<size_t>(kc_max * nc_max));
-  float* ap = Workspace::ensure(t_workspace.a, t_workspace.a_size, static_cast<size_t>(kc_max * mc_max));
-  for (int64_t jc = 0; jc < n; jc += kNc) {
-    const int64_t nc = std::min(kNc, n - jc);
-    for (int64_t pc = 0; pc < k; pc += kc_max) {
-      const int64_t kc = std::min(kc_max, k - pc);
-      pack_b(b_block(b, pc, jc), b.row_stride, b.col_stride, kc, nc, bp);
-      multiply_rows(a, bp, c, ldc, 0, m, jc, nc, pc, kc, alpha, beta, ap);
-    }
+  if (t_b_lent) throw std::logic_error("packed_gemm: this thread's B buffer is lent (LentBBuffer) to a shared product");
+  const int64_t nc_max = std::min(kNc, (n + kNr - 1) / kNr * kNr);
+  float* bp = Workspace::ensure(t_workspace.b, t_workspace.b_size, static_cast<size_t>(k_block(k) * nc_max));
+  float* ap = a_workspace(m, k);
+  for (const GemmBBlock& blk : gemm_b_blocks(k, n)) {
+    pack_b(b_block(b, blk.pc, blk.jc), b.row_stride, b.col_stride, blk.kc, blk.nc, bp);
+    multiply_rows(a.data + blk.pc * a.col_stride, a.row_stride, a.col_stride, m, bp, c, ldc, blk.jc, blk.nc, blk.pc,
+                  blk.kc, alpha, beta, ap);
   }
 }
 
@@ -270,6 +330,20 @@ void packed_gemm(const MatrixRef& a, const MatrixRef& b, float* c, int64_t ldc, 
 
 void packed_gemm(const MatrixRef&, const MatrixRef&, float*, int64_t, float, float) {
   throw std::logic_error("packed_gemm: this build has no AVX-512 kernel (packed_gemm_built() is false)");
+}
+LentBBuffer::LentBBuffer(int64_t) {
+  throw std::logic_error("LentBBuffer: this build has no AVX-512 kernel (packed_gemm_built() is false)");
+}
+LentBBuffer::~LentBBuffer() = default;
+std::vector<GemmBBlock> gemm_b_blocks(int64_t, int64_t) { return {}; }
+int64_t GemmBBlock::panels() const { return 0; }
+int64_t GemmBBlock::floats() const { return 0; }
+void pack_b_block(const MatrixRef&, const GemmBBlock&, int64_t, int64_t, float*) {
+  throw std::logic_error("pack_b_block: this build has no AVX-512 kernel (packed_gemm_built() is false)");
+}
+void multiply_b_block(const float*, int64_t, int64_t, int64_t, const float*, const GemmBBlock&, float*, int64_t, float,
+                      float) {
+  throw std::logic_error("multiply_b_block: this build has no AVX-512 kernel (packed_gemm_built() is false)");
 }
 
 #endif
