@@ -1,22 +1,26 @@
 // CPU kernels of one mapped group (kernels.h: mapped_group_forward, mapped_group_backward): the
-// mapper GEMM with the sign products, the modulation term and the per-element scale applied chunk by
-// chunk while the chunk is in cache, written straight into the output (which may be a slice of the
-// generated parameter buffer). No temporary of the group's size exists: a small block (L at most a
-// chunk's rows) works against one [L, L] buffer, a large one in at most two buffers of kChunkFloats
-// values per thread (the backward's scaled gradient only with scales).
+// mapper GEMM with the sign products, the modulation term and the per-element scale applied while the
+// rows are in cache, written straight into the output (which may be a slice of the generated parameter
+// buffer). No temporary of the group's size exists: a small block (L at most a chunk's rows) works
+// against one [L, L] buffer, a large one against Q^T packed one K block at a time in the calling
+// thread's GEMM packing buffer (forward) or chunk-sized buffers per thread (backward; the scaled
+// gradient only with scales).
 //
-// Work is cut into chunks whose bounds depend only on the shapes (never on the thread count), each
-// chunk is computed by one serial Eigen GEMM (whose per-element sums depend only on K), and the
-// backward's per-chunk partial sums are added in chunk order, so the bits do not depend on the
-// thread count or on which thread ran which chunk.
+// Every output element's sum depends only on the shapes: the backward's work is cut into chunks whose
+// bounds depend only on the shapes, each computed by one serial GEMM, and their partial sums are added
+// in chunk order; the forward cuts its sign rows to suit the team only where the packed GEMM computes
+// them (each row its own chain of sums there). So the bits do not depend on the thread count or on
+// which thread ran what.
 #include <omp.h>
 
 #include <algorithm>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "core/parallel.h"
 #include "kernels/cpu/eigen_gemm.h"
+#include "kernels/cpu/packed_gemm.h"
 #include "kernels/kernels.h"
 
 namespace mn::kernels {
@@ -115,6 +119,42 @@ void epilogue(float* y, const float* scale, float c, int64_t n) {
   }
 }
 
+// A range of the forward's output rows computed by one product: sign rows [begin, end) of the repeated
+// part, or rows [begin, end) of the tail.
+struct Item {
+  enum Kind { kTail, kSignRows, kShared } kind;  // kShared: sign rows multiplied block by block of a shared B
+  int64_t begin, end;
+};
+
+// n rows cut into `pieces` near-equal ranges of kind `kind`.
+void cut_rows(std::vector<Item>& items, Item::Kind kind, int64_t n, int64_t pieces) {
+  for (int64_t p = 0; p < pieces; ++p) items.push_back({kind, n * p / pieces, n * (p + 1) / pieces});
+}
+
+// The forward's products. Tail rows keep the shape's chunks (their matrix-vector products run on Eigen).
+// Sign rows keep them too unless the packed GEMM takes them (enabled, and L >= 16 columns): every output
+// row is then a chain of sums of its own, so they are cut into ranges balanced over the team, whatever
+// the cut, with the same bits; only a last chunk of one to three rows keeps its own (Eigen) product. With
+// a large block those ranges run block by block of Q^T (kShared), each block packed once for all of them.
+std::vector<Item> forward_items(const GroupShape& s, int team, bool packed) {
+  std::vector<Item> items;
+  for (int64_t r0 = 0; r0 < s.tail_rows; r0 += s.tail_chunk)
+    items.push_back({Item::kTail, r0, std::min(s.tail_rows, r0 + s.tail_chunk)});
+  int64_t free_rows = 0;  // sign rows [0, free_rows) may be cut freely
+  if (packed && s.block_chunks > 0 && s.block_chunk >= 4) {  // chunks below 4 rows went to Eigen
+    const int64_t last = s.reps - (s.block_chunks - 1) * s.block_chunk;
+    free_rows = last < 4 ? s.reps - last : s.reps;
+  }
+  if (free_rows > 0) {
+    const int64_t pieces = std::max((free_rows + s.block_chunk - 1) / s.block_chunk,
+                                    std::min<int64_t>(2 * team, free_rows / 8));
+    cut_rows(items, s.small_block ? Item::kSignRows : Item::kShared, free_rows, std::max<int64_t>(1, pieces));
+  }
+  for (int64_t b0 = free_rows; b0 < s.reps; b0 += s.block_chunk)
+    items.push_back({Item::kSignRows, b0, std::min(s.reps, b0 + s.block_chunk)});
+  return items;
+}
+
 void mapped_group_forward_cpu(const Tensor& block, const Tensor& signs, const Tensor& tail, const Tensor& scale,
                               double alpha, const Tensor& z, Tensor& out) {
   const GroupShape s = shape_of("mapped_group_forward", block, signs, tail, scale, z, out.numel());
@@ -125,15 +165,28 @@ void mapped_group_forward_cpu(const Tensor& block, const Tensor& signs, const Te
   const float* sp = scale.defined() ? scale.data<float>() : nullptr;
   const float c = modulation_term(alpha, zp, L);
   float* y = out.data<float>();
-  const int team = team_for(s.chunks(), s.rows * L);
+  const int team = team_for(s.chunks() + s.reps / 8, s.rows * L);  // sign rows are cut down to 8 a piece
+  const bool packed = cpu::packed_gemm_enabled() && cpu::packed_gemm_suits(4, L, L);
+  const std::vector<Item> items = forward_items(s, team, packed);
   const float* sg = signs.defined() ? signs.data<float>() : nullptr;
+  const float* qp = block.defined() ? block.data<float>() : nullptr;
   // Row b of the repeated part is (s_b * z) Q^T = s_b (z * Q)^T. Small blocks: one [L, L] buffer of
-  // z * Q (Q's columns times z), the sign rows read in place. Otherwise one buffer of sign products
-  // s_b * z per thread. The products are the same floats either way (a sign flip is exact).
-  const int64_t per_thread = s.block_chunks > 0 && !s.small_block ? std::min(s.reps, s.block_chunk) * L : 0;
+  // z * Q (Q's columns times z), the sign rows read in place. Otherwise sign products s_b * z in a buffer
+  // per thread: of whole rows for kSignRows, of one K block's columns for kShared. The products are the
+  // same floats either way (a sign flip is exact).
+  std::vector<cpu::GemmBBlock> blocks;
+  int64_t shared_floats = 0, per_thread = 0;
+  for (const Item& item : items) {
+    if (item.kind == Item::kShared && blocks.empty()) blocks = cpu::gemm_b_blocks(L, L);
+    if (item.kind == Item::kSignRows && !s.small_block) per_thread = std::max(per_thread, (item.end - item.begin) * L);
+  }
+  for (const cpu::GemmBBlock& b : blocks) {
+    shared_floats = std::max(shared_floats, b.floats());
+    for (const Item& item : items)
+      if (item.kind == Item::kShared) per_thread = std::max(per_thread, (item.end - item.begin) * b.kc);
+  }
   Tensor buffers = empty({std::max<int64_t>(1, s.small_block ? L * L : team * per_thread)});
   float* buffer_base = buffers.data<float>();
-  const float* qp = block.defined() ? block.data<float>() : nullptr;
   if (s.small_block) {
     for (int64_t i = 0; i < L; ++i)
       for (int64_t j = 0; j < L; ++j) buffer_base[i * L + j] = qp[i * L + j] * zp[j];
@@ -142,28 +195,53 @@ void mapped_group_forward_cpu(const Tensor& block, const Tensor& signs, const Te
   const MatrixRef z_col{zp, L, 1, 1, 1};
   const float* tp = tail.data<float>();
   const int64_t repeated = s.reps * L;
-#pragma omp parallel for num_threads(team) schedule(dynamic, 1)
-  for (int64_t chunk = 0; chunk < s.chunks(); ++chunk) {
-    if (chunk < s.block_chunks) {
-      const int64_t b0 = chunk * s.block_chunk, b1 = std::min(s.reps, b0 + s.block_chunk), n = b1 - b0;
-      const float* a = sg + b0 * L;
-      if (!s.small_block) {
-        float* products = buffer_base + omp_get_thread_num() * per_thread;
-        for (int64_t b = b0; b < b1; ++b) {
-          const float* row = sg + b * L;
-          float* dst = products + (b - b0) * L;
-          for (int64_t j = 0; j < L; ++j) dst[j] = row[j] * zp[j];
+  // Shared blocks of Q^T live in the calling thread's GEMM packing buffer (the team only reads them).
+  std::optional<cpu::LentBBuffer> lent;
+  if (!blocks.empty()) lent.emplace(shared_floats);
+  float* shared = lent ? lent->data() : nullptr;
+  const int64_t n_items = static_cast<int64_t>(items.size());
+#pragma omp parallel num_threads(team)
+  {
+    float* products = buffer_base + omp_get_thread_num() * per_thread;
+#pragma omp for schedule(dynamic, 1) nowait
+    for (int64_t i = 0; i < n_items; ++i) {
+      const Item& item = items[static_cast<size_t>(i)];
+      if (item.kind == Item::kTail) {
+        float* yc = y + repeated + item.begin;
+        cpu::gemm_serial(MatrixRef{tp + item.begin * L, item.end - item.begin, L, L, 1}, z_col, yc, 1, 1.0f, 0.0f);
+        epilogue(yc, sp ? sp + repeated + item.begin : nullptr, c, item.end - item.begin);
+      } else if (item.kind == Item::kSignRows) {
+        const int64_t n = item.end - item.begin;
+        const float* a = sg + item.begin * L;
+        if (!s.small_block) {
+          for (int64_t b = 0; b < n; ++b)
+            for (int64_t j = 0; j < L; ++j) products[b * L + j] = a[b * L + j] * zp[j];
+          a = products;
         }
-        a = products;
+        float* yc = y + item.begin * L;
+        cpu::gemm_serial(MatrixRef{a, n, L, L, 1}, q_t, yc, L, 1.0f, 0.0f);
+        epilogue(yc, sp ? sp + item.begin * L : nullptr, c, n * L);
       }
-      float* yc = y + b0 * L;
-      cpu::gemm_serial(MatrixRef{a, n, L, L, 1}, q_t, yc, L, 1.0f, 0.0f);
-      epilogue(yc, sp ? sp + b0 * L : nullptr, c, n * L);
-    } else {
-      const int64_t r0 = (chunk - s.block_chunks) * s.tail_chunk, r1 = std::min(s.tail_rows, r0 + s.tail_chunk);
-      float* yc = y + repeated + r0;
-      cpu::gemm_serial(MatrixRef{tp + r0 * L, r1 - r0, L, L, 1}, z_col, yc, 1, 1.0f, 0.0f);
-      epilogue(yc, sp ? sp + repeated + r0 : nullptr, c, r1 - r0);
+    }
+    for (const cpu::GemmBBlock& blk : blocks) {
+#pragma omp for schedule(static)
+      for (int64_t p = 0; p < blk.panels(); ++p) cpu::pack_b_block(q_t, blk, p, p + 1, shared);
+      const bool last_k = blk.pc + blk.kc == L;
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t i = 0; i < n_items; ++i) {
+        const Item& item = items[static_cast<size_t>(i)];
+        if (item.kind != Item::kShared) continue;
+        const int64_t n = item.end - item.begin;
+        for (int64_t b = 0; b < n; ++b) {
+          const float* row = sg + (item.begin + b) * L + blk.pc;
+          for (int64_t k = 0; k < blk.kc; ++k) products[b * blk.kc + k] = row[k] * zp[blk.pc + k];
+        }
+        float* yc = y + item.begin * L;
+        cpu::multiply_b_block(products, blk.kc, 1, n, shared, blk, yc, L, 1.0f, 0.0f);
+        if (last_k)
+          for (int64_t b = 0; b < n; ++b)
+            epilogue(yc + b * L + blk.jc, sp ? sp + (item.begin + b) * L + blk.jc : nullptr, c, blk.nc);
+      }
     }
   }
 }
