@@ -91,12 +91,21 @@ TEST_CASE("mn-paper --dry-run lists one mn-train command per configuration and s
   const std::string base = " --seed 0 --epochs 3 --out ";
   CHECK(count(r.out, "/x/mn-train --target cnn2 --strategy direct --rank 32" + base) == 1);
   CHECK(count(r.out, "/x/mn-train --target cnn2 --strategy direct --prune 0.9" + base) == 1);
-  CHECK(count(r.out, "--target cnn2 --strategy lrd --latent-dim 364 --rank 32 --mapping-loss --seed 1") == 1);
-  CHECK(count(r.out, "--target cnn2 --strategy lrd --latent-dim 672 --rank 32 --mapping-loss --seed 0") == 1);
-  CHECK(count(r.out, "--strategy slvt --latent-dim 2048 --prune 0.9 --mapping-loss --seed 0") == 1);
-  CHECK(count(r.out, "--strategy layerwise --latent-dim 672 --prune 0.9 --mapping-loss --seed 1") == 1);
+  // Mapped rows train with --mapped-args (default: the README's CNN2 settings); direct rows do not.
+  const std::string mapped = " --batch-size 256 --scheduler cosine --seed ";
+  CHECK(count(r.out, "--target cnn2 --strategy lrd --latent-dim 364 --rank 32 --mapping-loss" + mapped + "1") == 1);
+  CHECK(count(r.out, "--target cnn2 --strategy lrd --latent-dim 672 --rank 32 --mapping-loss" + mapped + "0") == 1);
+  CHECK(count(r.out, "--strategy slvt --latent-dim 2048 --prune 0.9 --mapping-loss" + mapped + "0") == 1);
+  CHECK(count(r.out, "--strategy layerwise --latent-dim 672 --prune 0.9 --mapping-loss" + mapped + "1") == 1);
+  CHECK(count(r.out, "--scheduler cosine") == 12);  // 6 of the 9 configurations are mapped, two seeds
   CHECK(count(r.out, " --json") == 18);
   CHECK(!fs::exists(dir.path() / "runs"));  // a dry run starts nothing
+  // --mapped-args '' leaves mn-train's own defaults.
+  const CommandResult plain = mn::testing::run_command(exe + " --dry-run --tables 8 --seeds 1 --mapped-args '' --out " +
+                                                       dir.path().string());
+  REQUIRE(plain.status == 0);
+  CHECK(count(plain.out, "--strategy lrd --latent-dim 364 --rank 32 --mapping-loss --seed 0 --epochs 10 ") == 1);
+  CHECK(count(plain.out, "--scheduler") == 0);
 
   // Tables 1 and 8 share CNN2's direct, SLVT 2,048 and LWT 2,688 runs; --quick sets 1 epoch and 2,000 images;
   // --mapper reaches the mapped rows only; Table 7's trainable-map rows are listed as not run.
@@ -104,7 +113,8 @@ TEST_CASE("mn-paper --dry-run lists one mn-train command per configuration and s
                                                       dir.path().string());
   REQUIRE(both.status == 0);
   CHECK(count(both.out, "--target cnn2 --strategy direct --limit 2000 --seed 0 --epochs 1 ") == 1);
-  CHECK(count(both.out, "--target cnn2 --strategy layerwise --latent-dim 672 --mapping-loss --mapper srht --limit 2000") == 1);
+  CHECK(count(both.out, "--target cnn2 --strategy layerwise --latent-dim 672 --mapping-loss --mapper srht --batch-size 256 "
+                        "--scheduler cosine --limit 2000") == 1);
   CHECK(count(both.out, "--target cnn1 --strategy layerwise --latent-dim 680 ") == 1);
   CHECK(count(both.out, "--alpha 0 --mapper srht") == 2);
   CHECK(count(both.out, "# t7:full-dnn: not run: needs a trainable map") == 1);
