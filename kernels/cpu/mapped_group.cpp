@@ -2,9 +2,9 @@
 // mapper GEMM with the sign products, the modulation term and the per-element scale applied while the
 // rows are in cache, written straight into the output (which may be a slice of the generated parameter
 // buffer). No temporary of the group's size exists: a small block (L at most a chunk's rows) works
-// against one [L, L] buffer, a large one against Q^T packed one K block at a time in the calling
-// thread's GEMM packing buffer (forward) or chunk-sized buffers per thread (backward; the scaled
-// gradient only with scales).
+// against one [L, L] buffer, a large one against Q^T packed one K block at a time in each thread's GEMM
+// packing buffer (forward) or chunk-sized buffers per thread (backward; the scaled gradient only with
+// scales).
 //
 // Every output element's sum depends only on the shapes: the backward's work is cut into chunks whose
 // bounds depend only on the shapes, each computed by one serial GEMM, and their partial sums are added
@@ -122,7 +122,7 @@ void epilogue(float* y, const float* scale, float c, int64_t n) {
 // A range of the forward's output rows computed by one product: sign rows [begin, end) of the repeated
 // part, or rows [begin, end) of the tail.
 struct Item {
-  enum Kind { kTail, kSignRows, kShared } kind;  // kShared: sign rows multiplied block by block of a shared B
+  enum Kind { kTail, kSignRows, kBlocked } kind;  // kBlocked: sign rows multiplied K block by K block
   int64_t begin, end;
 };
 
@@ -135,7 +135,8 @@ void cut_rows(std::vector<Item>& items, Item::Kind kind, int64_t n, int64_t piec
 // Sign rows keep them too unless the packed GEMM takes them (enabled, and L >= 16 columns): every output
 // row is then a chain of sums of its own, so they are cut into ranges balanced over the team, whatever
 // the cut, with the same bits; only a last chunk of one to three rows keeps its own (Eigen) product. With
-// a large block those ranges run block by block of Q^T (kShared), each block packed once for all of them.
+// a large block those ranges run K block by K block of Q^T (kBlocked), each block packed once per thread
+// for all of that thread's ranges, instead of once per chunk.
 std::vector<Item> forward_items(const GroupShape& s, int team, bool packed) {
   std::vector<Item> items;
   for (int64_t r0 = 0; r0 < s.tail_rows; r0 += s.tail_chunk)
@@ -148,7 +149,7 @@ std::vector<Item> forward_items(const GroupShape& s, int team, bool packed) {
   if (free_rows > 0) {
     const int64_t pieces = std::max((free_rows + s.block_chunk - 1) / s.block_chunk,
                                     std::min<int64_t>(2 * team, free_rows / 8));
-    cut_rows(items, s.small_block ? Item::kSignRows : Item::kShared, free_rows, std::max<int64_t>(1, pieces));
+    cut_rows(items, s.small_block ? Item::kSignRows : Item::kBlocked, free_rows, std::max<int64_t>(1, pieces));
   }
   for (int64_t b0 = free_rows; b0 < s.reps; b0 += s.block_chunk)
     items.push_back({Item::kSignRows, b0, std::min(s.reps, b0 + s.block_chunk)});
@@ -172,18 +173,21 @@ void mapped_group_forward_cpu(const Tensor& block, const Tensor& signs, const Te
   const float* qp = block.defined() ? block.data<float>() : nullptr;
   // Row b of the repeated part is (s_b * z) Q^T = s_b (z * Q)^T. Small blocks: one [L, L] buffer of
   // z * Q (Q's columns times z), the sign rows read in place. Otherwise sign products s_b * z in a buffer
-  // per thread: of whole rows for kSignRows, of one K block's columns for kShared. The products are the
+  // per thread: of whole rows for kSignRows, of one K block's columns for kBlocked. The products are the
   // same floats either way (a sign flip is exact).
-  std::vector<cpu::GemmBBlock> blocks;
-  int64_t shared_floats = 0, per_thread = 0;
-  for (const Item& item : items) {
-    if (item.kind == Item::kShared && blocks.empty()) blocks = cpu::gemm_b_blocks(L, L);
-    if (item.kind == Item::kSignRows && !s.small_block) per_thread = std::max(per_thread, (item.end - item.begin) * L);
+  std::vector<size_t> blocked;  // the kBlocked items
+  int64_t per_thread = 0;
+  for (size_t i = 0; i < items.size(); ++i) {
+    if (items[i].kind == Item::kBlocked) blocked.push_back(i);
+    if (items[i].kind == Item::kSignRows && !s.small_block)
+      per_thread = std::max(per_thread, (items[i].end - items[i].begin) * L);
   }
+  const std::vector<cpu::GemmBBlock> blocks = blocked.empty() ? std::vector<cpu::GemmBBlock>{} : cpu::gemm_b_blocks(L, L);
+  int64_t block_floats = 0;
   for (const cpu::GemmBBlock& b : blocks) {
-    shared_floats = std::max(shared_floats, b.floats());
+    block_floats = std::max(block_floats, b.floats());
     for (const Item& item : items)
-      if (item.kind == Item::kShared) per_thread = std::max(per_thread, (item.end - item.begin) * b.kc);
+      if (item.kind == Item::kBlocked) per_thread = std::max(per_thread, (item.end - item.begin) * b.kc);
   }
   Tensor buffers = empty({std::max<int64_t>(1, s.small_block ? L * L : team * per_thread)});
   float* buffer_base = buffers.data<float>();
@@ -195,10 +199,6 @@ void mapped_group_forward_cpu(const Tensor& block, const Tensor& signs, const Te
   const MatrixRef z_col{zp, L, 1, 1, 1};
   const float* tp = tail.data<float>();
   const int64_t repeated = s.reps * L;
-  // Shared blocks of Q^T live in the calling thread's GEMM packing buffer (the team only reads them).
-  std::optional<cpu::LentBBuffer> lent;
-  if (!blocks.empty()) lent.emplace(shared_floats);
-  float* shared = lent ? lent->data() : nullptr;
   const int64_t n_items = static_cast<int64_t>(items.size());
 #pragma omp parallel num_threads(team)
   {
@@ -223,24 +223,27 @@ void mapped_group_forward_cpu(const Tensor& block, const Tensor& signs, const Te
         epilogue(yc, sp ? sp + item.begin * L : nullptr, c, n * L);
       }
     }
-    for (const cpu::GemmBBlock& blk : blocks) {
-#pragma omp for schedule(static)
-      for (int64_t p = 0; p < blk.panels(); ++p) cpu::pack_b_block(q_t, blk, p, p + 1, shared);
-      const bool last_k = blk.pc + blk.kc == L;
-#pragma omp for schedule(dynamic, 1)
-      for (int64_t i = 0; i < n_items; ++i) {
-        const Item& item = items[static_cast<size_t>(i)];
-        if (item.kind != Item::kShared) continue;
-        const int64_t n = item.end - item.begin;
-        for (int64_t b = 0; b < n; ++b) {
-          const float* row = sg + (item.begin + b) * L + blk.pc;
-          for (int64_t k = 0; k < blk.kc; ++k) products[b * blk.kc + k] = row[k] * zp[blk.pc + k];
+    // Blocked ranges, dealt round-robin: each thread packs every K block of Q^T once into its own GEMM
+    // packing buffer (read from its own cache; no barrier) and multiplies its ranges by it.
+    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+    if (t < static_cast<int>(blocked.size())) {
+      cpu::LentBBuffer own(block_floats);
+      for (const cpu::GemmBBlock& blk : blocks) {
+        cpu::pack_b_block(q_t, blk, 0, blk.panels(), own.data());
+        const bool last_k = blk.pc + blk.kc == L;
+        for (size_t r = static_cast<size_t>(t); r < blocked.size(); r += static_cast<size_t>(nt)) {
+          const Item& item = items[blocked[r]];
+          const int64_t n = item.end - item.begin;
+          for (int64_t b = 0; b < n; ++b) {
+            const float* row = sg + (item.begin + b) * L + blk.pc;
+            for (int64_t k = 0; k < blk.kc; ++k) products[b * blk.kc + k] = row[k] * zp[blk.pc + k];
+          }
+          float* yc = y + item.begin * L;
+          cpu::multiply_b_block(products, blk.kc, 1, n, own.data(), blk, yc, L, 1.0f, 0.0f);
+          if (last_k)
+            for (int64_t b = 0; b < n; ++b)
+              epilogue(yc + b * L + blk.jc, sp ? sp + (item.begin + b) * L + blk.jc : nullptr, c, blk.nc);
         }
-        float* yc = y + item.begin * L;
-        cpu::multiply_b_block(products, blk.kc, 1, n, shared, blk, yc, L, 1.0f, 0.0f);
-        if (last_k)
-          for (int64_t b = 0; b < n; ++b)
-            epilogue(yc + b * L + blk.jc, sp ? sp + (item.begin + b) * L + blk.jc : nullptr, c, blk.nc);
       }
     }
   }
