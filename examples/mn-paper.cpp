@@ -98,9 +98,10 @@ std::string find_mn_train(const std::string& given) {
 // A row's flags with the run-wide ones (--mapper and --mapped-args for mapped rows, --limit, --train-args).
 std::vector<std::string> full_args(const Row& row, const Options& o, int64_t limit) {
   std::vector<std::string> a = row.args;
-  if (row.mapped && !o.mapper.empty()) a.insert(a.end(), {"--mapper", o.mapper});
-  if (row.mapped)
+  if (row.mapped) {
+    if (!o.mapper.empty()) a.insert(a.end(), {"--mapper", o.mapper});
     for (const std::string& w : split(o.mapped_args, ' ')) a.push_back(w);
+  }
   if (limit > 0) a.insert(a.end(), {"--limit", std::to_string(limit)});
   for (const std::string& w : split(o.train_args, ' ')) a.push_back(w);
   return a;

@@ -261,7 +261,7 @@ TEST_CASE("packed gemm: tails, blocks, layouts, alpha and beta against a double 
 }
 
 // A B shared by many blocks of rows (kernels/cpu/packed_gemm.h, what the mapped-group kernels use): each
-// block of B packed once, in panel ranges as threads would, then rows cut anywhere multiplied by it, give
+// block of B packed once, then rows cut anywhere multiplied by it, give
 // packed_gemm's bits; while the packing buffer is lent, packed_gemm on that thread refuses to run.
 TEST_CASE("packed gemm: a shared B block by block gives packed_gemm's bits for any cut of the rows") {
   if (!kernels::cpu::packed_gemm_built()) return;
@@ -287,9 +287,7 @@ TEST_CASE("packed gemm: a shared B block by block gives packed_gemm's bits for a
         CHECK_THROWS_AS(kernels::cpu::packed_gemm(a, b, got.data(), n, 1.0f, 0.0f), std::logic_error);
         const std::vector<int64_t> cuts = {0, 1, 5, 13, m};  // rows [0, 1), [1, 5), ...: any cut
         for (const auto& blk : blocks) {
-          const int64_t half = blk.panels() / 2;  // packed in two ranges, as two threads would
-          kernels::cpu::pack_b_block(b, blk, half, blk.panels(), lent.data());
-          kernels::cpu::pack_b_block(b, blk, 0, half, lent.data());
+          kernels::cpu::pack_b_block(b, blk, lent.data());
           for (size_t c = 0; c + 1 < cuts.size(); ++c) {
             const int64_t r0 = std::min(cuts[c], m), r1 = std::min(cuts[c + 1], m);
             kernels::cpu::multiply_b_block(av.data() + r0 * k + blk.pc, k, 1, r1 - r0, lent.data(), blk,

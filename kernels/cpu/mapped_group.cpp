@@ -14,7 +14,6 @@
 #include <omp.h>
 
 #include <algorithm>
-#include <optional>
 #include <string>
 #include <vector>
 
@@ -183,12 +182,12 @@ void mapped_group_forward_cpu(const Tensor& block, const Tensor& signs, const Te
       per_thread = std::max(per_thread, (items[i].end - items[i].begin) * L);
   }
   const std::vector<cpu::GemmBBlock> blocks = blocked.empty() ? std::vector<cpu::GemmBBlock>{} : cpu::gemm_b_blocks(L, L);
-  int64_t block_floats = 0;
+  int64_t block_floats = 0, max_kc = 0;
   for (const cpu::GemmBBlock& b : blocks) {
     block_floats = std::max(block_floats, b.floats());
-    for (const Item& item : items)
-      if (item.kind == Item::kBlocked) per_thread = std::max(per_thread, (item.end - item.begin) * b.kc);
+    max_kc = std::max(max_kc, b.kc);
   }
+  for (size_t i : blocked) per_thread = std::max(per_thread, (items[i].end - items[i].begin) * max_kc);
   Tensor buffers = empty({std::max<int64_t>(1, s.small_block ? L * L : team * per_thread)});
   float* buffer_base = buffers.data<float>();
   if (s.small_block) {
@@ -229,7 +228,7 @@ void mapped_group_forward_cpu(const Tensor& block, const Tensor& signs, const Te
     if (t < static_cast<int>(blocked.size())) {
       cpu::LentBBuffer own(block_floats);
       for (const cpu::GemmBBlock& blk : blocks) {
-        cpu::pack_b_block(q_t, blk, 0, blk.panels(), own.data());
+        cpu::pack_b_block(q_t, blk, own.data());
         const bool last_k = blk.pc + blk.kc == L;
         for (size_t r = static_cast<size_t>(t); r < blocked.size(); r += static_cast<size_t>(nt)) {
           const Item& item = items[blocked[r]];

@@ -285,16 +285,10 @@ std::vector<GemmBBlock> gemm_b_blocks(int64_t k, int64_t n) {
   return blocks;
 }
 
-int64_t GemmBBlock::panels() const { return (nc + packed::kNr - 1) / packed::kNr; }
-int64_t GemmBBlock::floats() const { return kc * panels() * packed::kNr; }
+int64_t GemmBBlock::floats() const { return kc * ((nc + packed::kNr - 1) / packed::kNr * packed::kNr); }
 
-void pack_b_block(const MatrixRef& b, const GemmBBlock& blk, int64_t first, int64_t last, float* out) {
-  using namespace packed;
-  for (int64_t p = first; p < last; ++p) {
-    const int64_t jr = p * kNr;
-    pack_b(b_block(b, blk.pc, blk.jc + jr), b.row_stride, b.col_stride, blk.kc, std::min<int64_t>(kNr, blk.nc - jr),
-           out + jr * blk.kc);
-  }
+void pack_b_block(const MatrixRef& b, const GemmBBlock& blk, float* out) {
+  packed::pack_b(packed::b_block(b, blk.pc, blk.jc), b.row_stride, b.col_stride, blk.kc, blk.nc, out);
 }
 
 void multiply_b_block(const float* a, int64_t rs, int64_t cs, int64_t rows, const float* b_packed, const GemmBBlock& blk,
@@ -320,7 +314,7 @@ void packed_gemm(const MatrixRef& a, const MatrixRef& b, float* c, int64_t ldc, 
   float* bp = Workspace::ensure(t_workspace.b, t_workspace.b_size, static_cast<size_t>(k_block(k) * nc_max));
   float* ap = a_workspace(m, k);
   for (const GemmBBlock& blk : gemm_b_blocks(k, n)) {
-    pack_b(b_block(b, blk.pc, blk.jc), b.row_stride, b.col_stride, blk.kc, blk.nc, bp);
+    pack_b_block(b, blk, bp);
     multiply_rows(a.data + blk.pc * a.col_stride, a.row_stride, a.col_stride, m, bp, c, ldc, blk.jc, blk.nc, blk.pc,
                   blk.kc, alpha, beta, ap);
   }
@@ -336,9 +330,8 @@ LentBBuffer::LentBBuffer(int64_t) {
 }
 LentBBuffer::~LentBBuffer() = default;
 std::vector<GemmBBlock> gemm_b_blocks(int64_t, int64_t) { return {}; }
-int64_t GemmBBlock::panels() const { return 0; }
 int64_t GemmBBlock::floats() const { return 0; }
-void pack_b_block(const MatrixRef&, const GemmBBlock&, int64_t, int64_t, float*) {
+void pack_b_block(const MatrixRef&, const GemmBBlock&, float*) {
   throw std::logic_error("pack_b_block: this build has no AVX-512 kernel (packed_gemm_built() is false)");
 }
 void multiply_b_block(const float*, int64_t, int64_t, int64_t, const float*, const GemmBBlock&, float*, int64_t, float,

@@ -37,18 +37,16 @@ void packed_gemm(const MatrixRef& a, const MatrixRef& b, float* c, int64_t ldc, 
 
 // Products that share one B among many blocks of rows (the mapped-group kernels multiply thousands of
 // rows by one L x L matrix), run block of B by block of B as packed_gemm runs them: for each block the
-// caller packs its panels once (pack_b_block; threads may pack disjoint panel ranges into the same
-// buffer), then multiplies any blocks of rows by it (multiply_b_block). Every output element gets
-// packed_gemm's sums bit for bit, however the rows are cut, so long as each element meets the blocks in
-// the order gemm_b_blocks lists them.
+// caller packs it once (pack_b_block), then multiplies any blocks of rows by it (multiply_b_block).
+// Every output element gets packed_gemm's sums bit for bit, however the rows are cut, so long as each
+// element meets the blocks in the order gemm_b_blocks lists them.
 struct GemmBBlock {
   int64_t jc = 0, nc = 0;  // B's columns jc .. jc + nc
   int64_t pc = 0, kc = 0;  // B's rows (the K range) pc .. pc + kc
-  int64_t panels() const;  // column panels the block packs into
   int64_t floats() const;  // the packed block's size (its buffer: 64-byte aligned)
 };
 std::vector<GemmBBlock> gemm_b_blocks(int64_t k, int64_t n);  // for a k x n B, in packed_gemm's order
-void pack_b_block(const MatrixRef& b, const GemmBBlock& block, int64_t first_panel, int64_t last_panel, float* out);
+void pack_b_block(const MatrixRef& b, const GemmBBlock& block, float* out);  // block.floats() floats at out
 // Rows of C (c: their column 0, row stride ldc) get alpha * A_block * B_block over the block's columns:
 // stored (the block starts the K range and beta == 0), added (a later K block, or beta == 1), or scaled
 // by beta first. a points at A's element (0, block.pc): element (i, k) at a[i * rs + k * cs].
@@ -56,8 +54,8 @@ void multiply_b_block(const float* a, int64_t rs, int64_t cs, int64_t rows, cons
                       const GemmBBlock& block, float* c, int64_t ldc, float alpha, float beta);
 
 // The calling thread's packing buffer for B (the one packed_gemm packs into), lent while this lives to
-// hold shared blocks of up to `floats` floats: no memory beyond what packed_gemm keeps anyway. A
-// packed_gemm call on this thread meanwhile would overwrite it, so it throws std::logic_error.
+// hold blocks of up to `floats` floats for multiply_b_block: no memory beyond what packed_gemm keeps
+// anyway. A packed_gemm call on this thread meanwhile would overwrite it, so it throws std::logic_error.
 class LentBBuffer {
  public:
   explicit LentBBuffer(int64_t floats);
