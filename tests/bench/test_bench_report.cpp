@@ -280,15 +280,20 @@ TEST_CASE("bench report: bad arguments are refused with a message") {
   CHECK(r.status == 2);
 }
 
-TEST_CASE("bench report: the contention rows give default / best under load and idle default / static") {
+TEST_CASE("bench report: the contention rows give default / best under load (means) and idle default / static") {
   TempDir dir("mn_bench_report");
-  // Two targets: one within both targets, one over both (mn_bench_contention's counters).
+  // Two targets: one within both targets, one over both (mn_bench_contention's counters). Under load
+  // the ratio is of means: the medians given here would pass where the means do not, and the reverse.
   auto run = [](int target, const char* label, double busy_default, double busy_t1, double idle_default) {
     return iteration_row("BM_Contention/target:" + std::to_string(target) + "/iterations:1/manual_time",
-                         {{"busy_default_ms", busy_default}, {"busy_static_ms", 60.0}, {"busy_t1_ms", busy_t1},
+                         {{"busy_default_ms", 2 * busy_t1}, {"busy_default_mean_ms", busy_default},
+                          {"busy_static_ms", busy_t1 / 2}, {"busy_static_mean_ms", 60.0},
+                          {"busy_t1_ms", busy_t1}, {"busy_t1_mean_ms", busy_t1},
                           {"busy_best_ms", busy_t1}, {"busy_ratio", busy_default / busy_t1},
-                          {"busy_static_ratio", 60.0 / busy_t1}, {"idle_default_ms", idle_default},
-                          {"idle_static_ms", 20.0}, {"idle_t1_ms", 31.0}, {"idle_ratio", idle_default / 20.0},
+                          {"busy_median_ratio", 4.0}, {"busy_static_ratio", 60.0 / busy_t1},
+                          {"idle_default_ms", idle_default}, {"idle_default_mean_ms", 99.0},
+                          {"idle_static_ms", 20.0}, {"idle_static_mean_ms", 20.5},
+                          {"idle_t1_ms", 31.0}, {"idle_t1_mean_ms", 31.5}, {"idle_ratio", idle_default / 20.0},
                           {"team_idle", 2.0}, {"team_busy", 1.0}, {"cpus", 2.0}, {"load_avg", 1.25}, {"label", label}},
                          1000.0);
   };
@@ -299,15 +304,19 @@ TEST_CASE("bench report: the contention rows give default / best under load and 
   const auto r = report(dir.path(), "--no-chart");
   INFO(r.all());
   REQUIRE(r.status == 0);
-  CHECK(std::regex_search(r.out, std::regex(R"(default\s+20\.200\s+33\.000)")));
-  CHECK(std::regex_search(r.out, std::regex(R"(t1\s+31\.000\s+32\.000)")));
-  CHECK(std::regex_search(r.out, std::regex(R"(one core busy: cnn2 layerwise 4x672 batch 256\s+1\.03 \(33\.000 / 32\.000 ms\)\s+<= 1\.2\s+ok)")));
-  CHECK(std::regex_search(r.out, std::regex(R"(one core busy: mlp layerwise 3x64 batch 64\s+1\.50 \(45\.000 / 30\.000 ms\)\s+<= 1\.2\s+OVER)")));
-  CHECK(std::regex_search(r.out, std::regex(R"(idle: cnn2 layerwise 4x672 batch 256\s+1\.010 \(20\.200 / 20\.000 ms\)\s+<= 1\.03\s+ok)")));
-  CHECK(std::regex_search(r.out, std::regex(R"(idle: mlp layerwise 3x64 batch 64\s+1\.050 \(21\.000 / 20\.000 ms\)\s+<= 1\.03\s+OVER)")));
+  // One row per setting (idle median, busy median, busy mean); the _mean_ms counters are no rows.
+  CHECK(std::regex_search(r.out, std::regex(R"(default\s+20\.200\s+64\.000\s+33\.000)")));
+  CHECK(std::regex_search(r.out, std::regex(R"(t1\s+31\.000\s+32\.000\s+32\.000)")));
+  CHECK(r.out.find("default_mean") == std::string::npos);
+  CHECK(std::regex_search(r.out, std::regex(R"(one core busy \(means\): cnn2 layerwise 4x672 batch 256\s+1\.03 \(33\.000 / 32\.000 ms\)\s+<= 1\.2\s+ok)")));
+  CHECK(std::regex_search(r.out, std::regex(R"(one core busy \(means\): mlp layerwise 3x64 batch 64\s+1\.50 \(45\.000 / 30\.000 ms\)\s+<= 1\.2\s+OVER)")));
+  CHECK(std::regex_search(r.out, std::regex(R"(idle \(medians\): cnn2 layerwise 4x672 batch 256\s+1\.010 \(20\.200 / 20\.000 ms\)\s+<= 1\.03\s+ok)")));
+  CHECK(std::regex_search(r.out, std::regex(R"(idle \(medians\): mlp layerwise 3x64 batch 64\s+1\.050 \(21\.000 / 20\.000 ms\)\s+<= 1\.03\s+OVER)")));
   const json s = read_json(dir.path() / "summary.json");
   REQUIRE(s["contention"].size() == 2);
   CHECK(s["contention"][1]["busy_ratio"].get<double>() == doctest::Approx(1.5));
+  CHECK(s["contention"][1]["busy_median_ratio"].get<double>() == doctest::Approx(4.0));
+  CHECK(s["contention"][0]["busy_default_mean_ms"].get<double>() == doctest::Approx(33.0));
   CHECK(s["contention"][0]["idle_static_ms"].get<double>() == doctest::Approx(20.0));
 }
 
