@@ -9,9 +9,10 @@
 //   1, N - 1  explicit counts (N - 1 only on machines with more than two CPUs)
 // Each block runs on a thread of its own (the counts are per thread); each setting has its own model
 // and optimizer.
-// Rounds interleave the settings: in every round each setting runs a block of steps, the first 0.4 s
-// of a block untimed (it lets the default policy's load measurement see the new state), then at least
-// 0.5 s timed. Figures are medians and means over every timed step of a (load, setting).
+// Rounds interleave the settings (each round starting one setting later): in every round each setting
+// runs a block of steps, the first 0.4 s of a block untimed (it lets the default policy's load
+// measurement see the new state), then at least 0.5 s timed. Figures are medians and means over every
+// timed step of a (load, setting).
 // Counters (ms per step):
 //   <load>_<setting>_ms       median step, load idle or busy, setting default, static, t1, tN-1
 //   <load>_<setting>_mean_ms  mean step (timed steps' total time / their count)
@@ -22,6 +23,10 @@
 //                             the busy core: see the comment at the figures)
 //   idle_ratio                idle_default_ms / idle_static_ms (medians)   target <= 1.03
 //   team_idle, team_busy      the default's mean team size after its timed steps
+// BM_Quota runs the same settings with the whole process in a cgroup limited to one CPU's time per
+// period (QuotaCgroup: what a container's --cpus 1 does; skipped where no cgroup can be made), counters
+// named as the busy ones with "quota": quota_<setting>_ms / _mean_ms, quota_best_ms, quota_ratio
+// (target <= 1.2), quota_static_ratio, quota_median_ratio, team_quota.
 //   load_avg                  the 1-minute load average when the run started (other processes)
 // MN_BENCH_CONTENTION_ROUNDS sets the rounds (default 3).
 //
@@ -37,8 +42,14 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <sys/stat.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
+#include <cstring>
+#include <fstream>
+#include <iterator>
 #include <functional>
 #include <map>
 #include <memory>
@@ -98,6 +109,57 @@ class BusyLoop {
 
  private:
   pid_t pid_ = -1;
+};
+
+// A child of this process's cgroup with a CPU quota (`cpus` CPUs' time per 100 ms period), which the
+// whole process joins while the object lives (moved back and the child removed after): what a
+// container's --cpus does. Needs a writable cpu controller (cgroup v1, or v2 with the cpu controller
+// enabled for our cgroup's children; in practice root); error() says why not otherwise.
+class QuotaCgroup {
+ public:
+  explicit QuotaCgroup(double cpus) {
+    std::ifstream c("/proc/self/cgroup"), m("/proc/self/mountinfo");
+    const std::string cgroup{std::istreambuf_iterator<char>(c), {}}, mounts{std::istreambuf_iterator<char>(m), {}};
+    const cpu_load::CgroupCpuDirs where = cpu_load::cgroup_cpu_dirs(cgroup, mounts);
+    if (where.dirs.empty()) {
+      error_ = "no cgroup cpu controller found in /proc/self/cgroup and /proc/self/mountinfo";
+      return;
+    }
+    parent_ = where.dirs.front();
+    dir_ = parent_ + "/mn_bench_quota_" + std::to_string(::getpid());
+    if (::mkdir(dir_.c_str(), 0755) != 0) {
+      error_ = "cannot create " + dir_ + ": " + std::strerror(errno);
+      dir_.clear();
+      return;
+    }
+    const long period = 100000, quota = std::lround(cpus * period);
+    const bool limited = where.v2 ? write(dir_ + "/cpu.max", std::to_string(quota) + " " + std::to_string(period))
+                                  : write(dir_ + "/cpu.cfs_period_us", std::to_string(period)) &&
+                                        write(dir_ + "/cpu.cfs_quota_us", std::to_string(quota));
+    if (!limited || !write(dir_ + "/cgroup.procs", std::to_string(::getpid()))) {
+      error_ = "cannot set a quota in " + dir_ + " or join it (" + std::strerror(errno) + ")";
+      return;
+    }
+    joined_ = true;
+  }
+  ~QuotaCgroup() {
+    if (joined_) write(parent_ + "/cgroup.procs", std::to_string(::getpid()));
+    if (!dir_.empty()) ::rmdir(dir_.c_str());
+  }
+  QuotaCgroup(const QuotaCgroup&) = delete;
+  QuotaCgroup& operator=(const QuotaCgroup&) = delete;
+  bool joined() const { return joined_; }
+  const std::string& error() const { return error_; }
+
+ private:
+  static bool write(const std::string& path, const std::string& text) {
+    std::ofstream f(path);
+    f << text << '\n';
+    f.flush();
+    return static_cast<bool>(f);
+  }
+  std::string parent_, dir_, error_;
+  bool joined_ = false;
 };
 
 int first_allowed_cpu() {
@@ -167,7 +229,10 @@ int rounds() {
   return r > 0 ? r : 3;
 }
 
-void contention(benchmark::State& state, const std::string& target, int64_t latent, const Shape& input) {
+// The settings' steps under each of `loads`: "idle", "busy" (one busy-loop process pinned beside us) or
+// "quota" (this process in a cgroup limited to one CPU's time: QuotaCgroup).
+void contention(benchmark::State& state, const std::string& target, int64_t latent, const Shape& input,
+                const std::vector<std::string>& loads) {
   const int cpus = std::max(1, get_num_threads());
   std::vector<Setting> settings;
   settings.push_back({"default", 0, nullptr, {}, {}});
@@ -184,11 +249,23 @@ void contention(benchmark::State& state, const std::string& target, int64_t late
   const int n_rounds = rounds();
   for (auto _ : state) {
     const auto start = Clock::now();
-    for (const std::string load : {"idle", "busy"}) {
+    for (const std::string& load : loads) {
       std::optional<BusyLoop> busy;
       if (load == "busy") busy.emplace(first_allowed_cpu());
+      std::optional<QuotaCgroup> quota;
+      if (load == "quota") {
+        quota.emplace(1.0);
+        if (!quota->joined()) {
+          state.SkipWithError(("needs a cgroup to set a CPU quota in: " + quota->error()).c_str());
+          return;
+        }
+      }
+      // Round r starts at setting r (mod their count), so each setting follows each other one in turn:
+      // a block right after the static setting's under a quota ran 15-20 % slower whatever it was (the
+      // throttled group's state lasted past the lead-in).
       for (int r = 0; r < n_rounds; ++r)
-        for (Setting& s : settings)
+        for (size_t i = 0; i < settings.size(); ++i) {
+          Setting& s = settings[(i + static_cast<size_t>(r)) % settings.size()];
           on_thread(s.threads, [&] {
             const auto block = Clock::now();
             while (seconds_since(block) < kLeadIn) (*s.step)();
@@ -200,6 +277,7 @@ void contention(benchmark::State& state, const std::string& target, int64_t late
               s.team[load].push_back(get_num_threads_in_use());
             } while (seconds_since(timed) < kTimed || s.ms[load].size() < static_cast<size_t>(3 * (r + 1)));
           });
+        }
     }
     state.SetIterationTime(seconds_since(start));
   }
@@ -222,19 +300,23 @@ void contention(benchmark::State& state, const std::string& target, int64_t late
       if (s.name == setting) return mean(s.ms.at(load));
     return 0.0;
   };
-  double best = mean_of("static", "busy"), best_median = figure("static", "busy");
-  for (const Setting& s : settings)
-    if (s.threads > 0) {
-      best = std::min(best, mean(s.ms.at("busy")));
-      best_median = std::min(best_median, median(s.ms.at("busy")));
+  for (const std::string& load : loads) {
+    state.counters["team_" + load] = mean(settings[0].team.at(load));
+    if (load == "idle") {
+      state.counters["idle_ratio"] = figure("default", "idle") / figure("static", "idle");
+      continue;
     }
-  state.counters["busy_best_ms"] = best;
-  state.counters["busy_ratio"] = mean_of("default", "busy") / best;
-  state.counters["busy_static_ratio"] = mean_of("static", "busy") / best;
-  state.counters["busy_median_ratio"] = figure("default", "busy") / best_median;
-  state.counters["idle_ratio"] = figure("default", "idle") / figure("static", "idle");
-  state.counters["team_idle"] = mean(settings[0].team.at("idle"));
-  state.counters["team_busy"] = mean(settings[0].team.at("busy"));
+    double best = mean_of("static", load), best_median = figure("static", load);
+    for (const Setting& s : settings)
+      if (s.threads > 0) {
+        best = std::min(best, mean(s.ms.at(load)));
+        best_median = std::min(best_median, median(s.ms.at(load)));
+      }
+    state.counters[load + "_best_ms"] = best;
+    state.counters[load + "_ratio"] = mean_of("default", load) / best;
+    state.counters[load + "_static_ratio"] = mean_of("static", load) / best;
+    state.counters[load + "_median_ratio"] = figure("default", load) / best_median;
+  }
   state.counters["cpus"] = cpus;
   state.counters["load_avg"] = load_avg[0];
   state.SetLabel(target + " layerwise " + std::to_string(settings[0].step->model->generator().groups().size()) + "x" +
@@ -246,9 +328,9 @@ void contention(benchmark::State& state, const std::string& target, int64_t late
 
 static void BM_Contention(benchmark::State& state) {
   if (state.range(0) == 0)
-    contention(state, "cnn2", 672, {256, 1, 28, 28});
+    contention(state, "cnn2", 672, {256, 1, 28, 28}, {"idle", "busy"});
   else
-    contention(state, "mlp", 64, {64, 784});
+    contention(state, "mlp", 64, {64, 784}, {"idle", "busy"});
 }
 BENCHMARK(BM_Contention)
     ->DenseRange(0, 1)
@@ -256,6 +338,16 @@ BENCHMARK(BM_Contention)
     ->Iterations(1)
     ->Unit(benchmark::kMillisecond)
     ->UseManualTime();
+
+// The same steps with the process in a cgroup limited to one CPU's time per period (a container's
+// --cpus 1): skipped where no cgroup can be made.
+static void BM_Quota(benchmark::State& state) {
+  if (state.range(0) == 0)
+    contention(state, "cnn2", 672, {256, 1, 28, 28}, {"quota"});
+  else
+    contention(state, "mlp", 64, {64, 784}, {"quota"});
+}
+BENCHMARK(BM_Quota)->DenseRange(0, 1)->ArgName("target")->Iterations(1)->Unit(benchmark::kMillisecond)->UseManualTime();
 
 static void BM_TeamQuery(benchmark::State& state) {
   int sum = 0;

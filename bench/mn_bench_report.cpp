@@ -523,7 +523,7 @@ json report_train(const Program* p) {
 json report_contention(const Program* p) {
   json out = json::array();
   auto runs = family(p, "BM_Contention");
-  if (runs.empty()) return out;
+  if (runs.empty() && family(p, "BM_Quota").empty()) return out;
   section("shared machine: steps idle and beside one busy core (mn_bench_contention; ms per step)");
   for (const Result* r : runs) {
     if (!r->error.empty()) {
@@ -560,9 +560,34 @@ json report_contention(const Program* p) {
       row[k] = num(r->counter(k));
     out.push_back(row);
   }
+  for (const Result* r : family(p, "BM_Quota")) {
+    if (!r->error.empty()) {
+      std::cout << fmt("%-34s skipped: %s\n", (r->label.empty() ? r->run_name : r->label).c_str(), r->error.c_str());
+      continue;
+    }
+    std::cout << r->label << " in a cgroup limited to one CPU's time (a container's --cpus 1)\n";
+    std::cout << fmt("  %-10s %12s %12s\n", "setting", "median", "mean");
+    json row = {{"config", r->label + ", 1-CPU quota"}};
+    for (const auto& [key, v] : r->counters) {
+      if (key.rfind("quota_", 0) != 0 || key.size() < 14 || key.compare(key.size() - 8, 8, "_mean_ms") != 0) continue;
+      const std::string setting = key.substr(6, key.size() - 14);
+      std::cout << fmt("  %-10s %12.3f %12.3f\n", setting.c_str(), r->counter("quota_" + setting + "_ms"), v);
+      row["quota_" + setting + "_ms"] = num(r->counter("quota_" + setting + "_ms"));
+      row["quota_" + setting + "_mean_ms"] = num(v);
+    }
+    const double quota = r->counter("quota_ratio");
+    std::cout << fmt("  default's mean team: %.2f; static / best %.2f (means); default / best by medians %.2f\n",
+                     r->counter("team_quota"), r->counter("quota_static_ratio"), r->counter("quota_median_ratio"));
+    headline("default / best fixed count, 1-CPU cgroup quota (means): " + r->label,
+             fmt("%.2f (%.3f / %.3f ms)", quota, r->counter("quota_default_mean_ms"), r->counter("quota_best_ms")),
+             "<= 1.2", quota <= 1.2 ? "ok" : "OVER");
+    for (const char* k : {"quota_best_ms", "quota_ratio", "quota_median_ratio", "quota_static_ratio", "team_quota"})
+      row[k] = num(r->counter(k));
+    out.push_back(row);
+  }
   std::cout << "(static: every CPU, the default before the adaptive policy; best: the fixed count with the lowest mean "
                "step under load; under load the mean is what an epoch takes, the median misses the steps that wait "
-               "for the busy core)\n";
+               "for the busy core or the quota)\n";
   return out;
 }
 

@@ -67,7 +67,7 @@ int get_num_threads_in_use() {
   if (d.from_env || max != d.threads || get_thread_policy() == ThreadPolicy::Static) return max;
   cpu_load::LoadMonitor& m = cpu_load::monitor();
   m.poll();
-  return cpu_load::team_size(max, m.cpus(), m.taken());
+  return cpu_load::team_size(max, m.cpus(), m.taken(), m.quota());
 }
 
 }  // namespace mn

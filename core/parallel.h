@@ -9,7 +9,8 @@
 // Under the default policy (ThreadPolicy::Adaptive) a thread that has no thread count of its own runs
 // each parallel region on the cores other processes leave free: about every 200 ms the kernels compare
 // the busy time of the CPUs this process may use (/proc/stat) with the process's own CPU time, and a
-// core that others keep busy is left out of the team until they leave it (core/cpu_load.h). A count set
+// core that others keep busy is left out of the team until they leave it, and the team never exceeds
+// the whole CPUs of the process's cgroup CPU limit (a container's --cpus; core/cpu_load.h). A count set
 // explicitly (set_num_threads, omp_set_num_threads with a value other than the default,
 // OMP_NUM_THREADS in the environment) is used as it is. Results do not depend on the team size.
 namespace mn {
@@ -23,7 +24,8 @@ int get_num_threads();
 void set_num_threads(int n);
 
 // How the team of a thread without an explicit count is chosen, process-wide:
-//   Adaptive  the CPUs other processes leave free, at most get_num_threads() (the default)
+//   Adaptive  the CPUs other processes leave free, within the cgroup CPU limit, at most get_num_threads()
+//             (the default)
 //   Static    get_num_threads(), whatever else runs (the behaviour before the adaptive policy)
 // The environment variable MN_THREAD_POLICY=adaptive|static sets the initial value (ValueError on the
 // first parallel op for any other value).

@@ -56,7 +56,9 @@ int main(int argc, char** argv) {
   app.add_option("--data", data_dir, "Fashion-MNIST directory")->capture_default_str();
   app.add_option("--out", out_dir, "directory for metrics.csv, checkpoint.safetensors and generated.safetensors")
       ->capture_default_str();
-  app.add_option("--threads", threads, "threads of the CPU kernels (default: OMP_NUM_THREADS, else the CPUs other processes leave free)")
+  app.add_option("--threads", threads,
+                 "threads of the CPU kernels (default: OMP_NUM_THREADS, else the CPUs other processes leave free, "
+                 "within the cgroup CPU limit)")
       ->check(whole_number_at_least(1));
   CLI11_PARSE(app, argc, argv);
 

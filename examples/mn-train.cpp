@@ -1124,7 +1124,8 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--threads", o.threads,
                  "threads of the CPU kernels, used whatever else runs (default: OMP_NUM_THREADS, else the CPUs "
-                 "this process may use that other processes leave free, re-measured every 0.2 s; MN_THREAD_POLICY=static: all)")
+                 "this process may use that other processes leave free, within its cgroup CPU limit, re-measured every 0.2 s; "
+                 "MN_THREAD_POLICY=static: all)")
       ->check(whole_number_in_range(1, std::numeric_limits<int>::max()));
   app.add_flag("--json", o.json, "print a JSON summary as the last line of stdout");
   app.add_flag("--compile", o.compile,

@@ -5,11 +5,16 @@
 #include <omp.h>
 
 #include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <string>
 #include <thread>
+#include <vector>
 
 #include "core/cpu_load.h"
 #include "core/parallel.h"
 #include "nn/functional.h"
+#include "tests/temp_dir.h"
 #include "tests/test_support.h"
 
 using namespace mn;
@@ -99,6 +104,81 @@ TEST_CASE("cpu_load: the team is the free cores within the thread count") {
   CHECK(team_size(2, 2, taken_cores(load, 0, 2)) == 1);
 }
 
+TEST_CASE("cpu_load: cgroup CPU limits: cpu.max, cfs quota, and the cap they put on the team") {
+  CHECK(parse_cpu_max("max 100000\n") == 0);
+  CHECK(parse_cpu_max("150000 100000\n") == doctest::Approx(1.5));
+  CHECK(parse_cpu_max("50000 100000") == doctest::Approx(0.5));
+  CHECK(parse_cpu_max("") == 0);
+  CHECK(parse_cpu_max("garbage") == 0);
+  CHECK(parse_cpu_max("100000 0") == 0);
+  CHECK(parse_cfs_quota("-1\n", "100000\n") == 0);
+  CHECK(parse_cfs_quota("200000\n", "100000\n") == doctest::Approx(2.0));
+  CHECK(parse_cfs_quota("x", "100000") == 0);
+  CHECK(quota_cpus(0) == 0);
+  CHECK(quota_cpus(0.5) == 1);  // at least one thread
+  CHECK(quota_cpus(1.0) == 1);
+  CHECK(quota_cpus(1.5) == 1);  // whole CPUs: a wider team is throttled
+  CHECK(quota_cpus(2.0) == 2);
+  CHECK(quota_cpus(15.99) == 15);
+  CHECK(team_size(2, 2, 0, 1) == 1);
+  CHECK(team_size(16, 16, 2, 4) == 4);
+  CHECK(team_size(16, 16, 14, 4) == 2);  // the taken cores still count
+  CHECK(team_size(2, 0, 0, 1) == 1);     // before the first load sample
+  CHECK(team_size(2, 2, 0, 0) == 2);
+}
+
+TEST_CASE("cpu_load: the cgroup directories of the cpu controller, v1 and v2, and the limit along them") {
+  // v1 (this development VM's layout): the cpu hierarchy mounted at /sys/fs/cgroup/cpu, our cgroup /a/b.
+  const char* v1_cgroup = "4:memory:/x\n1:cpu,cpuacct:/a/b\n0::/\n";
+  const char* v1_mounts =
+      "30 25 0:26 / /sys/fs/cgroup/memory rw,nosuid - cgroup cgroup rw,memory\n"
+      "31 25 0:27 / /sys/fs/cgroup/cpu,cpuacct rw,nosuid shared:9 - cgroup cgroup rw,cpu,cpuacct\n"
+      "32 25 0:28 / /sys/fs/cgroup/unified rw - cgroup2 cgroup2 rw\n";
+  CgroupCpuDirs d = cgroup_cpu_dirs(v1_cgroup, v1_mounts);
+  CHECK_FALSE(d.v2);
+  CHECK(d.dirs == std::vector<std::string>{"/sys/fs/cgroup/cpu,cpuacct/a/b", "/sys/fs/cgroup/cpu,cpuacct/a",
+                                           "/sys/fs/cgroup/cpu,cpuacct"});
+  // cpuacct alone is not cpu.
+  d = cgroup_cpu_dirs("2:cpuacct:/a\n", "31 25 0:27 / /sys/fs/cgroup/cpuacct rw - cgroup cgroup rw,cpuacct\n");
+  CHECK(d.dirs.empty());
+  // v2 only; a container whose own cgroup is mounted as the root ("/docker/c1" seen as /sys/fs/cgroup).
+  d = cgroup_cpu_dirs("0::/docker/c1/job\n", "40 30 0:30 /docker/c1 /sys/fs/cgroup rw - cgroup2 cgroup2 rw\n");
+  CHECK(d.v2);
+  CHECK(d.dirs == std::vector<std::string>{"/sys/fs/cgroup/job", "/sys/fs/cgroup"});
+  // A path outside the mount's root (cgroup namespace) reads the mount point only; ".." never climbs.
+  d = cgroup_cpu_dirs("0::/other\n", "40 30 0:30 /docker/c1 /sys/fs/cgroup rw - cgroup2 cgroup2 rw\n");
+  CHECK(d.dirs == std::vector<std::string>{"/sys/fs/cgroup"});
+  d = cgroup_cpu_dirs("0::/../../etc\n", "40 30 0:30 / /sys/fs/cgroup rw - cgroup2 cgroup2 rw\n");
+  CHECK(d.dirs == std::vector<std::string>{"/sys/fs/cgroup"});
+  CHECK(cgroup_cpu_dirs("", "").dirs.empty());
+  CHECK(cgroup_cpu_dirs("garbage", "garbage - more").dirs.empty());
+
+  // The whole read through a directory that mimics /proc and /sys: the smallest limit along the path.
+  testing::TempDir root("mn_cgroup");
+  auto put = [&](const std::string& rel, const std::string& text) {
+    std::filesystem::create_directories(std::filesystem::path(root / rel).parent_path());
+    std::ofstream(root / rel) << text;
+  };
+  put("proc/self/cgroup", "0::/svc/job\n");
+  put("proc/self/mountinfo", "40 30 0:30 / /sys/fs/cgroup rw - cgroup2 cgroup2 rw\n");
+  CHECK(cgroup_cpu_limit(root.path().string()) == 0);  // no cpu.max anywhere: no limit
+  put("sys/fs/cgroup/svc/job/cpu.max", "max 100000\n");
+  put("sys/fs/cgroup/svc/cpu.max", "250000 100000\n");
+  CHECK(cgroup_cpu_limit(root.path().string()) == doctest::Approx(2.5));  // the parent's applies
+  put("sys/fs/cgroup/svc/job/cpu.max", "100000 100000\n");
+  CHECK(cgroup_cpu_limit(root.path().string()) == doctest::Approx(1.0));
+  // v1 files.
+  put("proc/self/cgroup", "3:cpu:/k\n");
+  put("proc/self/mountinfo", "31 25 0:27 / /sys/fs/cgroup/cpu rw - cgroup cgroup rw,cpu\n");
+  put("sys/fs/cgroup/cpu/k/cpu.cfs_quota_us", "-1\n");
+  put("sys/fs/cgroup/cpu/k/cpu.cfs_period_us", "100000\n");
+  put("sys/fs/cgroup/cpu/cpu.cfs_quota_us", "50000\n");
+  put("sys/fs/cgroup/cpu/cpu.cfs_period_us", "100000\n");
+  CHECK(cgroup_cpu_limit(root.path().string()) == doctest::Approx(0.5));
+  CHECK(quota_cpus(cgroup_cpu_limit(root.path().string())) == 1);
+  CHECK(cgroup_cpu_limit((root.path() / "missing").string()) == 0);  // nothing readable
+}
+
 TEST_CASE("cpu_load: MN_THREAD_POLICY values") {
   CHECK(detail::parse_thread_policy(nullptr) == ThreadPolicy::Adaptive);
   CHECK(detail::parse_thread_policy("") == ThreadPolicy::Adaptive);
@@ -159,6 +239,10 @@ TEST_CASE("cpu_load: threads without a count follow the taken cores; explicit co
   set_thread_policy(ThreadPolicy::Adaptive);
   monitor().force_taken(0);
   CHECK(in_use() == (env_count ? fresh_count : cpus));
+  // A cgroup quota of one CPU caps the default team; explicit counts keep theirs.
+  monitor().force_taken(0, 1);
+  CHECK(in_use() == (env_count ? fresh_count : 1));
+  CHECK(with_count(cpus + 1) == cpus + 1);
   monitor().force_taken(-1);
   set_thread_policy(policy);
   // Inside a parallel region the kernels run on the calling thread.

@@ -320,6 +320,35 @@ TEST_CASE("bench report: the contention rows give default / best under load (mea
   CHECK(s["contention"][0]["idle_static_ms"].get<double>() == doctest::Approx(20.0));
 }
 
+TEST_CASE("bench report: the 1-CPU quota rows give default / best by means, and a skipped run says why") {
+  TempDir dir("mn_bench_report");
+  auto run = [](int target, const char* label, double default_mean, double t1_mean) {
+    return iteration_row("BM_Quota/target:" + std::to_string(target) + "/iterations:1/manual_time",
+                         {{"quota_default_ms", 9.0}, {"quota_default_mean_ms", default_mean},
+                          {"quota_static_ms", 5.0}, {"quota_static_mean_ms", 40.0},
+                          {"quota_t1_ms", 9.5}, {"quota_t1_mean_ms", t1_mean}, {"quota_best_ms", t1_mean},
+                          {"quota_ratio", default_mean / t1_mean}, {"quota_median_ratio", 1.8},
+                          {"quota_static_ratio", 40.0 / t1_mean}, {"team_quota", 1.0}, {"label", label}},
+                         1000.0);
+  };
+  json skipped = iteration_row("BM_Quota/target:1/iterations:1/manual_time", json::object(), 0.0);
+  skipped["error_occurred"] = true;
+  skipped["error_message"] = "needs a cgroup to set a CPU quota in: cannot create /x: Permission denied";
+  const json results = {{"context", {{"num_cpus", 2}}},
+                        {"benchmarks", {run(0, "cnn2 layerwise 4x672 batch 256", 20.0, 19.0), skipped}}};
+  write_text(dir.path() / "mn_bench_contention.json", results.dump());
+  const auto r = report(dir.path(), "--no-chart");
+  INFO(r.all());
+  REQUIRE(r.status == 0);
+  CHECK(std::regex_search(r.out, std::regex(R"(static\s+5\.000\s+40\.000)")));
+  CHECK(std::regex_search(r.out, std::regex(R"(1-CPU cgroup quota \(means\): cnn2 layerwise 4x672 batch 256\s+1\.05 \(20\.000 / 19\.000 ms\)\s+<= 1\.2\s+ok)")));
+  CHECK(r.out.find("skipped: needs a cgroup to set a CPU quota in") != std::string::npos);
+  const json s = read_json(dir.path() / "summary.json");
+  REQUIRE(s["contention"].size() == 1);
+  CHECK(s["contention"][0]["quota_ratio"].get<double>() == doctest::Approx(20.0 / 19.0));
+  CHECK(s["contention"][0]["quota_t1_mean_ms"].get<double>() == doctest::Approx(19.0));
+}
+
 TEST_CASE("bench report: f32 GEMM as a fraction of the FMA peak measured at the same thread count") {
   TempDir dir("mn_bench_report");
   const auto row = [](const std::string& name, const json& counters) { return iteration_row(name, counters); };
