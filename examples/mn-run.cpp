@@ -19,7 +19,8 @@
 // node, rank and exit status that failed first. Each child runs in its own process group and receives
 // SIGTERM should mn-run itself die, so no rank outlives the launcher.
 // Unless OMP_NUM_THREADS is set, each of K > 1 ranks gets cores / K OpenMP threads (torchrun sets 1), so
-// the ranks do not oversubscribe the machine; "cores" are the CPUs mn-run may run on (its affinity mask).
+// the ranks do not oversubscribe the machine; "cores" are the CPUs mn-run may run on (its affinity mask),
+// or the whole CPUs of its cgroup's CPU limit where those are fewer (core/cpu_load.h).
 // --bind-cores pins local rank r to its own block of cores / K of those CPUs (r-th block, in CPU order)
 // before it starts: ranks then neither migrate nor share a core, which keeps the synchronised steps of data
 // parallel training in lock step on a machine the ranks fill (leftover CPUs stay unused).
@@ -40,6 +41,7 @@
 #include <vector>
 
 #include "cli_checks.h"
+#include "core/cpu_load.h"
 #include "dist/launcher.h"
 #include "dist/store.h"
 #include "run/processes.h"
@@ -277,6 +279,12 @@ std::optional<int> Job::plan_ranks() {
   };
   const std::vector<int> cpus = allowed_cpus();
   const size_t per_rank = std::max<size_t>(1, cpus.size() / static_cast<size_t>(o_.nproc));
+  // The ranks share the launcher's cgroup, so a CPU limit (a container's --cpus) is split between them
+  // too: per rank its whole CPUs / K, at least 1, where that is fewer than the CPUs per rank.
+  const int quota = mn::cpu_load::quota_cpus(mn::cpu_load::cgroup_cpu_limit());
+  const size_t threads_per_rank =
+      quota > 0 ? std::max<size_t>(1, std::min(per_rank, static_cast<size_t>(quota) / static_cast<size_t>(o_.nproc)))
+                : per_rank;
   if (o_.bind_cores && cpus.size() < static_cast<size_t>(o_.nproc)) {
     std::fprintf(stderr, "mn-run: --bind-cores needs at least one CPU per rank: %d ranks, %zu CPU(s) available (%s)\n",
                  o_.nproc, cpus.size(), cpu_list_text(cpus).c_str());
@@ -284,7 +292,7 @@ std::optional<int> Job::plan_ranks() {
   }
   // N ranks each starting one OpenMP thread per core would oversubscribe the machine (torchrun sets 1).
   if ((o_.nproc > 1 || o_.bind_cores) && std::getenv("OMP_NUM_THREADS") == nullptr)
-    common_.push_back({"OMP_NUM_THREADS", std::to_string(per_rank)});
+    common_.push_back({"OMP_NUM_THREADS", std::to_string(threads_per_rank)});
   rank_cpus_.assign(static_cast<size_t>(o_.nproc), {});
   if (o_.bind_cores) {
     std::string plan;

@@ -44,6 +44,7 @@
 
 #include "autograd/engine.h"
 #include "autograd/ops.h"
+#include "core/cpu_load.h"
 #include "core/random.h"
 #include "dist/ddp.h"
 #include "dist/env.h"
@@ -711,9 +712,13 @@ void run_affinity() {
   for (int cpu = 0; cpu < CPU_SETSIZE; ++cpu)
     if (CPU_ISSET(cpu, &set)) mine[static_cast<size_t>(cpu / 64)] |= int64_t{1} << (cpu % 64);
   const int count = CPU_COUNT(&set);
+  // Threads: the CPUs bound, or fewer under a cgroup CPU limit (its whole CPUs shared by the node's ranks).
+  const int quota = mn::cpu_load::quota_cpus(mn::cpu_load::cgroup_cpu_limit());
+  const int local_world = std::atoi(std::getenv("LOCAL_WORLD_SIZE") ? std::getenv("LOCAL_WORLD_SIZE") : "1");
+  const int threads = quota > 0 ? std::max(1, std::min(count, quota / std::max(1, local_world))) : count;
   const char* omp = std::getenv("OMP_NUM_THREADS");
-  WORKER_CHECK(omp != nullptr && std::to_string(count) == omp, "OMP_NUM_THREADS is '", omp ? omp : "(unset)",
-               "' but the rank is bound to ", count, " CPU(s)");
+  WORKER_CHECK(omp != nullptr && std::to_string(threads) == omp, "OMP_NUM_THREADS is '", omp ? omp : "(unset)",
+               "' but the rank is bound to ", count, " CPU(s) (", threads, " thread(s) within the cgroup CPU limit)");
   const int64_t words = static_cast<int64_t>(mine.size());
   Tensor all = zeros({words * world}, TensorOptions(DType::i64));
   pg->allgather(from_vector(mine, Shape{words}), all)->wait();
