@@ -8,9 +8,9 @@
 #include <algorithm>
 #include <cerrno>
 #include <charconv>
-#include <optional>
 #include <cmath>
 #include <ctime>
+#include <optional>
 #include <string>
 
 namespace mn::cpu_load {

@@ -1,6 +1,6 @@
 #pragma once
-// How many of our CPUs other processes keep busy, measured from /proc/stat: the input of the adaptive
-// default team size (core/parallel.h). The parsing and the decisions are plain functions of their
+// How many of our CPUs other processes keep busy, measured from /proc/stat, and the CPU limit of our
+// cgroup: the inputs of the adaptive default team size (core/parallel.h). The parsing and the decisions are plain functions of their
 // arguments so tests can feed them given samples; LoadMonitor adds the clock and the file reads.
 //
 // Why: libgomp's workers spin for a while at the end of every parallel region. When another process
