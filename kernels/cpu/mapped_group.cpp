@@ -276,8 +276,49 @@ void mapped_group_backward_cpu(const Tensor& block, const Tensor& signs, const T
   const float* qp = block.defined() ? block.data<float>() : nullptr;
   const MatrixRef q{qp, L, L, L, 1};
   const int64_t repeated = s.reps * L;
-#pragma omp parallel for num_threads(team) schedule(dynamic, 1)
+  // Work items: whole chunks, and for small blocks the K blocks of some chunks. The packed GEMM sums a
+  // chunk's S^T U K block by K block (gemm_b_blocks: each block a chain from zero, added to the result in
+  // order), so the blocks can run apart and be added in that order afterwards, the same bits. Where the
+  // full chunks do not divide evenly over the team (MLP fc2 at L = 64: one chunk of 1,024 sign rows and
+  // one of 4; fc1: three and one of 68), the last full chunks left over are cut so: their K blocks
+  // (< team x kKc x L x L floats, at most 256 KB a thread) balance the team's last round.
+  struct Item {
+    int64_t chunk, pc = 0, kc = 0;  // kc > 0: K block [pc, pc + kc) of a cut chunk
+    int64_t slot = -1;              // its [L, L] result in `cut_r`; -1: a whole chunk
+  };
+  std::vector<Item> items;
+  std::vector<int64_t> cut_chunks;  // in order; their K blocks' results at cut_first[k] ...
+  std::vector<std::vector<Item>> cut_blocks;
+  const int64_t full_chunks = s.reps / s.block_chunk;
+  const bool cut = s.small_block && team > 1 && cpu::packed_gemm_enabled() && cpu::packed_gemm_suits(L, L, 1) &&
+                   full_chunks % team != 0 && s.block_chunk > 1;
+  int64_t slots = 0;
   for (int64_t chunk = 0; chunk < chunks; ++chunk) {
+    const bool cut_this = cut && chunk < full_chunks && chunk >= full_chunks - full_chunks % team;
+    if (!cut_this) {
+      items.push_back({chunk});
+      continue;
+    }
+    cut_chunks.push_back(chunk);
+    cut_blocks.emplace_back();
+    for (const cpu::GemmBBlock& b : cpu::gemm_b_blocks(s.block_chunk, L)) cut_blocks.back().push_back({chunk, b.pc, b.kc, slots++});
+  }
+  for (const std::vector<Item>& blocks : cut_blocks) items.insert(items.end(), blocks.begin(), blocks.end());
+  std::vector<float> cut_r(static_cast<size_t>(slots * L * L));
+  // acc[j] = sum_i Q_ij R_ji in double, i in order: a small block's share of W^T u from R = S^T U.
+  auto q_times_r = [&](const float* r_all, double* acc) {
+    for (int64_t j = 0; j < L; ++j) {
+      double v = 0;
+      const float* r = r_all + j * L;
+      for (int64_t i = 0; i < L; ++i) v += static_cast<double>(qp[i * L + j] * r[i]);
+      acc[j] = v;
+    }
+  };
+  const int64_t n_items = static_cast<int64_t>(items.size());
+#pragma omp parallel for num_threads(team) schedule(dynamic, 1)
+  for (int64_t it = 0; it < n_items; ++it) {
+    const Item& item = items[static_cast<size_t>(it)];
+    const int64_t chunk = item.chunk;
     float* u = buffer_base + omp_get_thread_num() * per_thread;
     float* p = u + u_values;
     double* acc = partial.data() + chunk * L;
@@ -285,6 +326,19 @@ void mapped_group_backward_cpu(const Tensor& block, const Tensor& signs, const T
     const int64_t first = in_block ? chunk * s.block_chunk * L : repeated + (chunk - s.block_chunks) * s.tail_chunk;
     const int64_t count = in_block ? (std::min(s.reps, (chunk + 1) * s.block_chunk) - chunk * s.block_chunk) * L
                                    : std::min(s.tail_chunk, s.rows - first);
+    if (item.slot >= 0) {
+      // K block [pc, pc + kc) of a cut chunk: its rows of u (the first block: all of them, and their sum).
+      const int64_t b0 = chunk * s.block_chunk, k0 = item.pc * L, kn = item.pc == 0 ? count : item.kc * L;
+      const float* ub = g + first + k0;
+      if (sp) {
+        for (int64_t i = 0; i < kn; ++i) u[i] = g[first + k0 + i] * sp[first + k0 + i];
+        ub = u;
+      }
+      if (item.pc == 0) partial_sum[static_cast<size_t>(chunk)] = sum_in_lanes(ub, count);
+      cpu::gemm_serial(MatrixRef{sg + (b0 + item.pc) * L, L, item.kc, 1, L}, MatrixRef{ub, item.kc, L, L, 1},
+                       cut_r.data() + item.slot * L * L, L, 1.0f, 0.0f);
+      continue;
+    }
     // u = scale * grad of this chunk (the gradient itself without scales), and its sum.
     const float* uc = g + first;
     if (sp) {
@@ -296,12 +350,7 @@ void mapped_group_backward_cpu(const Tensor& block, const Tensor& signs, const T
       // sum_b s_bj (Q^T u_b)_j = sum_i Q_ij R_ji with R = S^T U ([L, L]): the sign rows read in place.
       const int64_t n = count / L, b0 = chunk * s.block_chunk;
       cpu::gemm_serial(MatrixRef{sg + b0 * L, L, n, 1, L}, MatrixRef{uc, n, L, L, 1}, p, L, 1.0f, 0.0f);
-      for (int64_t j = 0; j < L; ++j) {
-        double v = 0;
-        const float* r = p + j * L;
-        for (int64_t i = 0; i < L; ++i) v += static_cast<double>(qp[i * L + j] * r[i]);
-        acc[j] = v;
-      }
+      q_times_r(p, acc);
     } else if (in_block) {
       // Sign row b's share of W^T u is s_b * (Q^T u_b): P = U Q, then each column weighted by its signs.
       const int64_t n = count / L, b0 = chunk * s.block_chunk;
@@ -318,6 +367,15 @@ void mapped_group_backward_cpu(const Tensor& block, const Tensor& signs, const T
       cpu::gemm_serial(MatrixRef{tp + r0 * L, L, count, 1, L}, MatrixRef{uc, count, 1, 1, 1}, t, 1, 1.0f, 0.0f);
       for (int64_t j = 0; j < L; ++j) acc[j] = t[j];
     }
+  }
+  // The cut chunks: R = ((R_0 + R_1) + R_2) + ..., each add a float add as the packed kernel's.
+  for (size_t k = 0; k < cut_chunks.size(); ++k) {
+    float* r = cut_r.data() + cut_blocks[k].front().slot * L * L;
+    for (size_t b = 1; b < cut_blocks[k].size(); ++b) {
+      const float* rb = cut_r.data() + cut_blocks[k][b].slot * L * L;
+      for (int64_t i = 0; i < L * L; ++i) r[i] = r[i] + rb[i];
+    }
+    q_times_r(r, partial.data() + cut_chunks[k] * L);
   }
   double total = 0;
   for (int64_t chunk = 0; chunk < chunks; ++chunk) total += partial_sum[static_cast<size_t>(chunk)];
