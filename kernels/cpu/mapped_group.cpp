@@ -281,14 +281,15 @@ void mapped_group_backward_cpu(const Tensor& block, const Tensor& signs, const T
   // order), so the blocks can run apart and be added in that order afterwards, the same bits. Where the
   // full chunks do not divide evenly over the team (MLP fc2 at L = 64: one chunk of 1,024 sign rows and
   // one of 4; fc1: three and one of 68), the last full chunks left over are cut so: their K blocks
-  // (< team x kKc x L x L floats, at most 256 KB a thread) balance the team's last round.
-  struct Item {
+  // balance the team's last round. Their [L, L] results: fewer than team chunks' K blocks, about
+  // team x 256 L floats (small blocks have L <= 256: at most 256 KB a thread).
+  struct Work {
     int64_t chunk, pc = 0, kc = 0;  // kc > 0: K block [pc, pc + kc) of a cut chunk
     int64_t slot = -1;              // its [L, L] result in `cut_r`; -1: a whole chunk
   };
-  std::vector<Item> items;
-  std::vector<int64_t> cut_chunks;  // in order; their K blocks' results at cut_first[k] ...
-  std::vector<std::vector<Item>> cut_blocks;
+  std::vector<Work> items;
+  std::vector<int64_t> cut_chunks;           // in order
+  std::vector<std::vector<Work>> cut_blocks;  // cut_chunks[k]'s K blocks, in order
   const int64_t full_chunks = s.reps / s.block_chunk;
   const bool cut = s.small_block && team > 1 && cpu::packed_gemm_enabled() && cpu::packed_gemm_suits(L, L, 1) &&
                    full_chunks % team != 0 && s.block_chunk > 1;
@@ -303,8 +304,9 @@ void mapped_group_backward_cpu(const Tensor& block, const Tensor& signs, const T
     cut_blocks.emplace_back();
     for (const cpu::GemmBBlock& b : cpu::gemm_b_blocks(s.block_chunk, L)) cut_blocks.back().push_back({chunk, b.pc, b.kc, slots++});
   }
-  for (const std::vector<Item>& blocks : cut_blocks) items.insert(items.end(), blocks.begin(), blocks.end());
-  std::vector<float> cut_r(static_cast<size_t>(slots * L * L));
+  for (const std::vector<Work>& blocks : cut_blocks) items.insert(items.end(), blocks.begin(), blocks.end());
+  Tensor cut_results = slots > 0 ? empty({slots * L * L}) : Tensor();  // through the allocator: peaks count it
+  float* cut_r = slots > 0 ? cut_results.data<float>() : nullptr;
   // acc[j] = sum_i Q_ij R_ji in double, i in order: a small block's share of W^T u from R = S^T U.
   auto q_times_r = [&](const float* r_all, double* acc) {
     for (int64_t j = 0; j < L; ++j) {
@@ -317,7 +319,7 @@ void mapped_group_backward_cpu(const Tensor& block, const Tensor& signs, const T
   const int64_t n_items = static_cast<int64_t>(items.size());
 #pragma omp parallel for num_threads(team) schedule(dynamic, 1)
   for (int64_t it = 0; it < n_items; ++it) {
-    const Item& item = items[static_cast<size_t>(it)];
+    const Work& item = items[static_cast<size_t>(it)];
     const int64_t chunk = item.chunk;
     float* u = buffer_base + omp_get_thread_num() * per_thread;
     float* p = u + u_values;
@@ -336,7 +338,7 @@ void mapped_group_backward_cpu(const Tensor& block, const Tensor& signs, const T
       }
       if (item.pc == 0) partial_sum[static_cast<size_t>(chunk)] = sum_in_lanes(ub, count);
       cpu::gemm_serial(MatrixRef{sg + (b0 + item.pc) * L, L, item.kc, 1, L}, MatrixRef{ub, item.kc, L, L, 1},
-                       cut_r.data() + item.slot * L * L, L, 1.0f, 0.0f);
+                       cut_r + item.slot * L * L, L, 1.0f, 0.0f);
       continue;
     }
     // u = scale * grad of this chunk (the gradient itself without scales), and its sum.
@@ -370,9 +372,9 @@ void mapped_group_backward_cpu(const Tensor& block, const Tensor& signs, const T
   }
   // The cut chunks: R = ((R_0 + R_1) + R_2) + ..., each add a float add as the packed kernel's.
   for (size_t k = 0; k < cut_chunks.size(); ++k) {
-    float* r = cut_r.data() + cut_blocks[k].front().slot * L * L;
+    float* r = cut_r + cut_blocks[k].front().slot * L * L;
     for (size_t b = 1; b < cut_blocks[k].size(); ++b) {
-      const float* rb = cut_r.data() + cut_blocks[k][b].slot * L * L;
+      const float* rb = cut_r + cut_blocks[k][b].slot * L * L;
       for (int64_t i = 0; i < L * L; ++i) r[i] = r[i] + rb[i];
     }
     q_times_r(r, partial.data() + cut_chunks[k] * L);
