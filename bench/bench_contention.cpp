@@ -23,11 +23,11 @@
 //                             the busy core: see the comment at the figures)
 //   idle_ratio                idle_default_ms / idle_static_ms (medians)   target <= 1.03
 //   team_idle, team_busy      the default's mean team size after its timed steps
+//   load_avg                  the 1-minute load average when the run started (other processes)
 // BM_Quota runs the same settings with the whole process in a cgroup limited to one CPU's time per
 // period (QuotaCgroup: what a container's --cpus 1 does; skipped where no cgroup can be made), counters
 // named as the busy ones with "quota": quota_<setting>_ms / _mean_ms, quota_best_ms, quota_ratio
 // (target <= 1.2), quota_static_ratio, quota_median_ratio, team_quota.
-//   load_avg                  the 1-minute load average when the run started (other processes)
 // MN_BENCH_CONTENTION_ROUNDS sets the rounds (default 3).
 //
 // What the policy costs an idle step, measured without depending on the load: BM_TeamQuery is the
