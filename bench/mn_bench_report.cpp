@@ -517,72 +517,90 @@ json report_train(const Program* p) {
   return out;
 }
 
-// mn_bench_contention (issue 22): steps idle and beside one busy-loop process, the default thread
-// policy against fixed counts. Targets: default under load <= 1.2x the best fixed count (mean steps),
-// idle default <= 1.03x the static (all-core) setting (median steps).
+// mn_bench_contention (issue 22): the default thread policy against fixed counts, each run under one or
+// more loads, its counters named per load (bench_contention.cpp): idle, busy (one busy-loop process
+// beside us; BM_Contention) and quota (a 1-CPU cgroup quota; BM_Quota). Targets: under a load the
+// default's mean step <= 1.2x the best fixed count's, idle the default's median <= 1.03x the static
+// (all-core) setting's.
 json report_contention(const Program* p) {
+  struct Load {
+    std::string name;
+    const char* what;  // in the headline
+  };
+  static const Load kLoads[] = {{"idle", ""}, {"busy", "one core busy"}, {"quota", "1-CPU cgroup quota"}};
   json out = json::array();
-  auto runs = family(p, "BM_Contention");
-  if (runs.empty() && family(p, "BM_Quota").empty()) return out;
-  section("shared machine: steps idle and beside one busy core (mn_bench_contention; ms per step)");
+  std::vector<const Result*> runs = family(p, "BM_Contention");
+  for (const Result* r : family(p, "BM_Quota")) runs.push_back(r);
+  if (runs.empty()) return out;
+  section("shared machine: steps idle, beside one busy core, under a 1-CPU quota (mn_bench_contention; ms per step)");
   for (const Result* r : runs) {
-    if (!r->error.empty()) {
-      std::cout << fmt("%-34s skipped: %s\n", r->label.c_str(), r->error.c_str());
-      continue;
-    }
-    std::cout << r->label << fmt(" (load average %.2f at its start, %.0f CPUs)\n", r->counter("load_avg"), r->counter("cpus"));
-    std::cout << fmt("  %-10s %12s %12s %12s\n", "setting", "idle median", "busy median", "busy mean");
-    json row = {{"config", r->label}};
-    for (const auto& [key, v] : r->counters) {
-      if (key.rfind("idle_", 0) != 0 || key.size() < 9 || key.compare(key.size() - 3, 3, "_ms") != 0 ||
-          (key.size() > 8 && key.compare(key.size() - 8, 8, "_mean_ms") == 0))
-        continue;
-      const std::string setting = key.substr(5, key.size() - 8);
-      std::cout << fmt("  %-10s %12.3f %12.3f %12.3f\n", setting.c_str(), v, r->counter("busy_" + setting + "_ms"),
-                       r->counter("busy_" + setting + "_mean_ms"));
-      row["idle_" + setting + "_ms"] = num(v);
-      row["busy_" + setting + "_ms"] = num(r->counter("busy_" + setting + "_ms"));
-      row["busy_" + setting + "_mean_ms"] = num(r->counter("busy_" + setting + "_mean_ms"));
-    }
-    const double busy = r->counter("busy_ratio"), idle = r->counter("idle_ratio");
-    std::cout << fmt("  default's mean team: %.2f idle, %.2f busy; static / best under load %.2f (means); "
-                     "default / best by medians %.2f\n",
-                     r->counter("team_idle"), r->counter("team_busy"), r->counter("busy_static_ratio"),
-                     r->counter("busy_median_ratio"));
-    headline("default / best fixed count, one core busy (means): " + r->label,
-             fmt("%.2f (%.3f / %.3f ms)", busy, r->counter("busy_default_mean_ms"), r->counter("busy_best_ms")), "<= 1.2",
-             busy <= 1.2 ? "ok" : "OVER");
-    headline("default / static, idle (medians): " + r->label,
-             fmt("%.3f (%.3f / %.3f ms)", idle, r->counter("idle_default_ms"), r->counter("idle_static_ms")), "<= 1.03",
-             idle <= 1.03 ? "ok" : "OVER");
-    for (const char* k : {"busy_best_ms", "busy_ratio", "busy_median_ratio", "idle_ratio", "busy_static_ratio",
-                          "team_idle", "team_busy", "load_avg"})
-      row[k] = num(r->counter(k));
-    out.push_back(row);
-  }
-  for (const Result* r : family(p, "BM_Quota")) {
     if (!r->error.empty()) {
       std::cout << fmt("%-34s skipped: %s\n", (r->label.empty() ? r->run_name : r->label).c_str(), r->error.c_str());
       continue;
     }
-    std::cout << r->label << " in a cgroup limited to one CPU's time (a container's --cpus 1)\n";
-    std::cout << fmt("  %-10s %12s %12s\n", "setting", "median", "mean");
-    json row = {{"config", r->label + ", 1-CPU quota"}};
-    for (const auto& [key, v] : r->counters) {
-      if (key.rfind("quota_", 0) != 0 || key.size() < 14 || key.compare(key.size() - 8, 8, "_mean_ms") != 0) continue;
-      const std::string setting = key.substr(6, key.size() - 14);
-      std::cout << fmt("  %-10s %12.3f %12.3f\n", setting.c_str(), r->counter("quota_" + setting + "_ms"), v);
-      row["quota_" + setting + "_ms"] = num(r->counter("quota_" + setting + "_ms"));
-      row["quota_" + setting + "_mean_ms"] = num(v);
+    std::vector<const Load*> loads;  // those this run measured
+    bool quota = false;
+    for (const Load& l : kLoads)
+      if (std::isfinite(r->counter(l.name + "_default_ms"))) {
+        loads.push_back(&l);
+        quota = quota || l.name == "quota";
+      }
+    if (loads.empty()) continue;
+    std::cout << r->label << (quota ? " in a cgroup limited to one CPU's time (a container's --cpus 1)" : "");
+    if (std::isfinite(r->counter("load_avg")))
+      std::cout << fmt(" (load average %.2f at its start, %.0f CPUs)", r->counter("load_avg"), r->counter("cpus"));
+    std::cout << "\n  " << fmt("%-10s", "setting");
+    // Idle: medians (no waiting steps, and robust to noise); under a load: medians and means.
+    for (const Load* l : loads) {
+      std::cout << fmt(" %12s", (l->name + " median").c_str());
+      if (l->name != "idle") std::cout << fmt(" %12s", (l->name + " mean").c_str());
     }
-    const double quota = r->counter("quota_ratio");
-    std::cout << fmt("  default's mean team: %.2f; static / best %.2f (means); default / best by medians %.2f\n",
-                     r->counter("team_quota"), r->counter("quota_static_ratio"), r->counter("quota_median_ratio"));
-    headline("default / best fixed count, 1-CPU cgroup quota (means): " + r->label,
-             fmt("%.2f (%.3f / %.3f ms)", quota, r->counter("quota_default_mean_ms"), r->counter("quota_best_ms")),
-             "<= 1.2", quota <= 1.2 ? "ok" : "OVER");
-    for (const char* k : {"quota_best_ms", "quota_ratio", "quota_median_ratio", "quota_static_ratio", "team_quota"})
-      row[k] = num(r->counter(k));
+    std::cout << "\n";
+    json row = {{"config", r->label + (quota ? ", 1-CPU quota" : "")}};
+    const std::string first = loads.front()->name + "_";
+    for (const auto& [key, v] : r->counters) {
+      if (key.rfind(first, 0) != 0 || key.size() < first.size() + 4 || key.compare(key.size() - 3, 3, "_ms") != 0 ||
+          (key.size() > 8 && key.compare(key.size() - 8, 8, "_mean_ms") == 0) || key == first + "best_ms")
+        continue;
+      const std::string setting = key.substr(first.size(), key.size() - first.size() - 3);
+      std::cout << fmt("  %-10s", setting.c_str());
+      for (const Load* l : loads) {
+        const std::string at = l->name + "_" + setting;
+        std::cout << fmt(" %12.3f", r->counter(at + "_ms"));
+        row[at + "_ms"] = num(r->counter(at + "_ms"));
+        if (l->name != "idle") {
+          std::cout << fmt(" %12.3f", r->counter(at + "_mean_ms"));
+          row[at + "_mean_ms"] = num(r->counter(at + "_mean_ms"));
+        }
+      }
+      std::cout << "\n";
+    }
+    std::cout << "  default's mean team:";
+    for (const Load* l : loads)
+      std::cout << fmt("%s %.2f %s", l == loads.front() ? "" : ",", r->counter("team_" + l->name), l->name.c_str());
+    for (const Load* l : loads)
+      if (l->name != "idle")
+        std::cout << fmt("; %s: static / best %.2f (means), default / best by medians %.2f", l->name.c_str(),
+                         r->counter(l->name + "_static_ratio"), r->counter(l->name + "_median_ratio"));
+    std::cout << "\n";
+    for (const Load* l : loads) {
+      const std::string& n = l->name;
+      row["team_" + n] = num(r->counter("team_" + n));
+      if (n == "idle") {
+        const double idle = r->counter("idle_ratio");
+        headline("default / static, idle (medians): " + r->label,
+                 fmt("%.3f (%.3f / %.3f ms)", idle, r->counter("idle_default_ms"), r->counter("idle_static_ms")), "<= 1.03",
+                 idle <= 1.03 ? "ok" : "OVER");
+        row["idle_ratio"] = num(idle);
+        continue;
+      }
+      const double ratio = r->counter(n + "_ratio");
+      headline("default / best fixed count, " + std::string(l->what) + " (means): " + r->label,
+               fmt("%.2f (%.3f / %.3f ms)", ratio, r->counter(n + "_default_mean_ms"), r->counter(n + "_best_ms")), "<= 1.2",
+               ratio <= 1.2 ? "ok" : "OVER");
+      for (const char* k : {"_best_ms", "_ratio", "_median_ratio", "_static_ratio"}) row[n + k] = num(r->counter(n + k));
+    }
+    row["load_avg"] = num(r->counter("load_avg"));
     out.push_back(row);
   }
   std::cout << "(static: every CPU, the default before the adaptive policy; best: the fixed count with the lowest mean "

@@ -288,10 +288,9 @@ void mapped_group_backward_cpu(const Tensor& block, const Tensor& signs, const T
     int64_t slot = -1;              // its [L, L] result in `cut_r`; -1: a whole chunk
   };
   std::vector<Work> items;
-  std::vector<int64_t> cut_chunks;           // in order
-  std::vector<std::vector<Work>> cut_blocks;  // cut_chunks[k]'s K blocks, in order
+  std::vector<std::vector<Work>> cut_blocks;  // each cut chunk's K blocks, in order
   const int64_t full_chunks = s.reps / s.block_chunk;
-  const bool cut = s.small_block && team > 1 && cpu::packed_gemm_enabled() && cpu::packed_gemm_suits(L, L, 1) &&
+  const bool cut = s.small_block && team > 1 && cpu::packed_gemm_enabled() && cpu::packed_gemm_suits(L, L, s.block_chunk) &&
                    full_chunks % team != 0 && s.block_chunk > 1;
   int64_t slots = 0;
   for (int64_t chunk = 0; chunk < chunks; ++chunk) {
@@ -300,7 +299,6 @@ void mapped_group_backward_cpu(const Tensor& block, const Tensor& signs, const T
       items.push_back({chunk});
       continue;
     }
-    cut_chunks.push_back(chunk);
     cut_blocks.emplace_back();
     for (const cpu::GemmBBlock& b : cpu::gemm_b_blocks(s.block_chunk, L)) cut_blocks.back().push_back({chunk, b.pc, b.kc, slots++});
   }
@@ -371,13 +369,13 @@ void mapped_group_backward_cpu(const Tensor& block, const Tensor& signs, const T
     }
   }
   // The cut chunks: R = ((R_0 + R_1) + R_2) + ..., each add a float add as the packed kernel's.
-  for (size_t k = 0; k < cut_chunks.size(); ++k) {
-    float* r = cut_r + cut_blocks[k].front().slot * L * L;
-    for (size_t b = 1; b < cut_blocks[k].size(); ++b) {
-      const float* rb = cut_r + cut_blocks[k][b].slot * L * L;
+  for (const std::vector<Work>& blocks : cut_blocks) {
+    float* r = cut_r + blocks.front().slot * L * L;
+    for (size_t b = 1; b < blocks.size(); ++b) {
+      const float* rb = cut_r + blocks[b].slot * L * L;
       for (int64_t i = 0; i < L * L; ++i) r[i] = r[i] + rb[i];
     }
-    q_times_r(r, partial.data() + cut_chunks[k] * L);
+    q_times_r(r, partial.data() + blocks.front().chunk * L);
   }
   double total = 0;
   for (int64_t chunk = 0; chunk < chunks; ++chunk) total += partial_sum[static_cast<size_t>(chunk)];
